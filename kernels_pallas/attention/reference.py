@@ -1,0 +1,33 @@
+"""Softmax attention in plain jnp: the oracle for the attention kernels and the CPU path.
+
+Causality is by absolute position: query at position p sees keys at positions <= p. Over a static cache the
+same rule hides every slot that was not written yet (or holds stale padding), because those slots sit at
+positions beyond the query's own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+
+
+def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None):
+    """Causal GQA attention. ``H = G * rep``; returns o ``[B, T, H, U]`` float32.
+
+    ``k_pos_BS`` defaults to ``arange(S)`` (keys stored at their positions, as in a cache or a fresh prompt).
+    Scores, softmax and the weighted sum run in float32.
+    """
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    rep = H // G
+    q = q_BTHK.astype(_F32).reshape(B, T, G, rep, K)
+    s = jnp.einsum("btgrk,bsgk->bgrts", q, k_BSGK.astype(_F32), precision=_HI) * scale
+    k_pos = jnp.arange(S)[None] if k_pos_BS is None else k_pos_BS
+    mask = k_pos[:, None, None, None, :] <= q_pos_BT[:, None, None, :, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bgrts,bsgu->btgru", p, v_BSGU.astype(_F32), precision=_HI)
+    return o.reshape(B, T, H, v_BSGU.shape[-1])

@@ -1,0 +1,108 @@
+"""Kimi Delta Attention in plain jnp: the oracle for every KDA kernel and the CPU path.
+
+Per head, with state ``S`` of shape ``[K, V]`` (float32), decay ``g_t`` (log space, per key channel) and write
+strength ``beta_t``::
+
+    S <- Diag(exp(g_t)) S                       # decay along the key dimension
+    S <- S + beta_t k_t (v_t - S^T k_t)^T       # delta rule on the decayed state
+    o_t = S^T (scale * q_t)                     # read after the update
+
+Two forms that must agree: :func:`kda_recurrent` (token by token, ``lax.scan``; decode) and
+:func:`kda_chunked` (WY/UT form per chunk; prefill). q and k arrive already L2-normalised; the caller masks
+padded steps with ``g = 0, beta = 0``, which leaves the state untouched in both forms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _zeros_state(q, v):
+    B, _, H, K = q.shape
+    return jnp.zeros((B, H, K, v.shape[-1]), _F32)
+
+
+def kda_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale):
+    """One recurrent step for all sequences and heads. Returns (o_BHV, state_BHKV), all float32."""
+    s = state_BHKV * jnp.exp(g_BHK)[..., None]
+    kv = jnp.einsum("bhkv,bhk->bhv", s, k_BHK, precision=_HI)
+    delta = (v_BHV - kv) * beta_BH[..., None]
+    s = s + k_BHK[..., :, None] * delta[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", s, q_BHK * scale, precision=_HI)
+    return o, s
+
+
+def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, scale):
+    """Token-by-token KDA. Returns (o_BTHV float32, final state_BHKV float32)."""
+    f = lambda x: x.astype(_F32)
+    q, k, v, g, beta = map(f, (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    s0 = _zeros_state(q, v) if state_BHKV is None else state_BHKV.astype(_F32)
+
+    def body(s, xs):
+        o, s = kda_step(*xs, s, scale=scale)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    s, o = jax.lax.scan(body, s0, xs)
+    return jnp.moveaxis(o, 0, 1), s
+
+
+def _chunk(q, k, v, g, beta, s, *, scale):
+    """One chunk for all (B, H). q,k,g: [B,H,C,K]; v: [B,H,C,V]; beta: [B,H,C]; s: [B,H,K,V]."""
+    C = q.shape[2]
+    G = jnp.cumsum(g, axis=2)  # cumulative log-decay from the chunk start, inclusive
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    # Pairwise decays exp(G_i - G_j) for j <= i, taken from differences so nothing overflows.
+    diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B,H,C(i),C(j),K]
+    decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+    a_kk = jnp.einsum("bhik,bhjk,bhijk->bhij", k, k, decay, precision=_HI)
+    a_qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q * scale, k, decay, precision=_HI)
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    lower = jnp.where(strict, a_kk * beta[..., :, None], 0.0)  # L[i,j] = beta_i <k_i, k_j>_decay, j < i
+    gamma = jnp.exp(G)
+    rhs = jnp.concatenate([v, gamma * k], axis=-1) * beta[..., None]  # diag(beta) [V | Gamma*K]
+    eye = jnp.eye(C, dtype=_F32)
+    sol = jax.lax.linalg.triangular_solve(eye + lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = sol[..., : v.shape[-1]], sol[..., v.shape[-1] :]  # U = T V, W = T (Gamma*K)
+    v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=_HI)
+    a_qk = jnp.where(causal, a_qk, 0.0)
+    o = jnp.einsum("bhck,bhkv->bhcv", gamma * q * scale, s, precision=_HI) + jnp.einsum(
+        "bhij,bhjv->bhiv", a_qk, v_new, precision=_HI
+    )
+    g_last = G[:, :, -1:, :]  # [B,H,1,K]
+    s = s * jnp.exp(g_last[:, :, 0, :])[..., None] + jnp.einsum(
+        "bhck,bhcv->bhkv", jnp.exp(g_last - G) * k, v_new, precision=_HI
+    )
+    return o, s
+
+
+def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, scale, chunk_size=64):
+    """Chunked (WY/UT) KDA, equal to :func:`kda_recurrent` up to float32 rounding.
+
+    Lengths that are not a multiple of ``chunk_size`` are right-padded with inert steps (g = 0, beta = 0,
+    k = q = v = 0), which leave the state unchanged. Returns (o_BTHV float32, final state_BHKV float32).
+    """
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    C = min(chunk_size, T) if T > 0 else chunk_size
+    pad = (-T) % C
+    f = lambda x: jnp.pad(x.astype(_F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(f, (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    n = (T + pad) // C
+    # [B, T, H, X] -> [n, B, H, C, X]
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(B, n, C, H, -1), (1, 3), (0, 2))
+    q, k, v, g = map(to_chunks, (q, k, v, g))
+    beta = to_chunks(beta[..., None])[..., 0]
+    s0 = _zeros_state(q_BTHK, v_BTHV) if state_BHKV is None else state_BHKV.astype(_F32)
+
+    def body(s, xs):
+        o, s = _chunk(*xs, s, scale=scale)
+        return s, o
+
+    s, o = jax.lax.scan(body, s0, (q, k, v, g, beta))  # o: [n, B, H, C, V]
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(B, n * C, H, V)[:, :T]
+    return o, s

@@ -1,0 +1,17 @@
+"""MLA absorbed attention over the latent cache (latent R + shared decoupled key part O per token).
+
+Shapes: q_lat ``[B, T, H, R]``, q_pe ``[B, T, H, O]``, c ``[B, S, R]``, kpe ``[B, S, O]``, q_pos ``[B, T]``.
+Returns u ``[B, T, H, R]`` float32 (still in latent space).
+"""
+
+from __future__ import annotations
+
+from kernels_pallas._dispatch import resolve
+from kernels_pallas.mla_decode import reference
+
+_IMPLS = {"reference": reference.mla_attention}
+
+
+def mla_attention(q_lat, q_pe, c, kpe, q_pos, *, scale, implementation=None):
+    impl = resolve("mla_attention", implementation, _IMPLS, accelerated=("pallas",))
+    return _IMPLS[impl](q_lat, q_pe, c, kpe, q_pos, scale=scale)

@@ -1,0 +1,11 @@
+"""kimi-jax: Kimi K3, Kimi Linear and dense Kimi models in JAX (Flax NNX).
+
+    import kimi_jax
+    model = kimi_jax.from_pretrained("path/to/checkpoint", dtype="bfloat16")
+    logits = model(ids).logits
+"""
+
+from kimi_jax.config import ConfigError, ModelConfig, preset  # noqa: F401
+from kimi_jax.layers import RunConfig  # noqa: F401
+from kimi_jax.loading import from_pretrained  # noqa: F401
+from kimi_jax.model import KimiModel, ModelOutput, abstract_model, param_count  # noqa: F401

@@ -1,0 +1,253 @@
+"""The three token mixers: Kimi Delta Attention, gated NoPE MLA, and GQA with RoPE.
+
+Each takes the normed layer input ``x_BTD``, a :class:`Step` (positions, padding, whether the cache holds a
+prefix to attend to) and its layer's cache entry (or None), and returns ``(y_BTD, new_cache_entry)``.
+Padding is always on the right; padded steps never enter the KDA state (g = 0, beta = 0 there) and are never
+visible to valid queries in attention (they sit at later positions).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels_pallas.attention as attn_kernels
+import kernels_pallas.kda as kda_kernels
+import kernels_pallas.mla_decode as mla_kernels
+from kimi_jax.cache import KDACache, KVCache, MLACache
+from kimi_jax.config import GQAConfig, KDAConfig, MLAConfig
+from kimi_jax.layers import F32, RunConfig, linear, param, rms_norm
+
+
+class Step(NamedTuple):
+    positions: jax.Array  # [B, T] int32 absolute positions of this call's tokens
+    valid: jax.Array  # [B, T] bool, False on right padding
+    lengths: jax.Array  # [B] int32 valid tokens per sequence in this call
+    prefix: bool  # static: the cache already holds earlier tokens of these sequences (decode / continuation)
+
+
+def _write(cache_BS, new_BT, positions_BT):
+    """Scatter this call's rows into a static cache at their positions (rows past the end are dropped)."""
+    b = jnp.arange(cache_BS.shape[0])[:, None]
+    return cache_BS.at[b, positions_BT].set(new_BT.astype(cache_BS.dtype), mode="drop")
+
+
+# -- Kimi Delta Attention ---------------------------------------------------------------------------------
+
+
+def _l2norm(x):
+    # FLA: x / sqrt(sum(x^2) + 1e-6), eps on the sum, float32.
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _short_conv(x_BTP, tail_BWP, w_PW, lengths_B):
+    """Depthwise causal conv (no bias) + SiLU over [tail, x]; returns (out_BTP f32, new tail).
+
+    ``w[:, W-1]`` multiplies the current token. The new tail holds the last W-1 *valid* pre-conv rows of
+    each sequence, so right padding never leaks into the next call.
+    """
+    W = w_PW.shape[-1]
+    T = x_BTP.shape[1]
+    xx = jnp.concatenate([tail_BWP.astype(x_BTP.dtype), x_BTP], axis=1)  # [B, W-1+T, P]
+    xf = xx.astype(F32)
+    w = w_PW.astype(F32)
+    u = sum(xf[:, j : j + T] * w[:, j] for j in range(W))
+    idx = lengths_B[:, None] + jnp.arange(W - 1)[None]  # rows len..len+W-2 of xx = inputs len-W+1..len-1
+    new_tail = jnp.take_along_axis(xx, idx[:, :, None], axis=1)
+    return jax.nn.silu(u), new_tail
+
+
+class KDA(nnx.Module):
+    def __init__(self, cfg: KDAConfig, *, param_dtype, rngs):
+        self.cfg = cfg
+        P, D, H, K, W = cfg.proj, cfg.hidden, cfg.num_heads, cfg.head_dim, cfg.conv_size
+        p = lambda shape, axes, **kw: param(rngs, shape, axes, kw.pop("dtype", param_dtype), **kw)
+        self.q_proj = p((P, D), ("heads", "embed"))
+        self.k_proj = p((P, D), ("heads", "embed"))
+        self.v_proj = p((P, D), ("heads", "embed"))
+        # Kept in float32 as released: conv kernels, decay parameters, output norm weight.
+        self.q_conv1d = p((P, W), ("heads", None), dtype=F32, std=0.3)
+        self.k_conv1d = p((P, W), ("heads", None), dtype=F32, std=0.3)
+        self.v_conv1d = p((P, W), ("heads", None), dtype=F32, std=0.3)
+        self.f_a_proj = p((K, D), (None, "embed"))
+        self.f_b_proj = p((P, K), ("heads", None))
+        self.A_log = p((H,), ("heads",), dtype=F32, init=lambda k, s: jnp.log(jax.random.uniform(k, s, F32, 1.0, 3.0)))
+        self.dt_bias = p((P,), ("heads",), dtype=F32, init=lambda k, s: -1.5 + 0.5 * jax.random.normal(k, s, F32))
+        self.b_proj = p((H, D), ("heads", "embed"))
+        if cfg.full_rank_gate:
+            self.g_proj = p((P, D), ("heads", "embed"))
+        else:
+            self.g_a_proj = p((K, D), (None, "embed"))
+            self.g_b_proj = p((P, K), ("heads", None))
+        self.o_norm = p((K,), (None,), dtype=F32, init="ones")
+        self.o_proj = p((D, P), ("embed", "heads"))
+
+    def __call__(self, x_BTD, step: Step, cache: KDACache | None, run: RunConfig):
+        c = self.cfg
+        B, T, _ = x_BTD.shape
+        H, K = c.num_heads, c.head_dim
+        heads = lambda a: a.reshape(B, T, H, K)
+        zero_tail = jnp.zeros((B, c.conv_size - 1, c.proj), run.dtype)
+        tails = (cache.conv_q, cache.conv_k, cache.conv_v) if (cache is not None and step.prefix) else (zero_tail,) * 3
+        qkv, new_tails = [], []
+        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
+                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
+            out, new_tail = _short_conv(linear(x_BTD, proj[...], run), tail, conv[...], step.lengths)
+            qkv.append(heads(out.astype(run.dtype)))
+            new_tails.append(new_tail)
+        q, k, v = qkv
+
+        # Per-channel log decay g <= 0 (float32), two forms selected by the config.
+        z = heads(linear(linear(x_BTD, self.f_a_proj[...], run), self.f_b_proj[...], run)).astype(F32)
+        z = z + self.dt_bias[...].astype(F32).reshape(H, K)
+        a = jnp.exp(self.A_log[...].astype(F32))[:, None]  # [H, 1]
+        if c.gate_lower_bound is not None:
+            g = c.gate_lower_bound * jax.nn.sigmoid(a * z)  # K3: bounded in (lb, 0)
+        else:
+            g = -a * jax.nn.softplus(z)  # Kimi Linear
+        beta = jax.nn.sigmoid(linear(x_BTD, self.b_proj[...], run).astype(F32))
+        g = jnp.where(step.valid[..., None, None], g, 0.0)
+        beta = jnp.where(step.valid[..., None], beta, 0.0)
+
+        q, k = _l2norm(q.astype(F32)), _l2norm(k.astype(F32))
+        decode = cache is not None and step.prefix and T == 1
+        if not decode:
+            # The reference's chunked path stores normalised q/k in the activation dtype (no-op in float32).
+            q, k = q.astype(run.dtype).astype(F32), k.astype(run.dtype).astype(F32)
+        state = cache.state if (cache is not None and step.prefix) else None
+        if decode:
+            o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, implementation=run.implementation)
+        else:
+            o, state = kda_kernels.kda_prefill(q, k, v, g, beta, state, scale=K**-0.5, chunk_size=run.kda_chunk,
+                                               implementation=run.implementation)
+        o = o.astype(run.dtype)
+
+        if c.full_rank_gate:
+            gate = linear(x_BTD, self.g_proj[...], run)
+        else:
+            gate = linear(linear(x_BTD, self.g_a_proj[...], run), self.g_b_proj[...], run)
+        # FusedRMSNormGated(activation="sigmoid"): per-head RMSNorm x f32 weight x sigmoid(gate), f32 math.
+        o32 = o.astype(F32)
+        o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)
+        o32 = o32 * self.o_norm[...].astype(F32) * jax.nn.sigmoid(heads(gate).astype(F32))
+        y = linear(o32.astype(run.dtype).reshape(B, T, c.proj), self.o_proj[...], run)
+        new_cache = None if cache is None else KDACache(*new_tails, state)
+        return y, new_cache
+
+
+# -- gated NoPE MLA ---------------------------------------------------------------------------------------
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: MLAConfig, *, param_dtype, rngs):
+        self.cfg = cfg
+        D, H = cfg.hidden, cfg.num_heads
+        p = lambda shape, axes, **kw: param(rngs, shape, axes, param_dtype, **kw)
+        if cfg.q_lora_rank is None:
+            self.q_proj = p((H * cfg.qk_dim, D), ("heads", "embed"))
+        else:
+            self.q_a_proj = p((cfg.q_lora_rank, D), (None, "embed"))
+            self.q_a_layernorm = p((cfg.q_lora_rank,), (None,), init="ones")
+            self.q_b_proj = p((H * cfg.qk_dim, cfg.q_lora_rank), ("heads", None))
+        self.kv_a_proj_with_mqa = p((cfg.kv_lora_rank + cfg.qk_rope_dim, D), (None, "embed"))
+        self.kv_a_layernorm = p((cfg.kv_lora_rank,), (None,), init="ones")
+        self.kv_b_proj = p((H * (cfg.qk_nope_dim + cfg.v_dim), cfg.kv_lora_rank), ("heads", None))
+        if cfg.output_gate:
+            self.g_proj = p((H * cfg.v_dim, D), ("heads", "embed"))
+        self.o_proj = p((D, H * cfg.v_dim), ("embed", "heads"))
+
+    def __call__(self, x_BTD, step: Step, cache: MLACache | None, run: RunConfig):
+        c = self.cfg
+        B, T, _ = x_BTD.shape
+        H, N, O, U, R = c.num_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_dim, c.kv_lora_rank
+        if c.q_lora_rank is None:
+            q = linear(x_BTD, self.q_proj[...], run)
+        else:
+            qa = rms_norm(linear(x_BTD, self.q_a_proj[...], run), self.q_a_layernorm[...], c.lora_norm_eps, run)
+            q = linear(qa, self.q_b_proj[...], run)
+        q = q.reshape(B, T, H, N + O)
+        q_nope, q_pe = q[..., :N], q[..., N:]
+        ckv = linear(x_BTD, self.kv_a_proj_with_mqa[...], run)
+        lat = rms_norm(ckv[..., :R], self.kv_a_layernorm[...], c.lora_norm_eps, run)  # [B, T, R]
+        kpe = ckv[..., R:]  # [B, T, O]: NoPE, used as produced
+
+        new_cache = None
+        if cache is not None:
+            new_cache = MLACache(_write(cache.c, lat, step.positions), _write(cache.kpe, kpe, step.positions))
+        w_kvb = self.kv_b_proj[...].reshape(H, N + U, R)
+        if cache is not None and step.prefix:
+            # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u.
+            q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(F32), w_kvb[:, :N].astype(F32), precision=run.precision)
+            u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
+                                          implementation=run.implementation)
+            o = jnp.einsum("bthr,hur->bthu", u, w_kvb[:, N:].astype(F32), precision=run.precision)
+        else:
+            kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, N + U)
+            k = jnp.concatenate([kv[..., :N], jnp.broadcast_to(kpe[:, :, None], (B, T, H, O))], axis=-1)
+            o = attn_kernels.attention(q, k, kv[..., N:], step.positions, scale=c.scale,
+                                       k_pos=step.positions, implementation=run.implementation)
+        o = o.astype(run.dtype).reshape(B, T, H * U)
+        if c.output_gate:
+            o = (o * jax.nn.sigmoid(linear(x_BTD, self.g_proj[...], run))).astype(run.dtype)
+        return linear(o, self.o_proj[...], run), new_cache
+
+
+# -- GQA + RoPE -------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(cfg: GQAConfig):
+    """Inverse frequencies [K/2] (float32), with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=F32) / d))
+    if cfg.rope_scaling is not None:
+        _, factor, low, high, orig = cfg.rope_scaling
+        wavelen = 2 * jnp.pi / inv
+        low_wl, high_wl = orig / low, orig / high
+        smooth = (orig / wavelen - low) / (high - low)
+        scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        inv = jnp.where((wavelen >= high_wl) & (wavelen <= low_wl), mid, scaled)
+    return inv
+
+
+def apply_rope(x_BTHK, positions_BT, inv_freq):
+    """HF Llama convention (rotate halves); cos/sin in float32, result in x's dtype."""
+    freqs = positions_BT.astype(F32)[..., None] * inv_freq  # [B, T, K/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x_BTHK.dtype), jnp.sin(emb).astype(x_BTHK.dtype)
+    h = x_BTHK.shape[-1] // 2
+    rot = jnp.concatenate([-x_BTHK[..., h:], x_BTHK[..., :h]], axis=-1)
+    return x_BTHK * cos + rot * sin
+
+
+class GQA(nnx.Module):
+    def __init__(self, cfg: GQAConfig, *, param_dtype, rngs):
+        self.cfg = cfg
+        D, H, G, K = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        p = lambda shape, axes: param(rngs, shape, axes, param_dtype)
+        self.q_proj = p((H * K, D), ("heads", "embed"))
+        self.k_proj = p((G * K, D), ("kv_heads", "embed"))
+        self.v_proj = p((G * K, D), ("kv_heads", "embed"))
+        self.o_proj = p((D, H * K), ("embed", "heads"))
+
+    def __call__(self, x_BTD, step: Step, cache: KVCache | None, run: RunConfig):
+        c = self.cfg
+        B, T, _ = x_BTD.shape
+        inv = rope_frequencies(c)
+        q = apply_rope(linear(x_BTD, self.q_proj[...], run).reshape(B, T, c.num_heads, c.head_dim), step.positions, inv)
+        k = apply_rope(linear(x_BTD, self.k_proj[...], run).reshape(B, T, c.num_kv_heads, c.head_dim), step.positions, inv)
+        v = linear(x_BTD, self.v_proj[...], run).reshape(B, T, c.num_kv_heads, c.head_dim)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(_write(cache.k, k, step.positions), _write(cache.v, v, step.positions))
+        if cache is not None and step.prefix:
+            o = attn_kernels.attention(q, new_cache.k, new_cache.v, step.positions, scale=c.head_dim**-0.5,
+                                       implementation=run.implementation)
+        else:
+            o = attn_kernels.attention(q, k, v, step.positions, scale=c.head_dim**-0.5, k_pos=step.positions,
+                                       implementation=run.implementation)
+        o = o.astype(run.dtype).reshape(B, T, c.num_heads * c.head_dim)
+        return linear(o, self.o_proj[...], run), new_cache

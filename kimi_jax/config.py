@@ -1,0 +1,653 @@
+"""Model configuration: one frozen, hashable dataclass parsed once from a checkpoint's `config.json`.
+
+Three families share one model:
+  * ``kimi_k3``     -- Kimi K3 as released (top-level ``model_type: kimi_k3`` wrapping a ``text_config``).
+  * ``kimi_linear`` -- Kimi Linear as HF transformers writes it (``linear_attn_config`` or ``layer_types``).
+  * ``dense``       -- Llama-shaped GQA + RoPE (``LlamaForCausalLM``, ``KimiForCausalLM``).
+
+K3 features are switched on by the presence of their keys (``attn_res_block_size``,
+``routed_expert_hidden_size``, ``gate_lower_bound``, ...), never by the inner ``KimiLinearForCausalLM``
+architecture name, which K3's ``text_config`` also carries. Every key that is read is named here; keys
+that would change the math but are not implemented raise :class:`ConfigError` naming key and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A config.json key or value this implementation does not support."""
+
+
+# -- sub-configs: each layer receives only its own ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """Gated MLP: down(act(gate(x)) * up(x)), or SiTU-GLU when ``act == "situ"``."""
+
+    hidden: int
+    intermediate: int
+    act: str = "silu"  # "silu" | "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float | None = 25.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention."""
+
+    hidden: int
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    gate_lower_bound: float | None = None  # None: softplus decay (Kimi Linear); else lower-bounded sigmoid (K3)
+    full_rank_gate: bool = False  # K3: one g_proj; Kimi Linear: g_a_proj -> g_b_proj
+    norm_eps: float = 1e-5  # o_norm (gated head RMSNorm)
+
+    @property
+    def proj(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention without positional encoding (NoPE), optional sigmoid output gate."""
+
+    hidden: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int  # the "decoupled rope" key part, carried unrotated (NoPE)
+    v_dim: int
+    output_gate: bool = False
+    lora_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default eps
+
+    @property
+    def qk_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def scale(self) -> float:
+        return self.qk_dim**-0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class GQAConfig:
+    """Grouped-query attention with rotary position embedding (Llama-shaped)."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None
+    rope_scaling: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts (sigmoid router, bias-corrected top-k), shared experts, optional latent projection."""
+
+    hidden: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    num_shared: int
+    shared_intermediate: int  # width of the single fused shared-expert MLP
+    act: str = "silu"
+    situ_beta: float = 4.0
+    situ_linear_beta: float | None = 25.0
+    latent: int | None = None  # K3 LatentMoE width (routed_expert_hidden_size)
+    latent_norm: bool = False
+    norm_eps: float = 1e-5
+    renormalize: bool = True
+    scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    quant: str | None = None  # None | "mxfp4"
+
+    @property
+    def expert_in(self) -> int:
+        return self.latent if self.latent is not None else self.hidden
+
+    def expert_mlp(self) -> MLPConfig:
+        return MLPConfig(self.expert_in, self.expert_intermediate, self.act, self.situ_beta, self.situ_linear_beta)
+
+    def shared_mlp(self) -> MLPConfig:
+        return MLPConfig(self.hidden, self.shared_intermediate, self.act, self.situ_beta, self.situ_linear_beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "kimi_k3" | "kimi_linear" | "dense"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    attn_types: tuple[str, ...]  # per layer: "kda" | "mla" | "gqa"
+    ffn_types: tuple[str, ...]  # per layer: "dense" | "moe"
+    norm_eps: float = 1e-5
+    mlp: MLPConfig | None = None
+    kda: KDAConfig | None = None
+    mla: MLAConfig | None = None
+    gqa: GQAConfig | None = None
+    moe: MoEConfig | None = None
+    attn_res_block_size: int | None = None  # Block Attention Residuals; None = plain residuals
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    checkpoint_dtype: str = "bfloat16"
+    checkpoint_prefix: str = ""  # "language_model." for the K3 release layout
+
+    def __post_init__(self):
+        if len(self.attn_types) != self.num_layers or len(self.ffn_types) != self.num_layers:
+            raise ConfigError(
+                f"layer schedule covers {len(self.attn_types)} attention / {len(self.ffn_types)} FFN layers, "
+                f"num_hidden_layers is {self.num_layers}"
+            )
+        for kind, sub in (("kda", self.kda), ("mla", self.mla), ("gqa", self.gqa)):
+            if kind in self.attn_types and sub is None:
+                raise ConfigError(f"layer schedule uses {kind} layers but no {kind} config was given")
+        if "dense" in self.ffn_types and self.mlp is None:
+            raise ConfigError("layer schedule uses dense MLP layers but intermediate_size is missing")
+        if "moe" in self.ffn_types and self.moe is None:
+            raise ConfigError("layer schedule uses MoE layers but no MoE config was given")
+
+    # Derived helpers -------------------------------------------------------------------------------------
+    @property
+    def attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    def layer_kinds(self) -> list[tuple[str, str]]:
+        return list(zip(self.attn_types, self.ffn_types))
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def sliced(self, num_layers: int | None = None, num_experts: int | None = None) -> "ModelConfig":
+        """First ``num_layers`` layers / first ``num_experts`` experts: still a valid model."""
+        cfg = self
+        if num_layers is not None:
+            if not 1 <= num_layers <= self.num_layers:
+                raise ConfigError(f"--layers {num_layers} outside 1..{self.num_layers}")
+            cfg = dataclasses.replace(
+                cfg, num_layers=num_layers, attn_types=cfg.attn_types[:num_layers], ffn_types=cfg.ffn_types[:num_layers]
+            )
+        if num_experts is not None and cfg.moe is not None:
+            if not cfg.moe.top_k <= num_experts <= cfg.moe.num_experts:
+                raise ConfigError(f"--experts {num_experts} outside {cfg.moe.top_k}..{cfg.moe.num_experts} (top-k..E)")
+            if cfg.moe.n_group != 1 and num_experts % cfg.moe.n_group:
+                raise ConfigError(f"--experts {num_experts} not divisible by num_expert_group {cfg.moe.n_group}")
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=num_experts))
+        return cfg
+
+
+# -- parsing ----------------------------------------------------------------------------------------------
+
+# Generic Hugging Face keys that never change the forward pass. Anything not here and not read below is an
+# unknown key and raises, so a new switch in a future config cannot be silently ignored.
+_GENERIC_KEYS = frozenset(
+    """_name_or_path add_cross_attention architectures auto_map bad_words_ids begin_suppress_tokens
+    chunk_size_feed_forward cross_attention_hidden_size decoder_start_token_id diversity_penalty do_sample dtype
+    torch_dtype early_stopping encoder_no_repeat_ngram_size exponential_decay_length_penalty finetuning_task
+    forced_bos_token_id forced_eos_token_id id2label label2id initializer_range is_decoder is_encoder_decoder
+    length_penalty max_length min_length no_repeat_ngram_size num_beam_groups num_beams num_return_sequences
+    output_attentions output_hidden_states output_scores prefix problem_type pruned_heads remove_invalid_values
+    repetition_penalty return_dict return_dict_in_generate sep_token_id suppress_tokens task_specific_params
+    temperature tf_legacy_loss tie_encoder_decoder tokenizer_class top_k top_p torchscript transformers_version
+    typical_p use_bfloat16 use_cache model_type max_position_embeddings model_max_length attention_dropout
+    output_router_logits router_aux_loss_coef ignore_index pretraining_tp bos_token_id eos_token_id pad_token_id
+    tie_word_embeddings _attn_implementation_autoset aux_loss_alpha seq_aux""".split()
+)
+
+_K3_KEYS = ("attn_res_block_size", "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate")
+
+
+class _Reader:
+    """Reads keys of one config dict and remembers which were read, to reject unknown ones at the end."""
+
+    def __init__(self, d: Mapping[str, Any], where: str):
+        self.d, self.where, self.read = dict(d), where, set()
+
+    def has(self, key):
+        return key in self.d and self.d[key] is not None
+
+    def get(self, key, default=None, *, required=False):
+        self.read.add(key)
+        if key not in self.d or self.d[key] is None:
+            if required:
+                raise ConfigError(f"{self.where}: required key {key!r} is missing")
+            return default
+        return self.d[key]
+
+    def expect(self, key, allowed, default=None):
+        """Read a key that may only take values in ``allowed`` (a value outside it is unsupported)."""
+        value = self.get(key, default)
+        if value not in allowed:
+            raise ConfigError(f"{self.where}: unsupported value {key}={value!r} (supported: {sorted(map(repr, allowed))})")
+        return value
+
+    def finish(self, extra_ok=()):
+        unknown = sorted(k for k in self.d if k not in self.read and k not in _GENERIC_KEYS and k not in extra_ok)
+        if unknown:
+            raise ConfigError(
+                f"{self.where}: unknown config key(s) {unknown}; kimi-jax does not know what they change, "
+                "so it refuses to guess (pass strict=False to load anyway)"
+            )
+
+
+def _first_id(value):
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+def _quant(q: Mapping[str, Any] | None, where: str) -> str | None:
+    """Validate a compressed-tensors MXFP4 quantization_config; returns "mxfp4" or None."""
+    if q is None:
+        return None
+    method, fmt = q.get("quant_method"), q.get("format")
+    if method != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
+        raise ConfigError(
+            f"{where}: unsupported quantization_config quant_method={method!r} format={fmt!r} "
+            "(supported: compressed-tensors mxfp4-pack-quantized)"
+        )
+    if q.get("quantization_status", "compressed") != "compressed":
+        raise ConfigError(f"{where}: quantization_status={q.get('quantization_status')!r}; expected 'compressed'")
+    for name, group in (q.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        want = {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "symmetric": True}
+        for key, val in want.items():
+            if w.get(key) != val:
+                raise ConfigError(f"{where}: quantization_config.config_groups.{name}.weights.{key}={w.get(key)!r}; MXFP4 needs {val!r}")
+        if group.get("input_activations") is not None:
+            raise ConfigError(f"{where}: activation quantization (config_groups.{name}.input_activations) is not supported")
+        if group.get("format", fmt) != "mxfp4-pack-quantized":
+            raise ConfigError(f"{where}: config_groups.{name}.format={group.get('format')!r} is not mxfp4-pack-quantized")
+    if q.get("kv_cache_scheme") is not None:
+        raise ConfigError(f"{where}: kv_cache_scheme={q.get('kv_cache_scheme')!r} is not supported")
+    return "mxfp4"
+
+
+def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, Any], strict: bool) -> ModelConfig:
+    where = "config.json text_config" if k3_wrapper else "config.json"
+    r = _Reader(text, where)
+    r.expect("model_type", {"kimi_linear", "kimi_k3"})
+    is_k3 = k3_wrapper or any(r.has(k) for k in _K3_KEYS)
+    n = r.get("num_hidden_layers", required=True)
+    d = r.get("hidden_size", required=True)
+    eps = float(r.get("rms_norm_eps", 1e-6))
+
+    # Activation: SiTU-GLU (K3) or SiLU-GLU (Kimi Linear). The KDA short conv always uses SiLU.
+    act = r.expect("hidden_act", {"silu", "situ"}, "silu")
+    situ_beta = float(r.get("activation_situ_beta", 4.0))
+    situ_linear_beta = r.get("activation_situ_linear_beta", 25.0 if act == "situ" else None)
+    situ_linear_beta = None if situ_linear_beta is None else float(situ_linear_beta)
+
+    # Layer schedule ------------------------------------------------------------------------------------
+    lac = dict(r.get("linear_attn_config", {}) or {})
+    la = _Reader(lac, f"{where} linear_attn_config")
+    layer_types = r.get("layer_types")
+    kda_layers = la.get("kda_layers")
+    full_layers = la.get("full_attn_layers")
+    if kda_layers is not None:
+        # 1-based, as released: layer i (0-based) is KDA iff i+1 in kda_layers (HF `is_kda_layer`).
+        bad = [x for x in kda_layers if not 1 <= int(x) <= n]
+        if bad:
+            raise ConfigError(f"{where}: linear_attn_config.kda_layers has entries {bad} outside 1..{n} (1-based)")
+        kda_set = {int(x) - 1 for x in kda_layers}
+        attn = tuple("kda" if i in kda_set else "mla" for i in range(n))
+        if full_layers is not None:
+            full_set = {int(x) - 1 for x in full_layers}
+            if full_set & kda_set or full_set | kda_set != set(range(n)):
+                raise ConfigError(
+                    f"{where}: kda_layers and full_attn_layers must partition layers 1..{n} "
+                    f"(overlap {sorted(x + 1 for x in full_set & kda_set)}, "
+                    f"missing {sorted(x + 1 for x in set(range(n)) - full_set - kda_set)})"
+                )
+    elif layer_types is not None:
+        names = {"linear_attention": "kda", "full_attention": "mla"}
+        bad = [t for t in layer_types if t not in names]
+        if bad:
+            raise ConfigError(f"{where}: unsupported layer_types values {sorted(set(bad))}")
+        attn = tuple(names[t] for t in layer_types)
+    elif full_layers is not None:
+        full_set = {int(x) - 1 for x in full_layers}
+        attn = tuple("mla" if i in full_set else "kda" for i in range(n))
+    else:
+        raise ConfigError(f"{where}: no layer schedule (linear_attn_config.kda_layers or layer_types)")
+    if len(attn) != n:
+        raise ConfigError(f"{where}: layer_types has {len(attn)} entries, num_hidden_layers is {n}")
+
+    mlp_types = r.get("mlp_layer_types")
+    first_dense = int(r.get("first_k_dense_replace", 1))
+    freq = int(r.get("moe_layer_freq", 1))
+    num_experts = r.get("num_experts", r.get("num_local_experts"))
+    r.read.add("num_local_experts")
+    if mlp_types is not None:
+        names = {"dense": "dense", "sparse": "moe"}
+        bad = [t for t in mlp_types if t not in names]
+        if bad:
+            raise ConfigError(f"{where}: unsupported mlp_layer_types values {sorted(set(bad))}")
+        ffn = tuple(names[t] for t in mlp_types)
+        if len(ffn) != n:
+            raise ConfigError(f"{where}: mlp_layer_types has {len(ffn)} entries, num_hidden_layers is {n}")
+    elif num_experts:
+        ffn = tuple("moe" if (i >= first_dense and i % freq == 0) else "dense" for i in range(n))
+    else:
+        ffn = ("dense",) * n
+
+    # KDA -----------------------------------------------------------------------------------------------
+    kda = None
+    if "kda" in attn:
+        heads = la.get("num_heads", r.get("linear_num_heads"))
+        head_dim = la.get("head_dim", r.get("linear_head_dim"))
+        conv = la.get("short_conv_kernel_size", r.get("linear_conv_kernel_dim", 4))
+        if heads is None or head_dim is None:
+            raise ConfigError(f"{where}: KDA layers need linear_attn_config.num_heads and head_dim")
+        lb = la.get("gate_lower_bound")
+        kda = KDAConfig(
+            hidden=d,
+            num_heads=int(heads),
+            head_dim=int(head_dim),
+            conv_size=int(conv),
+            gate_lower_bound=None if lb is None else float(lb),
+            full_rank_gate=bool(la.get("use_full_rank_gate", False)),
+            norm_eps=eps,
+        )
+    for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        r.read.add(key)
+    if strict:
+        la.finish()
+
+    # MLA -----------------------------------------------------------------------------------------------
+    mla = None
+    nope = r.get("mla_use_nope", True)
+    if "mla" in attn:
+        if nope is not True:
+            raise ConfigError(f"{where}: mla_use_nope={nope!r}: Kimi MLA is NoPE; rotary MLA is not implemented")
+        mla = MLAConfig(
+            hidden=d,
+            num_heads=int(r.get("num_attention_heads", required=True)),
+            q_lora_rank=r.get("q_lora_rank"),
+            kv_lora_rank=int(r.get("kv_lora_rank", required=True)),
+            qk_nope_dim=int(r.get("qk_nope_head_dim", required=True)),
+            qk_rope_dim=int(r.get("qk_rope_head_dim", required=True)),
+            v_dim=int(r.get("v_head_dim", required=True)),
+            output_gate=bool(r.get("mla_use_output_gate", False)),
+        )
+    # Read but unused: MLA keeps all heads after kv_b expansion; no rotary; derived head dims.
+    for key in ("num_key_value_heads", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling", "num_attention_heads",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_output_gate"):
+        r.read.add(key)
+    if r.get("attention_bias", False):
+        raise ConfigError(f"{where}: attention_bias=True is not supported (Kimi has no biases)")
+
+    # FFN -------------------------------------------------------------------------------------------------
+    mlp = None
+    if "dense" in ffn:
+        mlp = MLPConfig(d, int(r.get("intermediate_size", required=True)), act, situ_beta, situ_linear_beta)
+    r.read.add("intermediate_size")
+    moe = None
+    quant = _quant(r.get("quantization_config", top.get("quantization_config")), where)
+    if "moe" in ffn:
+        r.expect("moe_router_activation_func", {"sigmoid"}, "sigmoid")
+        r.expect("topk_method", {"noaux_tc"}, "noaux_tc")
+        r.get("use_grouped_topk")
+        n_shared = int(r.get("num_shared_experts", r.get("n_shared_experts", 0)))
+        r.read.add("n_shared_experts")
+        inter = int(r.get("moe_intermediate_size", required=True))
+        latent = r.get("routed_expert_hidden_size")
+        top_k = r.get("num_experts_per_token", r.get("num_experts_per_tok"))
+        r.read.add("num_experts_per_tok")
+        if num_experts is None or top_k is None:
+            raise ConfigError(f"{where}: MoE layers need num_experts and num_experts_per_token")
+        moe = MoEConfig(
+            hidden=d,
+            num_experts=int(num_experts),
+            top_k=int(top_k),
+            expert_intermediate=inter,
+            num_shared=n_shared,
+            shared_intermediate=inter * n_shared,
+            act=act,
+            situ_beta=situ_beta,
+            situ_linear_beta=situ_linear_beta,
+            latent=None if latent is None else int(latent),
+            latent_norm=bool(r.get("latent_moe_use_norm", False)),
+            norm_eps=eps,
+            renormalize=bool(r.get("moe_renormalize", r.get("norm_topk_prob", True))),
+            scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
+            n_group=int(r.get("num_expert_group", r.get("n_group", 1)) or 1),
+            topk_group=int(r.get("topk_group", 1) or 1),
+            quant=quant,
+        )
+        if moe.top_k > moe.num_experts:
+            raise ConfigError(f"{where}: num_experts_per_token={moe.top_k} > num_experts={moe.num_experts}")
+        if moe.num_experts % moe.n_group or moe.topk_group > moe.n_group:
+            raise ConfigError(f"{where}: num_expert_group={moe.n_group} / topk_group={moe.topk_group} do not divide {moe.num_experts} experts")
+        if quant == "mxfp4" and (moe.expert_in % 32 or moe.expert_intermediate % 32):
+            raise ConfigError(f"{where}: MXFP4 experts need input widths divisible by 32 (got {moe.expert_in}, {moe.expert_intermediate})")
+    elif quant is not None:
+        raise ConfigError(f"{where}: quantization_config present but the model has no routed experts")
+    for key in ("moe_router_activation_func", "topk_method", "use_grouped_topk", "num_expert_group", "n_group", "topk_group",
+                "moe_renormalize", "norm_topk_prob", "routed_scaling_factor", "moe_intermediate_size", "latent_moe_use_norm",
+                "routed_expert_hidden_size", "num_shared_experts", "num_experts_per_token", "num_experts", "moe_layer_freq",
+                "first_k_dense_replace", "activation_situ_beta", "activation_situ_linear_beta"):
+        r.read.add(key)
+    mtp = r.get("num_nextn_predict_layers", 0) or 0
+    if mtp:
+        raise ConfigError(f"{where}: num_nextn_predict_layers={mtp}: multi-token-prediction layers are not supported")
+
+    block = r.get("attn_res_block_size")
+    if block is not None and int(block) < 1:
+        raise ConfigError(f"{where}: attn_res_block_size={block!r} must be a positive integer or null")
+
+    bos = _first_id(top.get("bos_token_id", r.get("bos_token_id")))
+    eos = _first_id(top.get("eos_token_id", r.get("eos_token_id")))
+    pad = _first_id(top.get("pad_token_id", r.get("pad_token_id")))
+    tie = bool(top.get("tie_word_embeddings", r.get("tie_word_embeddings", False)))
+    cfg = ModelConfig(
+        family="kimi_k3" if is_k3 else "kimi_linear",
+        vocab_size=int(r.get("vocab_size", required=True)),
+        hidden_size=d,
+        num_layers=n,
+        attn_types=attn,
+        ffn_types=ffn,
+        norm_eps=eps,
+        mlp=mlp,
+        kda=kda,
+        mla=mla,
+        moe=moe,
+        attn_res_block_size=None if block is None else int(block),
+        tie_word_embeddings=tie,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "bfloat16"))),
+        checkpoint_prefix="language_model." if k3_wrapper else "",
+    )
+    r.read.add("torch_dtype")
+    if strict:
+        r.finish()
+    return cfg
+
+
+def _parse_dense(c: Mapping[str, Any], *, strict: bool) -> ModelConfig:
+    r = _Reader(c, "config.json")
+    d = int(r.get("hidden_size", required=True))
+    n = int(r.get("num_hidden_layers", required=True))
+    heads = int(r.get("num_attention_heads", required=True))
+    kv = int(r.get("num_key_value_heads", heads) or heads)
+    head_dim = int(r.get("head_dim", d // heads) or d // heads)
+    r.expect("hidden_act", {"silu"}, "silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if r.get(key, False):
+            raise ConfigError(f"config.json: {key}=True is not supported")
+    # rope: transformers 5 writes rope_parameters, 4.x writes rope_theta (+ rope_scaling).
+    rp = dict(r.get("rope_parameters") or {})
+    rs = r.get("rope_scaling")
+    theta = float(rp.get("rope_theta", r.get("rope_theta", 10000.0)))
+    scaling_src = rs if rs is not None else rp
+    rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default")) if scaling_src else "default"
+    scaling = None
+    if rope_type == "llama3":
+        scaling = (
+            "llama3",
+            float(scaling_src["factor"]),
+            float(scaling_src["low_freq_factor"]),
+            float(scaling_src["high_freq_factor"]),
+            int(scaling_src["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise ConfigError(f"config.json: unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+    pr = r.get("partial_rotary_factor", 1.0)
+    if pr != 1.0:
+        raise ConfigError(f"config.json: partial_rotary_factor={pr!r} is not supported")
+    sw = r.get("sliding_window")
+    if sw is not None:
+        raise ConfigError(f"config.json: sliding_window={sw!r} is not supported")
+    cfg = ModelConfig(
+        family="dense",
+        vocab_size=int(r.get("vocab_size", required=True)),
+        hidden_size=d,
+        num_layers=n,
+        attn_types=("gqa",) * n,
+        ffn_types=("dense",) * n,
+        norm_eps=float(r.get("rms_norm_eps", 1e-6)),
+        mlp=MLPConfig(d, int(r.get("intermediate_size", required=True)), "silu"),
+        gqa=GQAConfig(d, heads, kv, head_dim, theta, scaling),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
+        bos_token_id=_first_id(r.get("bos_token_id")),
+        eos_token_id=_first_id(r.get("eos_token_id")),
+        pad_token_id=_first_id(r.get("pad_token_id")),
+        checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "float32"))),
+    )
+    r.read.add("torch_dtype")
+    if strict:
+        r.finish()
+    return cfg
+
+
+def from_dict(c: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
+    """Parse a config.json dict. Routes on the top-level architecture and K3 keys."""
+    if not isinstance(c, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(c).__name__}")
+    archs = tuple(c.get("architectures") or ())
+    mt = c.get("model_type")
+    if mt == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs:
+        text = c.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ConfigError("config.json: model_type kimi_k3 needs a text_config object")
+        top = _Reader(c, "config.json (top level)")
+        for key in ("text_config", "vision_config", "media_placeholder_token_id", "image_placeholder",
+                    "quantization_config", "architectures", "auto_map"):
+            top.get(key)
+        if strict:
+            top.finish()
+        return _parse_kimi(text, k3_wrapper=True, top=c, strict=strict)
+    if mt in ("kimi_linear",) or "KimiLinearForCausalLM" in archs:
+        return _parse_kimi(c, k3_wrapper=False, top={}, strict=strict)
+    if mt in ("llama", "kimi") or any(a in archs for a in ("LlamaForCausalLM", "KimiForCausalLM")):
+        return _parse_dense(c, strict=strict)
+    raise ConfigError(
+        f"config.json: unsupported model (model_type={mt!r}, architectures={list(archs)}); "
+        "supported: kimi_k3, kimi_linear, llama / KimiForCausalLM"
+    )
+
+
+def load(path: str | os.PathLike, *, strict: bool = True) -> ModelConfig:
+    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file}: no config.json (is {path!r} a model directory?)")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    return from_dict(raw, strict=strict)
+
+
+# -- presets: full-size configs, to build abstract models without files ----------------------------------
+
+
+def _k3_text_config() -> dict:
+    kda = [i for i in range(1, 94) if i % 4 != 0 and i != 93]
+    full = [i for i in range(1, 94) if i % 4 == 0] + [93]
+    return {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93,
+        "num_attention_heads": 96, "num_key_value_heads": 96, "intermediate_size": 33792,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "situ", "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5, "attn_res_block_size": 12,
+        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": 96, "head_dim": 128,
+                               "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "mla_use_output_gate": True, "num_experts": 896, "num_experts_per_token": 16,
+        "num_shared_experts": 2, "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584,
+        "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+        "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "use_grouped_topk": True, "num_expert_group": 1,
+        "topk_group": 1, "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "bos_token_id": 163584,
+        "eos_token_id": 163586, "pad_token_id": 163839, "dtype": "bfloat16",
+        "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized",
+                                          "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                                                      "symmetric": True, "scale_dtype": "torch.uint8", "dynamic": False},
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+            "kv_cache_scheme": None,
+        },
+    }
+
+
+def k3_config_dict() -> dict:
+    """The released Kimi K3 config.json (text part; vision_config omitted)."""
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "bos_token_id": 163584,
+            "eos_token_id": 163586, "pad_token_id": 163839, "media_placeholder_token_id": 163605,
+            "tie_word_embeddings": False, "text_config": _k3_text_config()}
+
+
+def kimi_linear_48b_config_dict() -> dict:
+    kda = [i for i in range(1, 28) if i % 4 != 0 and i != 27]
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+        "hidden_size": 2304, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "intermediate_size": 9216, "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "linear_attn_config": {"kda_layers": kda, "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                                                    "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+        "moe_intermediate_size": 1024, "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+        "routed_scaling_factor": 2.446, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+        "dtype": "bfloat16",
+    }
+
+
+def kimi_dense_config_dict() -> dict:
+    """The dense GQA configuration published as ``KimiForCausalLM`` (Llama-shaped)."""
+    return {"architectures": ["KimiForCausalLM"], "model_type": "kimi", "vocab_size": 163840, "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
+            "bos_token_id": 163584, "eos_token_id": 163585, "dtype": "bfloat16"}
+
+
+PRESETS = {
+    "k3": k3_config_dict,
+    "kimi-linear-48b-a3b": kimi_linear_48b_config_dict,
+    "kimi-dense": kimi_dense_config_dict,
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    return from_dict(PRESETS[name]())

@@ -1,0 +1,139 @@
+"""Building blocks shared by the three families: parameter declaration, linear, norms, GLUs, AttnRes.
+
+Numerics follow the reference implementation's rounding points (K3_SPEC §4.9): matmuls accumulate in
+float32 and round their output to the activation dtype; norms compute statistics in float32 and round the
+normalised value to the activation dtype *before* the weight multiply; SiTU, AttnRes mixing, router and KDA
+gating run in float32. In a float32 model every rounding point is a no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.config import MLPConfig
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How to run a model (not what it is): activation dtype and kernel choices. Hashable, static under jit.
+
+    ``implementation`` applies to every kernel op (attention, mla, kda, moe); ``None`` = automatic (reference
+    on CPU, Pallas on TPU/GPU), or one of the names the kernel packages offer (``"reference"``, ``"pallas"``).
+    ``moe_path``: ``"auto"`` gathers the chosen experts' weights when there are fewer (token, expert) pairs than
+    experts (decode) and sorts tokens into a grouped matmul otherwise (prefill).
+    """
+
+    dtype: jnp.dtype = jnp.bfloat16
+    implementation: str | None = None
+    kda_chunk: int = 64
+    moe_path: str = "auto"  # "auto" | "gather" | "sorted"
+
+    @property
+    def precision(self):
+        # float32 models are oracles: ask TPUs for true f32 matmuls instead of bf16 passes.
+        return jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
+
+
+# -- parameter declaration -------------------------------------------------------------------------------
+
+
+def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02) -> nnx.Param:
+    """One declaration per parameter: shape, dtype, logical axes (for sharding rules) and initializer."""
+    shape = tuple(int(s) for s in shape)
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter of shape {shape} declared with axes {axes}")
+    dtype = jnp.dtype(dtype)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    elif init == "bytes":  # packed MXFP4 nibbles: any byte is a valid pair of codes
+        value = jax.random.randint(rngs.params(), shape, 0, 256, jnp.int32).astype(dtype)
+    elif init == "scale":  # E8M0 bytes near 2**-6, a plausible expert weight scale
+        value = jax.random.randint(rngs.params(), shape, 119, 123, jnp.int32).astype(dtype)
+    elif init == "normal":
+        value = (std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype)
+    elif callable(init):
+        value = init(rngs.params(), shape).astype(dtype)
+    else:
+        raise ValueError(f"unknown initializer {init!r}")
+    return nnx.Param(value, axes=tuple(axes))
+
+
+# -- math helpers ----------------------------------------------------------------------------------------
+
+
+def linear(x, w, run: RunConfig):
+    """``x @ w.T`` for a checkpoint-layout weight ``w [out, in]``; f32 accumulate, output in the run dtype."""
+    y = jnp.einsum("...d,fd->...f", x.astype(run.dtype), w.astype(run.dtype), preferred_element_type=F32,
+                   precision=run.precision)
+    return y.astype(run.dtype)
+
+
+def rms_norm(x, w, eps, run: RunConfig):
+    """KimiRMSNorm / LlamaRMSNorm: float32 statistics, normalised value rounded, then times the weight."""
+    x32 = x.astype(F32)
+    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (w.astype(run.dtype) * n.astype(run.dtype)).astype(run.dtype)
+
+
+def situ(a, b, beta, linear_beta):
+    """SiTU-GLU in float32: [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(b/b2)] (|.| <= b1*b2)."""
+    a, b = a.astype(F32), b.astype(F32)
+    gate = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
+    up = b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta)
+    return gate * up
+
+
+def glu(a, b, cfg_act: str, beta: float, linear_beta: float | None, run: RunConfig):
+    if cfg_act == "situ":
+        return situ(a, b, beta, linear_beta).astype(run.dtype)
+    return (jax.nn.silu(a.astype(F32)) * b.astype(F32)).astype(run.dtype)
+
+
+# -- modules ---------------------------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    """Gated MLP (dense layer 0, Llama MLP, shared experts): down(act(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: MLPConfig, *, param_dtype, rngs, axis="mlp"):
+        self.cfg = cfg
+        self.gate_proj = param(rngs, (cfg.intermediate, cfg.hidden), (axis, "embed"), param_dtype)
+        self.up_proj = param(rngs, (cfg.intermediate, cfg.hidden), (axis, "embed"), param_dtype)
+        self.down_proj = param(rngs, (cfg.hidden, cfg.intermediate), ("embed", axis), param_dtype)
+
+    def __call__(self, x, run: RunConfig):
+        c = self.cfg
+        h = glu(linear(x, self.gate_proj[...], run), linear(x, self.up_proj[...], run), c.act, c.situ_beta,
+                c.situ_linear_beta, run)
+        return linear(h, self.down_proj[...], run)
+
+
+class AttnRes(nnx.Module):
+    """Block Attention Residuals: a per-token softmax over depth sources.
+
+    Score of source i = sum_d RMSNorm(v_i)[d] * w_eff[d] with w_eff = norm.weight * proj.weight (the
+    reference's RMSNorm weight times its Linear(d->1)); the output mixes the *raw* sources. All float32,
+    one rounding of the result.
+    """
+
+    def __init__(self, hidden: int, eps: float, *, param_dtype, rngs):
+        self.eps = eps
+        self.norm = param(rngs, (hidden,), ("embed",), param_dtype, init="ones")
+        self.proj = param(rngs, (hidden,), ("embed",), param_dtype, init="normal", std=0.1)
+
+    def __call__(self, sources: list, run: RunConfig, return_weights=False):
+        v = jnp.stack([s.astype(F32) for s in sources])  # [n, ..., D]
+        r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + self.eps)
+        w_eff = self.norm[...].astype(F32) * self.proj[...].astype(F32)
+        scores = jnp.sum(v * r * w_eff, axis=-1)  # [n, ...]
+        alpha = jax.nn.softmax(scores, axis=0)
+        out = jnp.sum(alpha[..., None] * v, axis=0).astype(run.dtype)
+        return (out, alpha) if return_weights else out

@@ -1,0 +1,121 @@
+"""Mixture of experts: sigmoid router with bias-corrected top-k, routed experts (optionally behind K3's
+latent projection, optionally MXFP4-packed), and shared experts.
+
+Router (float32 end to end): ``s = sigmoid(x @ W_r^T)``; the correction bias only affects *which* experts are
+chosen; their weights are the unbiased scores, renormalised and scaled. Expert outputs are combined in float32
+with one rounding (the reference's ``moe_infer``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels_pallas.moe_gmm as gmm_kernels
+from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
+from kimi_jax.config import MoEConfig
+from kimi_jax.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
+
+
+def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
+    """Returns (idx [N, X] int32, weights [N, X] float32)."""
+    logits = jnp.einsum("nd,ed->ne", x_ND.astype(F32), w_ED.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias_E.astype(F32)
+    if cfg.n_group > 1:
+        # DeepSeek-style group limiting: keep the topk_group groups with the best top-2 sums.
+        grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        keep = jax.lax.top_k(group_score, cfg.topk_group)[1]
+        mask = jnp.zeros_like(group_score, bool).at[jnp.arange(choice.shape[0])[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(mask, grouped.shape[-1], axis=-1), choice, -jnp.inf)
+    idx = jax.lax.top_k(choice, cfg.top_k)[1]
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.renormalize:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), w * cfg.scaling_factor
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked per layer: w1 (gate) / w3 (up) ``[E, F, L]``, w2 (down) ``[E, L, F]``.
+
+    With MXFP4 each weight is two uint8 arrays (``*_packed [.., in/2]``, ``*_scale [.., in/32]``), kept packed in
+    device memory and decoded next to the matmul.
+    """
+
+    def __init__(self, cfg: MoEConfig, *, param_dtype, rngs):
+        self.cfg = cfg
+        E, F, L = cfg.num_experts, cfg.expert_intermediate, cfg.expert_in
+        shapes = {"w1": ((E, F, L), ("expert", "expert_mlp", None)),
+                  "w3": ((E, F, L), ("expert", "expert_mlp", None)),
+                  "w2": ((E, L, F), ("expert", None, "expert_mlp"))}
+        for name, (shape, axes) in shapes.items():
+            if cfg.quant == "mxfp4":
+                *lead, k = shape
+                setattr(self, f"{name}_packed", param(rngs, (*lead, k // 2), axes, jnp.uint8, init="bytes"))
+                setattr(self, f"{name}_scale", param(rngs, (*lead, k // GROUP), axes, jnp.uint8, init="scale"))
+            else:
+                setattr(self, name, param(rngs, shape, axes, param_dtype))
+
+    def weight(self, name):
+        if self.cfg.quant == "mxfp4":
+            return MXFP4Weight(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...])
+        return getattr(self, name)[...]
+
+    def __call__(self, z_NL, idx_NX, run: RunConfig):
+        """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
+        c = self.cfg
+        N, X = idx_NX.shape
+        path = run.moe_path
+        if path == "auto":
+            path = "gather" if N * X <= c.num_experts else "sorted"
+        act = lambda a, b: glu(a.astype(run.dtype), b.astype(run.dtype), c.act, c.situ_beta, c.situ_linear_beta, run)
+        kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
+        if path == "gather":
+            zx = jnp.broadcast_to(z_NL[:, None], (N, X, z_NL.shape[-1]))
+            h = act(gmm_kernels.gather_matmul(zx, self.weight("w1"), idx_NX, **kw),
+                    gmm_kernels.gather_matmul(zx, self.weight("w3"), idx_NX, **kw))
+            return gmm_kernels.gather_matmul(h, self.weight("w2"), idx_NX, **kw).astype(run.dtype)
+        if path != "sorted":
+            raise ValueError(f"unknown moe_path {run.moe_path!r}")
+        flat = idx_NX.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+        xs = z_NL[order // X]  # [M, L] rows sorted by expert
+        h = act(gmm_kernels.gmm(xs, self.weight("w1"), sizes, **kw), gmm_kernels.gmm(xs, self.weight("w3"), sizes, **kw))
+        ys = gmm_kernels.gmm(h, self.weight("w2"), sizes, **kw).astype(run.dtype)
+        return jnp.zeros_like(ys).at[order].set(ys).reshape(N, X, -1)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: MoEConfig, *, param_dtype, rngs):
+        self.cfg = cfg
+        D, E = cfg.hidden, cfg.num_experts
+        self.gate = param(rngs, (E, D), (None, "embed"), param_dtype)
+        self.e_score_correction_bias = param(rngs, (E,), (None,), F32, std=0.1)
+        if cfg.latent is not None:
+            self.routed_expert_down_proj = param(rngs, (cfg.latent, D), ("latent", "embed"), param_dtype)
+            if cfg.latent_norm:
+                self.routed_expert_norm = param(rngs, (cfg.latent,), ("latent",), param_dtype, init="ones")
+            self.routed_expert_up_proj = param(rngs, (D, cfg.latent), ("embed", "latent"), param_dtype)
+        self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
+        if cfg.num_shared:
+            self.shared_experts = MLP(cfg.shared_mlp(), param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BTD, run: RunConfig):
+        """Returns (y_BTD, (idx [B,T,X], weights [B,T,X]))."""
+        c = self.cfg
+        B, T, D = x_BTD.shape
+        x = x_BTD.reshape(B * T, D)
+        idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
+        z = linear(x, self.routed_expert_down_proj[...], run) if c.latent is not None else x.astype(run.dtype)
+        out = self.experts(z, idx, run)  # [N, X, L]
+        u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
+        if c.latent is not None:
+            if c.latent_norm:
+                u = rms_norm(u, self.routed_expert_norm[...], c.norm_eps, run)
+            u = linear(u, self.routed_expert_up_proj[...], run)
+        if c.num_shared:
+            u = (u + self.shared_experts(x, run)).astype(run.dtype)
+        return u.reshape(B, T, D), (idx.reshape(B, T, -1), w.reshape(B, T, -1))
