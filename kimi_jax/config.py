@@ -640,6 +640,20 @@ def kimi_dense_config_dict() -> dict:
             "bos_token_id": 163584, "eos_token_id": 163585, "dtype": "bfloat16"}
 
 
+def tiny_k3_config_dict() -> dict:
+    """A tiny K3 in the released layout (KDA x3 + MLA cycle, final two MLA, AttnRes, LatentMoE, MXFP4 experts):
+    the embedded default for the demo, tests and notebooks."""
+    c = k3_config_dict()
+    t = c["text_config"]
+    t.update(vocab_size=1024, hidden_size=128, num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=4,
+             intermediate_size=256, attn_res_block_size=3, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+             qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
+             routed_expert_hidden_size=64, num_shared_experts=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    t["linear_attn_config"].update(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8, 9], num_heads=4, head_dim=32)
+    c.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return c
+
+
 PRESETS = {
     "k3": k3_config_dict,
     "kimi-linear-48b-a3b": kimi_linear_48b_config_dict,

@@ -83,8 +83,9 @@ RULES = (
     Rule(L + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
     Rule(L + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
          "layers.{layer}.self_attn.{n}"),
-    # Dense MLP (layer 0 of Kimi models; every Llama layer).
-    Rule(L + r"mlp\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
+    # Dense MLP (layer 0 of Kimi models; every Llama layer). HF transformers writes Kimi Linear's dense layer
+    # under `block_sparse_moe.` too (its save-time rename maps every `.mlp.` back).
+    Rule(L + r"(?:mlp|block_sparse_moe)\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
     # MoE.
     Rule(L + r"block_sparse_moe\.gate\.weight", "layers.{layer}.mlp.gate"),
     Rule(L + r"block_sparse_moe\.gate\.e_score_correction_bias", "layers.{layer}.mlp.e_score_correction_bias"),

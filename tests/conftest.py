@@ -1,0 +1,36 @@
+import os
+
+import pytest
+
+SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+K3_TINY_A = os.path.join(SHARED, "fixtures", "k3-tiny-a")
+
+
+@pytest.fixture(scope="session")
+def k3_tiny_a():
+    if not os.path.isdir(K3_TINY_A):
+        pytest.fail(f"shared fixture missing: {K3_TINY_A} (tests read ../shared from the repository root)")
+    return K3_TINY_A
+
+
+@pytest.fixture(scope="session")
+def k3_golden(k3_tiny_a):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(k3_tiny_a, "golden.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory):
+    from tests import hf_models
+
+    path = tmp_path_factory.mktemp("hf_llama")
+    return str(path), hf_models.llama(path)
+
+
+@pytest.fixture(scope="session")
+def hf_kimi_linear(tmp_path_factory):
+    from tests import hf_models
+
+    path = tmp_path_factory.mktemp("hf_kimi_linear")
+    return str(path), hf_models.kimi_linear(path)
