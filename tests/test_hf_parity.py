@@ -56,3 +56,11 @@ def test_llama3_rope_scaling_matches_hf(tmp_path):
                "original_max_position_embeddings": 16, "rope_theta": 5e5}
     model = hf_models.llama(tmp_path, rope_parameters=scaling, num_hidden_layers=1)
     _compare(str(tmp_path), model, 256, 40, seed=3)
+
+
+def test_kimi_linear_without_q_lora_matches_hf(tmp_path):
+    """Kimi-Linear-48B's MLA has no query low-rank (a plain q_proj), and 2 shared experts."""
+    from tests import hf_models
+
+    model = hf_models.kimi_linear(tmp_path, q_lora_rank=None, num_shared_experts=2, seed=4)
+    _compare(str(tmp_path), model, 128, 20, seed=5)
