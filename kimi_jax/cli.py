@@ -41,6 +41,20 @@ def _cmd_info(args):
     print(f"parameters: {param_count(model) / 1e9:.2f}B")
 
 
+def _cmd_make_tiny(args):
+    import json
+
+    from convert.synthetic import write_checkpoint
+
+    config = None
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+    path = write_checkpoint(args.dir, args.family, config=config, seed=args.seed, num_shards=args.shards,
+                            dtype=args.dtype)
+    print(f"wrote a random {args.family} checkpoint to {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe a model directory or preset (k3, kimi-linear-48b-a3b, kimi-dense)")
     i.add_argument("model")
     i.set_defaults(func=_cmd_info)
+    t = sub.add_parser("make-tiny", help="write a small random checkpoint in a released layout (k3, kimi_linear, llama)")
+    t.add_argument("dir")
+    t.add_argument("--family", default="k3", choices=["k3", "kimi_linear", "llama"])
+    t.add_argument("--config", help="config.json to use instead of the family's tiny default")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shards", type=int, default=2)
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    t.set_defaults(func=_cmd_make_tiny)
     return p
 
 

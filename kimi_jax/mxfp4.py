@@ -12,9 +12,10 @@ lossless. On device the weights stay packed (0.53 bytes per parameter) and are d
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from kernels_pallas.mxfp4 import E2M1 as E2M1_VALUES  # noqa: F401
+from kernels_pallas.mxfp4 import E2M1 as E2M1_VALUES
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight, dequantize  # noqa: F401  (device decode lives with the kernels)
 from kernels_pallas.mxfp4 import PAIR as _PAIR_NP
 
@@ -39,7 +40,8 @@ def dequantize_np(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np
     """Host decode: ``[..., in/2]`` uint8 + ``[..., in/32]`` uint8 -> ``[..., in]`` values."""
     _check(packed.shape, scale.shape)
     vals = _PAIR_NP[packed].reshape(*packed.shape[:-1], scale.shape[-1], GROUP)
-    out = vals * scale_values_np(scale)[..., None]
+    with np.errstate(over="ignore"):  # 6 x 2**127 overflows to inf, as it does in compressed-tensors
+        out = vals * scale_values_np(scale)[..., None]
     return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(dtype)
 
 
@@ -57,41 +59,75 @@ def pack_codes_np(codes: np.ndarray) -> np.ndarray:
 
 
 def encode_e2m1_np(x: np.ndarray) -> np.ndarray:
-    """Round float values (already divided by their scale) to the nearest E2M1 code, ties to even code.
+    """Round values (already divided by their scale) to E2M1 codes exactly as compressed-tensors' ``cast_to_fp4``
+    followed by ``pack_fp4_to_uint8`` does.
 
-    Values are clamped to +-6; the sign bit is kept for negative values that round to zero (-0 = code 8),
-    as compressed-tensors does.
+    Magnitudes are clamped to 6; ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
+    3.5 -> 4, 5 -> 4). A negative value that rounds to zero keeps its sign (code 8, "-0"), but ``-0.0`` itself
+    gives code 0: compressed-tensors multiplies by ``torch.sign(x)``, which is 0 for either zero.
     """
     x = np.asarray(x, np.float32)
-    a = np.minimum(np.abs(x), 6.0)
-    # Midpoints between consecutive magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; ties go to the even code.
-    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
-    code = np.searchsorted(mids, a, side="left").astype(np.uint8)  # a <= mid -> lower code
-    at_mid = np.isin(a, mids)
-    # a exactly at a midpoint: searchsorted(side=left) picked the lower code; move up when that code is odd.
-    code = np.where(at_mid & (code % 2 == 1), code + 1, code).astype(np.uint8)
-    sign = np.signbit(x).astype(np.uint8) << 3
-    return code | sign
+    if not np.all(np.isfinite(x)):
+        raise ValueError("MXFP4: cannot encode NaN or infinite values")
+    a = np.abs(x)
+    # One comparison per boundary; strict vs inclusive alternates so that ties land on the even code.
+    code = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0)).astype(np.uint8)
+    return code | ((x < 0).astype(np.uint8) << 3)
 
 
-def quantize_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize ``[..., in]`` float weights to (packed ``[..., in/2]``, scale ``[..., in/32]``) uint8.
+def values_to_codes_np(v: np.ndarray) -> np.ndarray:
+    """Exact E2M1 values (0, +-0.5, ... +-6, either zero) -> codes, as ``pack_fp4_to_uint8`` maps them: the sign
+    bit of the value becomes bit 3 (so ``-0.0`` is code 8). Raises on anything that is not an E2M1 value."""
+    v = np.asarray(v, np.float32)
+    mag = np.abs(v)
+    code = np.searchsorted(E2M1_VALUES[:8], mag).astype(np.uint8)
+    if np.any(code > 7) or np.any(E2M1_VALUES[np.minimum(code, 7)] != mag):
+        raise ValueError("values_to_codes_np: input holds values that are not E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6)")
+    return code | (np.signbit(v).astype(np.uint8) << 3)
 
-    Scale per 32-column group as compressed-tensors' MX path computes it: round the group's max |w| to a power
-    of two (adding half an E2M1 mantissa step first), then byte = 127 + log2(that) - 2 (2 = floor(log2(6))).
+
+def scale_bytes_np(amax: np.ndarray) -> np.ndarray:
+    """E8M0 scale byte per group from the group's max |w|, as compressed-tensors' ``generate_mx_scales`` then
+    ``compress_mx_scale``: round max |w| to a power of two p (adding half an E2M1 mantissa step, i.e. bit 21 of a
+    float32, before truncating the mantissa), then byte = 127 + log2(p) - 2 (2 = floor(log2(6))), clamped at 0
+    (an all-zero group gets byte 0). Groups whose max rounds past the float32 range have no valid scale."""
+    amax = np.asarray(amax, np.float32)
+    bits = amax.view(np.uint32).astype(np.int64)
+    p2 = ((bits + (1 << 21)) & 0xFF800000).astype(np.uint32).view(np.float32)
+    if not np.all(np.isfinite(p2)):
+        raise ValueError("MXFP4: a group's max |w| is too large for an E8M0 scale (>= 1.75 * 2**127)")
+    with np.errstate(divide="ignore"):
+        e = np.log2(p2)  # exact: p2 is a power of two (or 0 -> -inf)
+    return np.clip(127 + e - 2, 0, 254).astype(np.uint8)
+
+
+def quantize_np(w: np.ndarray, scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize ``[..., in]`` weights to (packed ``[..., in/2]``, scale ``[..., in/32]``) uint8, bit for bit as
+    compressed-tensors' MX path (``calculate_qparams`` -> ``MXFP4PackedCompressor.compress``) writes them.
+
+    ``scale``: optional E8M0 bytes to use instead of the per-group choice (values beyond 6x the scale saturate).
+    float32 and bfloat16 inputs are divided by the scale in their own precision, as torch does; other float
+    dtypes are first cast to float32.
     """
-    w = np.asarray(w, np.float32)
+    w = np.asarray(w)
+    in_dtype = w.dtype if w.dtype in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)) else np.dtype(np.float32)
+    w = w.astype(in_dtype)
     if w.shape[-1] % GROUP:
         raise ValueError(f"MXFP4 needs the input width to be a multiple of {GROUP}, got {w.shape[-1]}")
-    g = w.reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
-    amax = np.abs(g).max(axis=-1)
-    bits = amax.view(np.uint32).astype(np.int64)
-    # float32: 23 mantissa bits; E2M1 keeps 1 -> add 1 << (23 - 1 - 1), then keep sign+exponent.
-    p2 = ((bits + (1 << 21)) & 0xFF800000).astype(np.uint32).view(np.float32)
-    with np.errstate(divide="ignore"):
-        e = np.floor(np.log2(p2))
-    e = np.where(amax > 0, e, -127.0)  # all-zero group: smallest scale, every code 0
-    byte = np.clip(127 + e - 2, 0, 254).astype(np.uint8)
-    scaled = g / scale_values_np(byte)[..., None]
+    g = w.astype(np.float32).reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
+    if not np.all(np.isfinite(g)):
+        raise ValueError("MXFP4: cannot quantize NaN or infinite weights")
+    if scale is None:
+        scale = scale_bytes_np(np.abs(g).max(axis=-1))
+    else:
+        scale = np.asarray(scale, np.uint8)
+        if scale.shape != g.shape[:-1]:
+            raise ValueError(f"MXFP4 scale shape {scale.shape} does not match weights {w.shape} (want {g.shape[:-1]})")
+        if np.any(scale == 255):
+            raise ValueError("MXFP4: scale byte 255 is NaN in E8M0")
+    # Division by a power of two is exact in float32 unless the result is subnormal; rounding that exact quotient
+    # to the input dtype reproduces a division done in that dtype.
+    scaled = (g / scale_values_np(scale)[..., None]).astype(in_dtype).astype(np.float32)
     codes = encode_e2m1_np(scaled).reshape(w.shape)
-    return pack_codes_np(codes), byte
+    return pack_codes_np(codes), scale
