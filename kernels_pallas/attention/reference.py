@@ -14,17 +14,23 @@ _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
-def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None):
+def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None, q_pe_BTHO=None, k_pe_BSO=None):
     """Causal GQA attention. ``H = G * rep``; returns o ``[B, T, H, U]`` float32.
 
     ``k_pos_BS`` defaults to ``arange(S)`` (keys stored at their positions, as in a cache or a fresh prompt).
+    MLA may pass its decoupled key part separately: ``q_pe [B, T, H, O]`` scores against ``k_pe [B, S, O]``,
+    one row shared by every head (then ``G == H``); the score is the sum of both dot products.
     Scores, softmax and the weighted sum run in float32.
     """
     B, T, H, K = q_BTHK.shape
     S, G = k_BSGK.shape[1], k_BSGK.shape[2]
     rep = H // G
     q = q_BTHK.astype(_F32).reshape(B, T, G, rep, K)
-    s = jnp.einsum("btgrk,bsgk->bgrts", q, k_BSGK.astype(_F32), precision=_HI) * scale
+    s = jnp.einsum("btgrk,bsgk->bgrts", q, k_BSGK.astype(_F32), precision=_HI)
+    if q_pe_BTHO is not None:
+        qpe = q_pe_BTHO.astype(_F32).reshape(B, T, G, rep, -1)
+        s = s + jnp.einsum("btgro,bso->bgrts", qpe, k_pe_BSO.astype(_F32), precision=_HI)
+    s = s * scale
     k_pos = jnp.arange(S)[None] if k_pos_BS is None else k_pos_BS
     mask = k_pos[:, None, None, None, :] <= q_pos_BT[:, None, None, :, None]
     s = jnp.where(mask, s, -jnp.inf)

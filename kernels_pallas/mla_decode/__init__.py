@@ -6,12 +6,16 @@ Returns u ``[B, T, H, R]`` float32 (still in latent space).
 
 from __future__ import annotations
 
-from kernels_pallas._dispatch import resolve
-from kernels_pallas.mla_decode import reference
+from kernels_pallas._dispatch import INTERPRET, PALLAS, pallas_platform, resolve
+from kernels_pallas.mla_decode import pallas, reference
 
-_IMPLS = {"reference": reference.mla_attention}
+_IMPLS = {"reference": reference.mla_attention, PALLAS: pallas.mla_attention, INTERPRET: pallas.mla_attention}
 
 
 def mla_attention(q_lat, q_pe, c, kpe, q_pos, *, scale, implementation=None):
-    impl = resolve("mla_attention", implementation, _IMPLS, accelerated=("pallas",))
-    return _IMPLS[impl](q_lat, q_pe, c, kpe, q_pos, scale=scale)
+    impl = resolve("mla_attention", implementation, _IMPLS, accelerated=(PALLAS,))
+    kw = {}
+    if impl in (PALLAS, INTERPRET):
+        platform, interpret = pallas_platform(impl)
+        kw = dict(platform=platform, interpret=interpret)
+    return _IMPLS[impl](q_lat, q_pe, c, kpe, q_pos, scale=scale, **kw)

@@ -1,0 +1,227 @@
+"""Flash attention in Pallas: one online-softmax kernel for causal prefill, decode over a static cache, MLA with
+split nope/rope key dims, and (via ``kernels_pallas.mla_decode``) absorbed MLA over the latent cache.
+
+The kernel sees, per (batch, kv group, query-row block, kv split), a block of query *rows* -- the ``rep`` query
+heads sharing a kv head, times the query tokens, flattened -- and the whole key/value sequence of its group as
+a ref it slices in a loop. Rows carry their absolute position (``q_pos``); keys sit at ``arange(S)`` (or at
+``k_pos``). The loop stops after the last key block any row of the block can see, so a causal prefill skips
+the upper triangle and a decode step reads only the filled part of the cache, whatever its static size.
+
+Scores and the softmax run in float32; the ``p @ v`` product takes ``p`` in the value dtype (bf16 on a bf16
+model, as flash attention does; exact float32 on a float32 model). A row that sees no key returns zeros (the
+reference returns NaN there; no caller produces such rows).
+
+Long caches can be split over several programs (``num_splits``, flash-decoding): each split writes an
+unnormalised partial result with its running max and sum, and a small XLA epilogue merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas._common import (F32, NEG, cdiv, compiler_params, dot_nn, dot_nt, key_block, next_pow2, pad_axis,
+                                    precision_for, round_up, row_block)
+
+_I32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale, precision):
+    it = iter(refs)
+    qpos_ref, q_ref = next(it), next(it)
+    qpe_ref = next(it) if has_pe else None
+    k_ref = next(it)
+    kpe_ref = next(it) if has_pe else None
+    v_ref = k_ref if v_is_k else next(it)
+    kpos_ref = next(it) if has_kpos else None
+    o_ref = next(it)
+    m_ref, l_ref = (next(it), next(it)) if split else (None, None)
+
+    qpos = qpos_ref[...]  # [bq, 1] int32
+    q = q_ref[...]  # [bq, K]
+    qpe = qpe_ref[...] if has_pe else None
+    bq, U = q.shape[0], v_ref.shape[-1]
+    n_blocks = k_ref.shape[0] // bk
+    if has_kpos:
+        needed = n_blocks
+    else:  # keys sit at arange(S): blocks past the largest query position hold nothing visible
+        needed = jnp.minimum((jnp.max(qpos) + bk) // bk, n_blocks)
+    lo = pl.program_id(3) * blocks_per_split
+    hi = jnp.minimum(lo + blocks_per_split, needed)
+
+    def body(i, carry):
+        m, l, acc = carry
+        s0 = pl.multiple_of(i * bk, bk)
+        k = k_ref[pl.ds(s0, bk), :]
+        s = dot_nt(q, k, precision)
+        if has_pe:
+            s = s + dot_nt(qpe, kpe_ref[pl.ds(s0, bk), :], precision)
+        s = s * scale
+        if has_kpos:
+            kpos = kpos_ref[:, pl.ds(s0, bk)]
+        else:
+            kpos = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        visible = kpos <= qpos  # [bq, bk]
+        s = jnp.where(visible, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        v = k if v_is_k else v_ref[pl.ds(s0, bk), :]
+        acc = alpha * acc + dot_nn(p.astype(v.dtype), v, precision)
+        return m_new, l, acc
+
+    init = (jnp.full((bq, 1), NEG, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, U), F32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    if split:
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        o_ref[...] = acc / jnp.where(l > 0, l, 1.0)
+
+
+def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_BS=None, v_is_k=False,
+          platform="gpu", interpret=False, block_q=None, block_k=None, num_splits=1, num_warps=None,
+          num_stages=None):
+    """The kernel over query rows grouped by kv head. Returns o ``[B, G, R, U]`` float32.
+
+    q ``[B, G, R, K]`` (R rows per kv group), k ``[B, S, Gk, K]``, v ``[B, S, Gk, U]`` with Gk = G (or 1, shared
+    by every group), qpos ``[B, R]`` int32 (row positions, the same for every group). Optional split key dims:
+    q_pe ``[B, G, R, O]`` against k_pe ``[B, S, O]`` (shared by all groups). ``v_is_k``: values are the keys
+    (absorbed MLA reads its latent cache once per block).
+    """
+    B, G, R, K = q_BGRK.shape
+    S, Gk = k.shape[1], k.shape[2]
+    if Gk not in (1, G):
+        raise ValueError(f"flash: k has {Gk} kv groups for q with {G}")
+    has_pe = q_pe_BGRO is not None
+    has_kpos = k_pos_BS is not None
+    if not v_is_k and v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"flash: v {v.shape} does not match k {k.shape}")
+    dt = q_BGRK.dtype
+    bq = block_q or row_block(R, 64, platform, dt)
+    bk = block_k or key_block(S, 64 if platform == "gpu" else 512, platform)
+    Rp, Sp = round_up(R, bq), round_up(S, bk)
+
+    # Pad: rows (positions -1 see nothing), keys (zeros at positions >= S, beyond every query), and on GPU the
+    # head dims to powers of two (zero columns add nothing to a dot).
+    def heads(x, axis):
+        return pad_axis(x, axis, next_pow2(x.shape[axis])) if platform == "gpu" else x
+
+    q = heads(pad_axis(q_BGRK, 2, Rp), 3)
+    qpos = pad_axis(qpos_BR.astype(jnp.int32), 1, Rp, -1)[..., None]  # [B, Rp, 1]
+    k = heads(pad_axis(k, 1, Sp), 3)
+    Kp = q.shape[-1]
+    if k.shape[-1] != Kp:
+        raise ValueError(f"flash: q head dim {K} and k head dim {k.shape[-1]} differ")
+    U = k.shape[-1] if v_is_k else v.shape[-1]
+    if not v_is_k:
+        v = heads(pad_axis(v, 1, Sp), 3)
+    Up = k.shape[-1] if v_is_k else v.shape[-1]
+
+    n_blocks = Sp // bk
+    splits = max(1, min(int(num_splits), n_blocks))
+    per_split = cdiv(n_blocks, splits)
+    splits = cdiv(n_blocks, per_split)
+    grid = (B, G, Rp // bq, splits)
+
+    row_spec = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, g, i, j: (b, g, i, 0))
+    if platform == "tpu":  # Mosaic wants whole trailing dims: [B, Gk, S, K] blocks
+        kv_major = lambda x: jnp.swapaxes(x, 1, 2)
+        kv_spec = lambda d: pl.BlockSpec(
+            (None, None, Sp, d), (lambda b, g, i, j: (b, g, 0, 0)) if Gk == G else (lambda b, g, i, j: (b, 0, 0, 0)))
+    else:  # Triton takes the strided [B, S, Gk, K] cache as it is
+        kv_major = lambda x: x
+        kv_spec = lambda d: pl.BlockSpec(
+            (None, Sp, None, d), (lambda b, g, i, j: (b, 0, g, 0)) if Gk == G else (lambda b, g, i, j: (b, 0, 0, 0)))
+
+    args = [qpos, q]
+    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, g, i, j: (b, i, 0)), row_spec(Kp)]
+    if has_pe:
+        qpe = heads(pad_axis(q_pe_BGRO, 2, Rp), 3)
+        kpe = heads(pad_axis(k_pe_BSO, 1, Sp), 2)
+        Op = qpe.shape[-1]
+        args.append(qpe)
+        in_specs.append(row_spec(Op))
+    args.append(kv_major(k))
+    in_specs.append(kv_spec(Kp))
+    if has_pe:
+        args.append(kpe)
+        in_specs.append(pl.BlockSpec((None, Sp, Op), lambda b, g, i, j: (b, 0, 0)))
+    if not v_is_k:
+        args.append(kv_major(v))
+        in_specs.append(kv_spec(Up))
+    if has_kpos:
+        kpos = pad_axis(k_pos_BS.astype(jnp.int32), 1, Sp, _I32_MAX)[:, None, :]  # [B, 1, Sp]
+        args.append(kpos)
+        in_specs.append(pl.BlockSpec((None, 1, Sp), lambda b, g, i, j: (b, 0, 0)))
+
+    split = splits > 1
+    if split:
+        out_shape = [jax.ShapeDtypeStruct((B, G, splits, Rp, Up), F32),
+                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32),
+                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32)]
+        part = lambda d: pl.BlockSpec((None, None, None, bq, d), lambda b, g, i, j: (b, g, j, i, 0))
+        out_specs = [part(Up), part(1), part(1)]
+    else:
+        out_shape = jax.ShapeDtypeStruct((B, G, Rp, Up), F32)
+        out_specs = row_spec(Up)
+
+    kernel = functools.partial(_kernel, bk=bk, blocks_per_split=per_split, has_pe=has_pe, v_is_k=v_is_k,
+                               has_kpos=has_kpos, split=split, scale=float(scale), precision=precision_for(dt))
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
+                                        semantics=("parallel",) * 4),
+        name="flash_attention",
+    )(*args)
+    if split:
+        acc, m, l = out
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - m_all)
+        num, den = jnp.sum(w * acc, axis=2), jnp.sum(w * l, axis=2)
+        out = num / jnp.where(den > 0, den, 1.0)
+    return out[:, :, :R, :U]
+
+
+def default_splits(platform: str, B: int, G: int, R: int, S: int, bk: int) -> int:
+    """Flash-decoding split count: enough programs to fill a GPU when few rows meet a long cache."""
+    if platform != "gpu":
+        return 1
+    programs = B * G * cdiv(R, 64)
+    want = max(1, 256 // max(programs, 1))
+    return max(1, min(want, S // max(bk * 4, 1)))
+
+
+def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None, q_pe_BTHO=None, k_pe_BSO=None,
+              platform="gpu", interpret=False, block_q=None, block_k=None, num_splits=None):
+    """Causal GQA / MLA attention with the reference's signature. Returns o ``[B, T, H, U]`` float32.
+
+    q ``[B, T, H, K]``, k ``[B, S, G, K]``, v ``[B, S, G, U]``; the rows of the ``rep = H / G`` heads sharing
+    a kv head are processed together. MLA passes its nope part as q/k and the rope part separately:
+    q_pe ``[B, T, H, O]`` against the shared k_pe ``[B, S, O]`` (then G must equal H).
+    """
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    if H % G:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {G} kv heads")
+    rep = H // G
+    if q_pe_BTHO is not None and rep != 1:
+        raise ValueError("attention: split rope dims (q_pe/k_pe) need one kv head per query head (MLA)")
+    # rows of group g: (t, r) flattened t-major, so row // rep is the token
+    to_rows = lambda x: jnp.transpose(x.reshape(B, T, G, rep, x.shape[-1]), (0, 2, 1, 3, 4)).reshape(B, G, T * rep, -1)
+    qpos = jnp.repeat(q_pos_BT.astype(jnp.int32), rep, axis=1)  # [B, T*rep]
+    dt = q_BTHK.dtype
+    bq = block_q or row_block(T * rep, 64, platform, dt)
+    bk = block_k or key_block(S, 64 if platform == "gpu" else 512, platform)
+    if num_splits is None:
+        num_splits = default_splits(platform, B, G, T * rep, S, bk) if T * rep <= 64 else 1
+    o = flash(to_rows(q_BTHK), k_BSGK, v_BSGU, qpos, scale=scale,
+              q_pe_BGRO=None if q_pe_BTHO is None else to_rows(q_pe_BTHO), k_pe_BSO=k_pe_BSO, k_pos_BS=k_pos_BS,
+              platform=platform, interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits)
+    U = o.shape[-1]
+    return jnp.transpose(o.reshape(B, G, T, rep, U), (0, 2, 1, 3, 4)).reshape(B, T, H, U)

@@ -1,0 +1,186 @@
+"""Kimi Delta Attention in Pallas: chunked (WY/UT) prefill and a fused recurrent decode step.
+
+Both kernels run one program per (sequence, head, block of value columns): the delta rule updates each value
+column of the state independently (``S[:, v]`` depends only on ``v_t[v]``), so splitting V costs only a
+recomputation of the chunk's key-side quantities. The state stays in float32 on chip for the whole sequence.
+
+Chunked prefill, per chunk of C tokens with ``G = cumsum(g)`` inside the chunk (computed outside the kernel):
+
+* pairwise decayed products ``A[i, j] = sum_c x_ic k_jc exp(G_ic - G_jc)`` for j <= i, built one column j at a
+  time with the exponent taken from the difference ``G_i - G_j <= 0``: exact and overflow-free for any gate
+  (Kimi Linear's softplus decay is unbounded; factorising ``exp(G_i) exp(-G_j)`` would overflow);
+* ``(I + L)^-1`` for the strictly lower ``L = diag(beta) A_kk`` by the nilpotent product
+  ``(I - L)(I + L^2)(I + L^4)...`` -- log2(C) small matmuls instead of a row-by-row substitution;
+* ``U = T diag(beta) V``, ``W = T diag(beta) (Gamma * K)``, ``V' = U - W S``, ``O = (Gamma * Q) S + A_qk V'``,
+  ``S <- Diag(Gamma_last) S + (exp(G_last - G) * K)^T V'``.
+
+Inside the kernel the state is kept transposed (``[V, K]``) so the per-channel decay is a row broadcast.
+All products are float32 at full precision (Triton would otherwise use TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas._common import (F32, HIGHEST, NEG, compiler_params, dot_nn, dot_nt, dot_tn, next_pow2, pad_axis,
+                                    round_up)
+
+
+def _chunk_kernel(q_ref, k_ref, G_ref, v_ref, beta_ref, s0_ref, o_ref, s_ref, *, C, n_chunks, scale):
+    rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
+    eye = (rows == cols).astype(F32)
+    dot = functools.partial(dot_nn, precision=HIGHEST)
+
+    def chunk(c, St):  # St: [BV, K], the transposed state
+        c0 = pl.multiple_of(c * C, C)
+        q = q_ref[pl.ds(c0, C), :].astype(F32) * scale
+        k = k_ref[pl.ds(c0, C), :].astype(F32)
+        G = G_ref[pl.ds(c0, C), :]
+        v = v_ref[pl.ds(c0, C), :].astype(F32)
+        beta = beta_ref[pl.ds(c0, C), :]  # [C, 1]
+
+        def column(j, acc):
+            a_kk, a_qk = acc
+            kj = k_ref[pl.ds(c0 + j, 1), :].astype(F32)  # [1, K]
+            Gj = G_ref[pl.ds(c0 + j, 1), :]
+            kd = jnp.exp(jnp.where(rows >= j, G - Gj, NEG)) * kj  # [C, K]: rows i >= j, decayed from j to i
+            sel = cols == j
+            a_kk = a_kk + jnp.where(sel, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
+            a_qk = a_qk + jnp.where(sel, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
+            return a_kk, a_qk
+
+        zero = jnp.zeros((C, C), F32)
+        a_kk, a_qk = jax.lax.fori_loop(0, C, column, (zero, zero))
+        L = jnp.where(rows > cols, a_kk * beta, 0.0)
+        a_qk = jnp.where(rows >= cols, a_qk, 0.0)
+        # (I + L)^-1 = sum_n (-L)^n (L nilpotent) = (I - L)(I + L^2)(I + L^4)...
+        n_doublings = int(math.ceil(math.log2(C)))
+        T = eye - L
+        P = dot(L, L)
+        for step in range(n_doublings - 1):
+            T = T + dot(T, P)
+            if step < n_doublings - 2:
+                P = dot(P, P)
+        gamma = jnp.exp(G)
+        u = dot(T, beta * v)  # [C, BV]
+        w = dot(T, beta * gamma * k)  # [C, K]
+        v_new = u - dot_nt(w, St, HIGHEST)  # w @ S
+        o = dot_nt(gamma * q, St, HIGHEST) + dot(a_qk, v_new)
+        o_ref[pl.ds(c0, C), :] = o
+        g_last = G_ref[pl.ds(c0 + C - 1, 1), :]  # [1, K]
+        kd = jnp.exp(g_last - G) * k
+        return St * jnp.exp(g_last) + dot_tn(v_new, kd, HIGHEST)
+
+    St = jax.lax.fori_loop(0, n_chunks, chunk, s0_ref[...].T)
+    s_ref[...] = St.T
+
+
+def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, scale, chunk_size=None,
+                platform="gpu", interpret=False, block_v=None, num_warps=None, num_stages=None):
+    """Chunked KDA prefill; same contract as :func:`kernels_pallas.kda.reference.kda_chunked`.
+
+    Returns (o ``[B, T, H, V]`` float32, final state ``[B, H, K, V]`` float32). ``chunk_size`` is the kernel's
+    own tile (default 32 on GPU, 64 on TPU); any chunk gives the same result up to float32 rounding.
+    """
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    C = int(chunk_size or (64 if platform == "tpu" else 32))
+    if C & (C - 1) or C < 8:
+        raise ValueError(f"kda_chunked: chunk_size {C} must be a power of two >= 8")
+    Tp = round_up(max(T, 1), C)
+    Kp, Vp = (next_pow2(K), next_pow2(V)) if platform == "gpu" else (K, V)
+    BV = block_v or (min(Vp, 64) if platform == "gpu" else Vp)
+    if Vp % BV:
+        raise ValueError(f"kda_chunked: block_v {BV} does not divide V = {Vp}")
+
+    # Padded steps are inert (g = 0, beta = 0, q = k = v = 0): they leave the state unchanged.
+    def head_major(x, width):  # [B, T, H, X] -> [B, H, Tp, X]
+        return jnp.transpose(pad_axis(pad_axis(x, 1, Tp), 3, width), (0, 2, 1, 3))
+
+    q = head_major(q_BTHK.astype(F32), Kp)
+    k = head_major(k_BTHK.astype(F32), Kp)
+    v = head_major(v_BTHV, Vp)
+    g = pad_axis(pad_axis(g_BTHK.astype(F32), 1, Tp), 3, Kp)
+    G = jnp.cumsum(g.reshape(B, Tp // C, C, H, Kp), axis=2).reshape(B, Tp, H, Kp)
+    G = jnp.transpose(G, (0, 2, 1, 3))
+    beta = jnp.transpose(pad_axis(beta_BTH.astype(F32), 1, Tp), (0, 2, 1))[..., None]  # [B, H, Tp, 1]
+    if state_BHKV is None:
+        s0 = jnp.zeros((B, H, Kp, Vp), F32)
+    else:
+        s0 = pad_axis(pad_axis(state_BHKV.astype(F32), 2, Kp), 3, Vp)
+
+    full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, j: (b, h, 0, 0))
+    vblk = lambda rows: pl.BlockSpec((None, None, rows, BV), lambda b, h, j: (b, h, 0, j))
+    o, s = pl.pallas_call(
+        functools.partial(_chunk_kernel, C=C, n_chunks=Tp // C, scale=float(scale)),
+        out_shape=(jax.ShapeDtypeStruct((B, H, Tp, Vp), F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), F32)),
+        grid=(B, H, Vp // BV),
+        in_specs=[full(Kp), full(Kp), full(Kp), vblk(Tp), full(1), vblk(Kp)],
+        out_specs=(vblk(Tp), vblk(Kp)),
+        interpret=interpret,
+        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
+                                        semantics=("parallel",) * 3),
+        name="kda_chunked",
+    )(q, k, G, v, beta, s0)
+    o = jnp.transpose(o, (0, 2, 1, 3))[:, :T, :, :V]
+    return o, s[:, :, :K, :V]
+
+
+def _recurrent_kernel(q_ref, k_ref, g_ref, v_ref, beta_ref, s0_ref, o_ref, s_ref, *, n_steps, scale):
+    def step(t, S):  # S: [K, BV]
+        q, k, g = q_ref[t], k_ref[t], g_ref[t]  # [K, 1] columns
+        S = S * jnp.exp(g)  # decay along the key dimension
+        kv = jnp.sum(S * k, axis=0, keepdims=True)  # [1, BV] = S^T k
+        S = S + k * ((v_ref[t].astype(F32) - kv) * beta_ref[t])  # delta rule on the decayed state
+        o_ref[t] = jnp.sum(S * q, axis=0, keepdims=True) * scale  # read after the update
+        return S
+
+    s_ref[...] = jax.lax.fori_loop(0, n_steps, step, s0_ref[...])
+
+
+def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, scale, platform="gpu",
+                  interpret=False, block_v=None, num_warps=None, num_stages=None):
+    """Token-by-token KDA (decode); same contract as :func:`kernels_pallas.kda.reference.kda_recurrent`.
+
+    A bandwidth kernel: each program streams its ``[K, BV]`` state slice in, applies every step on chip, and
+    writes it back once -- no matmul units, no intermediate state in HBM. Returns (o ``[B, T, H, V]`` f32, state).
+    """
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    Kp, Vp = (next_pow2(K), next_pow2(V)) if platform == "gpu" else (K, V)
+    BV = block_v or (min(Vp, 32) if platform == "gpu" else Vp)
+    if Vp % BV:
+        raise ValueError(f"kda_recurrent: block_v {BV} does not divide V = {Vp}")
+    # [B, T, H, X] -> [B, H, T, X, 1] key-side columns / [B, H, T, 1, V] value rows (free for T = 1)
+    col = lambda x: jnp.transpose(pad_axis(x.astype(F32), 3, Kp), (0, 2, 1, 3))[..., None]
+    q, k, g = col(q_BTHK), col(k_BTHK), col(g_BTHK)
+    v = jnp.transpose(pad_axis(v_BTHV, 3, Vp), (0, 2, 1, 3))[:, :, :, None, :]
+    beta = jnp.transpose(beta_BTH.astype(F32), (0, 2, 1))[..., None, None]  # [B, H, T, 1, 1]
+    if state_BHKV is None:
+        s0 = jnp.zeros((B, H, Kp, Vp), F32)
+    else:
+        s0 = pad_axis(pad_axis(state_BHKV.astype(F32), 2, Kp), 3, Vp)
+
+    cols = pl.BlockSpec((None, None, T, Kp, 1), lambda b, h, j: (b, h, 0, 0, 0))
+    rows = pl.BlockSpec((None, None, T, 1, BV), lambda b, h, j: (b, h, 0, 0, j))
+    state = pl.BlockSpec((None, None, Kp, BV), lambda b, h, j: (b, h, 0, j))
+    o, s = pl.pallas_call(
+        functools.partial(_recurrent_kernel, n_steps=T, scale=float(scale)),
+        out_shape=(jax.ShapeDtypeStruct((B, H, T, 1, Vp), F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), F32)),
+        grid=(B, H, Vp // BV),
+        in_specs=[cols, cols, cols, rows, pl.BlockSpec((None, None, T, 1, 1), lambda b, h, j: (b, h, 0, 0, 0)),
+                  state],
+        out_specs=(rows, state),
+        interpret=interpret,
+        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
+                                        semantics=("parallel",) * 3),
+        name="kda_recurrent",
+    )(q, k, g, v, beta, s0)
+    o = jnp.transpose(o[:, :, :, 0, :], (0, 2, 1, 3))[..., :V]
+    return o, s[:, :, :K, :V]

@@ -1,0 +1,292 @@
+"""MoE expert matmuls in Pallas, with bf16/f32 weights or MXFP4 weights unpacked inside the kernel.
+
+MXFP4 stays packed in HBM (uint8 ``[E, N, K/2]`` + E8M0 ``[E, N, K/32]``, ~0.53 byte per weight) and is decoded
+tile by tile next to the multiply. Byte j of a row holds element 2j (low nibble) and 2j+1 (high nibble); rather
+than interleave nibbles in the kernel, the wrapper splits the *activations* into even and odd columns once, and
+the kernel multiplies low nibbles with even columns and high nibbles with odd ones. E2M1 codes decode with a few
+compares (no table gather); the power-of-two scale is built from its exponent bits, so decoding is exact.
+
+Two kernels:
+
+* :func:`gmm` (prefill-shaped): rows sorted by expert, ragged group sizes. The wrapper pads every group to a
+  multiple of the row tile so each tile belongs to one expert (empty groups get no tile), and gives each tile its
+  expert id; the kernel reads that expert's weights. Tiles past the last used one skip all work.
+* :func:`gather_matmul` (decode-shaped): one program per (token, chosen expert) pair and output block, a
+  matrix-vector product that streams only the chosen experts' weights: a bandwidth kernel, no matmul units.
+
+Per backend: on GPU (Triton) the kernel indexes the expert inside the whole weight array (Triton has no scalar
+prefetch); on TPU (Mosaic) the expert ids are scalar-prefetched and select the weight block in the index map, so
+only that expert's tile is copied to VMEM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas._common import F32, cdiv, compiler_params, dot_nt, next_pow2, pad_axis, round_up
+from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
+
+
+def _decode_e2m1(codes):
+    """int32 nibbles (0..15) -> float32 E2M1 values: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    mag = (codes & 7).astype(F32)
+    val = jnp.where(mag < 4, mag * 0.5, jnp.where(mag < 6, mag - 2.0, mag * 2.0 - 8.0))
+    return jnp.where(codes >= 8, -val, val)
+
+
+def _decode_e8m0(s):
+    """uint8 exponents -> float32 2^(s - 127), exactly (255 is NaN; 0 is the subnormal 2^-127)."""
+    s = s.astype(jnp.int32)
+    val = jax.lax.bitcast_convert_type(jnp.left_shift(s, 23), F32)
+    val = jnp.where(s == 0, jnp.float32(2.0**-127), val)
+    return jnp.where(s == 255, jnp.float32(jnp.nan), val)
+
+
+def _expand_scale(sc, width, platform):
+    """[rows, G] scales -> [rows, width] with each scale repeated over its 16 packed bytes."""
+    rows, G = sc.shape
+    if platform == "tpu":  # one-hot matmul: Mosaic reshapes below 128 lanes are not safe
+        onehot = (jax.lax.broadcasted_iota(jnp.int32, (G, width), 1) // (GROUP // 2)
+                  == jax.lax.broadcasted_iota(jnp.int32, (G, width), 0)).astype(F32)
+        return jax.lax.dot_general(sc, onehot, (((1,), (0,)), ((), ())), preferred_element_type=F32,
+                                   precision=jax.lax.Precision.HIGHEST)
+    return jnp.broadcast_to(sc[:, :, None], (rows, G, GROUP // 2)).reshape(rows, width)
+
+
+def _mxfp4_halves(packed, scale, platform):
+    """Packed bytes [rows, kh] + scale bytes [rows, kh/16] -> (low, high) float32 weights [rows, kh] each."""
+    b = packed.astype(jnp.int32)
+    sc = _expand_scale(_decode_e8m0(scale), b.shape[1], platform)
+    return _decode_e2m1(b & 15) * sc, _decode_e2m1(jnp.right_shift(b, 4)) * sc
+
+
+# -- grouped matmul (prefill-shaped) ----------------------------------------------------------------------
+
+
+def _gmm_kernel(*refs, quant, bk, n_k, dt, platform, precision):
+    ids_ref, active_ref = refs[0], refs[1]
+    if quant:
+        xe_ref, xo_ref, wp_ref, ws_ref, o_ref = refs[2:]
+    else:
+        x_ref, w_ref, o_ref = refs[2:]
+    i = pl.program_id(0)
+    e = ids_ref[i]
+    # GPU: whole weight array, indexed by the expert here; TPU: the index map already selected the expert.
+    sel = (lambda ref, ks: ref[e, :, ks]) if platform != "tpu" else (lambda ref, ks: ref[:, ks])
+
+    @pl.when(active_ref[i] > 0)
+    def _():
+        def body(kk, acc):
+            if quant:
+                h = bk // 2
+                kb = pl.multiple_of(kk * h, h)
+                lo, hi = _mxfp4_halves(sel(wp_ref, pl.ds(kb, h)), sel(ws_ref, pl.ds(kk * (bk // GROUP), bk // GROUP)),
+                                       platform)
+                acc = acc + dot_nt(xe_ref[:, pl.ds(kb, h)], lo.astype(dt), precision)
+                return acc + dot_nt(xo_ref[:, pl.ds(kb, h)], hi.astype(dt), precision)
+            k0 = pl.multiple_of(kk * bk, bk)
+            return acc + dot_nt(x_ref[:, pl.ds(k0, bk)], sel(w_ref, pl.ds(k0, bk)).astype(dt), precision)
+
+        o_ref[...] = jax.lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, F32))
+
+    @pl.when(active_ref[i] == 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, F32)
+
+
+def _pow2_divisor(n: int, target: int, minimum: int) -> int | None:
+    b = next_pow2(target)
+    while b >= minimum:
+        if n % b == 0:
+            return b
+        b //= 2
+    return None
+
+
+def _blocks(N, K, *, quant, platform, block_n, block_k):
+    """Output and contraction blocks that divide N and K, so the (large) weight arrays are never padded."""
+    if platform == "tpu":
+        bn = block_n or next((b for b in (512, 256, 128) if N % b == 0), N)
+        return bn, K  # whole K per step on TPU (no lane-misaligned slices)
+    bn = block_n or _pow2_divisor(N, 64, 16)
+    bk = block_k or _pow2_divisor(K, 512, 64 if quant else 16)
+    if bn is None or bk is None:
+        raise ValueError(f"moe_gmm: expert weight dims N={N}, K={K} need power-of-two factors >= 16 for the "
+                         "GPU kernel (pass block_n/block_k, or use implementation='reference')")
+    return bn, bk
+
+
+def _weight_arrays(w, dt):
+    if isinstance(w, MXFP4Weight):
+        packed, scale = w
+        E, N, kh = packed.shape
+        if scale.shape != (E, N, kh * 2 // GROUP):
+            raise ValueError(f"MXFP4 packed {packed.shape} and scale {scale.shape} do not match")
+        return True, (packed, scale), E, N, kh * 2
+    E, N, K = w.shape
+    return False, (w,), E, N, K
+
+
+def _split_even_odd(x):
+    return x[..., 0::2], x[..., 1::2]
+
+
+def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", interpret=False, block_m=None,
+        block_n=None, block_k=None, num_warps=None, num_stages=None):
+    """Grouped matmul; same contract as :func:`kernels_pallas.moe_gmm.reference.gmm`. Returns ``[M, N]`` f32."""
+    dt = jnp.dtype(compute_dtype or x_MK.dtype)
+    quant, warrs, E, N, K = _weight_arrays(w_ENK, dt)
+    M = x_MK.shape[0]
+    if x_MK.shape[1] != K:
+        raise ValueError(f"gmm: x {x_MK.shape} does not match weights of input width {K}")
+    bm = block_m or (16 if M <= 4 * E else 64)
+    bn, bk = _blocks(N, K, quant=quant, platform=platform, block_n=block_n, block_k=block_k)
+
+    # Tile plan: group e gets ceil(size_e / bm) tiles; n_tiles bounds the total statically.
+    gs = group_sizes_E.astype(jnp.int32)
+    starts = jnp.cumsum(gs) - gs
+    tiles = (gs + bm - 1) // bm
+    tile_end = jnp.cumsum(tiles)
+    used = tile_end[-1]
+    n_tiles = cdiv(M, bm) + min(E, M)
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    tile_e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1).astype(jnp.int32)
+    # unused tiles repeat the last used expert, so a pipelined (TPU) kernel does not fetch new weights for them
+    last_e = tile_e[jnp.maximum(used - 1, 0)]
+    tile_e = jnp.where(t < used, tile_e, last_e)
+    active = (t < used).astype(jnp.int32)
+    # padded row p <- sorted row src (or zeros)
+    p = jnp.arange(n_tiles * bm, dtype=jnp.int32)
+    pe = tile_e[p // bm]
+    off = (p // bm - (tile_end[pe] - tiles[pe])) * bm + p % bm
+    valid = (p // bm < used) & (off < gs[pe])
+    src = jnp.where(valid, starts[pe] + off, 0)
+    xs = jnp.where(valid[:, None], x_MK[src].astype(dt), jnp.zeros((), dt))  # [n_tiles * bm, K]
+
+    Np = round_up(N, bn)
+    if Np != N:
+        warrs = tuple(pad_axis(a, 1, Np) for a in warrs)
+    if quant:
+        xe, xo = _split_even_odd(xs)
+        xargs = (xe, xo)
+        x_specs = [pl.BlockSpec((bm, K // 2), lambda i, j, *_: (i, 0))] * 2
+        wshapes = [(Np, K // 2), (Np, K // GROUP)]
+    else:
+        xargs = (xs,)
+        x_specs = [pl.BlockSpec((bm, K), lambda i, j, *_: (i, 0))]
+        wshapes = [(Np, K)]
+    out_shape = jax.ShapeDtypeStruct((n_tiles * bm, Np), F32)
+    kernel = functools.partial(_gmm_kernel, quant=quant, bk=bk, n_k=K // bk, dt=dt, platform=platform,
+                               precision=jax.lax.Precision.HIGHEST if dt == jnp.float32 else None)
+    params = compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
+                             semantics=("parallel", "parallel"))
+    grid = (n_tiles, Np // bn)
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        w_specs = [pl.BlockSpec((None, bn, s[1]), lambda i, j, ids, act: (ids[i], j, 0)) for s in wshapes]
+        out = pl.pallas_call(
+            kernel, out_shape=out_shape, interpret=interpret, compiler_params=params, name="moe_gmm",
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=grid, in_specs=[*x_specs, *w_specs],
+                out_specs=pl.BlockSpec((bm, bn), lambda i, j, ids, act: (i, j))),
+        )(tile_e, active, *xargs, *warrs)
+    else:
+        w_specs = [pl.BlockSpec((E, bn, s[1]), lambda i, j: (0, j, 0)) for s in wshapes]
+        meta = pl.BlockSpec((n_tiles,), lambda i, j: (0,))
+        out = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=grid, in_specs=[meta, meta, *x_specs, *w_specs],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)), interpret=interpret, compiler_params=params,
+            name="moe_gmm",
+        )(tile_e, active, *xargs, *warrs)
+    # sorted row r -> its padded position; rows past sum(group_sizes) give zeros
+    r = jnp.arange(M, dtype=jnp.int32)
+    re = jnp.minimum(jnp.searchsorted(starts + gs, r, side="right"), E - 1)
+    pos = (tile_end[re] - tiles[re]) * bm + (r - starts[re])
+    keep = r < jnp.sum(gs)
+    return jnp.where(keep[:, None], out[jnp.where(keep, pos, 0), :N], 0.0)
+
+
+# -- gathered matrix-vector products (decode-shaped) ------------------------------------------------------
+
+
+def _gather_kernel(*refs, quant, bk, n_k, dt, platform):
+    ids_ref = refs[0]
+    if quant:
+        xe_ref, xo_ref, wp_ref, ws_ref, o_ref = refs[1:]
+    else:
+        x_ref, w_ref, o_ref = refs[1:]
+    e = ids_ref[pl.program_id(0)]
+    sel = (lambda ref, ks: ref[e, :, ks]) if platform != "tpu" else (lambda ref, ks: ref[:, ks])
+
+    def body(kk, acc):  # acc [bn, 1]: weights x activation row, reduced over K on the vector units
+        if quant:
+            h = bk // 2
+            kb = pl.multiple_of(kk * h, h)
+            lo, hi = _mxfp4_halves(sel(wp_ref, pl.ds(kb, h)), sel(ws_ref, pl.ds(kk * (bk // GROUP), bk // GROUP)),
+                                   platform)
+            prod = lo * xe_ref[:, pl.ds(kb, h)].astype(F32) + hi * xo_ref[:, pl.ds(kb, h)].astype(F32)
+        else:
+            k0 = pl.multiple_of(kk * bk, bk)
+            w = sel(w_ref, pl.ds(k0, bk)).astype(dt).astype(F32)
+            prod = w * x_ref[:, pl.ds(k0, bk)].astype(F32)
+        return acc + jnp.sum(prod, axis=1, keepdims=True)
+
+    o_ref[...] = jax.lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, F32))
+
+
+def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, platform="gpu", interpret=False, block_n=None,
+                  block_k=None, num_warps=None, num_stages=None):
+    """Decode-shaped expert matmul; same contract as the reference. Returns ``[N, X, N_out]`` float32.
+
+    Products are of compute-dtype values (MXFP4 decodes exactly into any of them), summed in float32.
+    """
+    dt = jnp.dtype(compute_dtype or x_NXK.dtype)
+    quant, warrs, E, Nout, K = _weight_arrays(w_ENK, dt)
+    Nt, X, Kx = x_NXK.shape
+    if Kx != K:
+        raise ValueError(f"gather_matmul: x {x_NXK.shape} does not match weights of input width {K}")
+    bn, bk = _blocks(Nout, K, quant=quant, platform=platform, block_n=block_n or (None if platform == "tpu" else 64),
+                     block_k=block_k)
+    P = Nt * X
+    ids = idx_NX.reshape(P).astype(jnp.int32)
+    x = x_NXK.reshape(P, 1, K).astype(dt)
+    Np = round_up(Nout, bn)
+    if Np != Nout:
+        warrs = tuple(pad_axis(a, 1, Np) for a in warrs)
+    if quant:
+        xargs = _split_even_odd(x)
+        x_specs = [pl.BlockSpec((None, 1, K // 2), lambda p, j, *_: (p, 0, 0))] * 2
+        wshapes = [(Np, K // 2), (Np, K // GROUP)]
+    else:
+        xargs = (x,)
+        x_specs = [pl.BlockSpec((None, 1, K), lambda p, j, *_: (p, 0, 0))]
+        wshapes = [(Np, K)]
+    out_shape = jax.ShapeDtypeStruct((P, Np, 1), F32)
+    kernel = functools.partial(_gather_kernel, quant=quant, bk=bk, n_k=K // bk, dt=dt, platform=platform)
+    params = compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
+                             semantics=("parallel", "parallel"))
+    grid = (P, Np // bn)
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        w_specs = [pl.BlockSpec((None, bn, s[1]), lambda p, j, ids: (ids[p], j, 0)) for s in wshapes]
+        out = pl.pallas_call(
+            kernel, out_shape=out_shape, interpret=interpret, compiler_params=params, name="moe_gather_matmul",
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1, grid=grid, in_specs=[*x_specs, *w_specs],
+                out_specs=pl.BlockSpec((None, bn, 1), lambda p, j, ids: (p, j, 0))),
+        )(ids, *xargs, *warrs)
+    else:
+        w_specs = [pl.BlockSpec((E, bn, s[1]), lambda p, j: (0, j, 0)) for s in wshapes]
+        out = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=grid,
+            in_specs=[pl.BlockSpec((P,), lambda p, j: (0,)), *x_specs, *w_specs],
+            out_specs=pl.BlockSpec((None, bn, 1), lambda p, j: (p, j, 0)), interpret=interpret,
+            compiler_params=params, name="moe_gather_matmul",
+        )(ids, *xargs, *warrs)
+    return out[:, :Nout, 0].reshape(Nt, X, Nout)
