@@ -1,0 +1,404 @@
+"""Generation: bucketed prefill and a compiled multi-step decode loop over the static cache, with sampling.
+
+How it is built (and why):
+
+* The model is split once (``nnx.split``) into a static graph definition and a parameter pytree; the two jitted
+  functions below merge them inside, so parameters are ordinary (non-donated) inputs.
+* Compile-time constants: batch slots ``B`` (bucketed), prompt bucket ``T``, cache length ``S``, output
+  capacity ``N`` (= S), the number of stop-id slots and whether logits are recorded. Everything a request
+  varies -- prompt lengths, token budgets, temperature / top-k / top-p, seed, stop ids -- is a traced value,
+  so a warm generator never recompiles.
+* Prefill (fresh, right-padded prompts with per-sequence lengths) writes the cache and samples the first
+  token. Decode runs many steps inside one ``lax.while_loop`` (each sequence stops on a stop id or its
+  budget; finished sequences feed length 0, which leaves their cache untouched), with the loop state -- cache
+  included -- donated. The host is not in the loop per token.
+* Streaming calls the same compiled decode function with a traced step limit (``stream_every`` steps per
+  call) and hands the new tokens to the callback in between. We chose this over ``io_callback`` because it
+  keeps the loop free of host round-trips (a callback would sync device and host every token), needs no
+  ordered effects inside ``while_loop``, and costs nothing when not streaming.
+* The cache of each batch bucket is kept and donated from request to request: a fresh prefill never reads
+  old contents (KDA state and conv tails restart from zero; attention only sees positions written by this
+  request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import weakref
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from kimi_jax.cache import Cache, init_cache
+from kimi_jax.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
+
+F32 = jnp.float32
+STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
+
+
+class GenerationError(ValueError):
+    """Bad input to generation: named argument, offending value, what would be valid."""
+
+
+# -- sampling -----------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class Sampling:
+    temperature: jax.Array  # [B] float32; <= 0 means greedy
+    top_k: jax.Array  # [B] int32; 0 = no top-k filter
+    top_p: jax.Array  # [B] float32 in (0, 1]; 1 = no nucleus filter
+    budget: jax.Array  # [B] int32 new tokens allowed (0 for unused batch slots)
+    stop: jax.Array  # [NS] int32 stop ids, -1 = unused slot
+    seed: jax.Array  # [] uint32
+
+
+def _sample_one(logits_V, key, temperature, top_k, top_p):
+    """Temperature, then top-k, then top-p on the renormalised top-k distribution; one draw."""
+    V = logits_V.shape[-1]
+    vals, idx = jax.lax.top_k(logits_V / jnp.maximum(temperature, 1e-6), V)  # sorted, descending
+    rank = jnp.arange(V)
+    vals = jnp.where((top_k <= 0) | (rank < top_k), vals, -jnp.inf)
+    p = jax.nn.softmax(vals)
+    mass_before = jnp.cumsum(p) - p
+    vals = jnp.where((top_p >= 1.0) | (mass_before < top_p), vals, -jnp.inf)  # keeps rank 0 always
+    return idx[jax.random.categorical(key, vals)]
+
+
+def sample(logits_BV, keys_B, temperature_B, top_k_B, top_p_B):
+    """One token per row of float32 logits. Rows with temperature <= 0 take the argmax (first on ties, as
+    torch); the sorting path only runs when some row samples."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    stochastic = lambda: jax.vmap(_sample_one)(logits_BV, keys_B, temperature_B, top_k_B, top_p_B).astype(jnp.int32)
+    drawn = jax.lax.cond(jnp.any(temperature_B > 0), stochastic, lambda: greedy)
+    return jnp.where(temperature_B > 0, drawn, greedy)
+
+
+def _step_keys(seed, count_B):
+    """Key of sequence b for its n-th new token: fold_in(fold_in(key(seed), b), n) -- reproducible, and
+    independent of how many steps each decode call runs."""
+    base = jax.random.key(seed)
+    b = jnp.arange(count_B.shape[0])
+    return jax.vmap(lambda i, n: jax.random.fold_in(jax.random.fold_in(base, i), n))(b, count_B)
+
+
+# -- the two compiled functions -----------------------------------------------------------------------------
+
+
+@struct.dataclass
+class DecodeState:
+    cache: Cache
+    token: jax.Array  # [B] int32: last sampled token, the next step's input
+    out: jax.Array  # [B, N] int32: new tokens, row b valid up to count[b]
+    count: jax.Array  # [B] int32: new tokens so far
+    done: jax.Array  # [B] bool
+    logits: jax.Array | None = None  # [B, N, V] float32: the logits each new token was drawn from (optional)
+
+
+def _accept(st: DecodeState, logits_BV, samp: Sampling, active_B) -> DecodeState:
+    """Sample from ``logits`` for active rows and append; inactive rows keep everything."""
+    tok = sample(logits_BV, _step_keys(samp.seed, st.count), samp.temperature, samp.top_k, samp.top_p)
+    tok = jnp.where(active_B, tok, st.token)
+    B, N = st.out.shape
+    rows = jnp.arange(B)
+    slot = jnp.where(active_B, st.count, N)  # N: out of range, dropped
+    out = st.out.at[rows, slot].set(tok, mode="drop")
+    logits = st.logits
+    if logits is not None:
+        logits = logits.at[rows, slot].set(logits_BV, mode="drop")
+    count = st.count + active_B.astype(jnp.int32)
+    stopped = jnp.any(tok[:, None] == samp.stop[None, :], axis=-1)
+    done = st.done | (active_B & (stopped | (count >= samp.budget)))
+    return DecodeState(st.cache, tok, out, count, done, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "out_len", "record_logits"), donate_argnames=("cache",))
+def prefill(graphdef, params, cache: Cache, ids_BT, lengths_B, samp: Sampling, *, out_len: int,
+            record_logits: bool = False) -> DecodeState:
+    """Fresh prefill of right-padded prompts (``lengths`` valid tokens each; 0 = unused slot) and the first
+    sampled token. Returns the decode state; ``cache`` is donated."""
+    model = nnx.merge(graphdef, params)
+    res = model(ids_BT, cache=cache, lengths=lengths_B, last_only=True)
+    B = ids_BT.shape[0]
+    V = res.logits.shape[-1]
+    st = DecodeState(
+        cache=res.cache,
+        token=jnp.zeros((B,), jnp.int32),
+        out=jnp.zeros((B, out_len), jnp.int32),
+        count=jnp.zeros((B,), jnp.int32),
+        done=samp.budget <= 0,
+        logits=jnp.zeros((B, out_len, V), F32) if record_logits else None,
+    )
+    return _accept(st, res.logits[:, 0], samp, ~st.done)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def decode(graphdef, params, state: DecodeState, samp: Sampling, max_steps) -> DecodeState:
+    """Up to ``max_steps`` (traced) decode steps in one ``while_loop``; stops early when every sequence is
+    done. ``state`` is donated."""
+    model = nnx.merge(graphdef, params)
+
+    def cond(carry):
+        i, st = carry
+        return (i < max_steps) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, st = carry
+        active = ~st.done
+        res = model(st.token[:, None], cache=st.cache, lengths=active.astype(jnp.int32), prefix=True,
+                    last_only=True)
+        st = _accept(st.replace(cache=res.cache), res.logits[:, 0], samp, active)
+        return i + 1, st
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+# -- host side ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt (a final stop id included)
+    text: list[str] | None  # decoded new tokens (stop id excluded), when a tokenizer is known
+    prompt_tokens: list[list[int]]
+    finish_reason: list[str]  # "stop" (a stop id) | "length" (budget)
+    logits: list[np.ndarray] | None = None  # per prompt [n_new, V] float32 (record_logits=True)
+    timings: dict = dataclasses.field(default_factory=dict)  # seconds: prefill (incl. first token), decode
+
+
+def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise GenerationError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+def _per_seq(value, n: int, name: str, dtype):
+    arr = np.asarray(value, dtype)
+    if arr.ndim == 0:
+        return np.full((n,), arr, dtype)
+    if arr.shape != (n,):
+        raise GenerationError(f"{name}: give one value or one per prompt ({n}), got shape {arr.shape}")
+    return arr
+
+
+def encode_prompts(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[int]]:
+    """Prompts (a string, a list of ids, or a list of either) as lists of ids, validated."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(p, (int, np.integer)) for p in prompts)):
+        prompts = [prompts]
+    elif isinstance(prompts, np.ndarray):
+        prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise GenerationError("prompts: give a string, a list of token ids, or a non-empty list of either")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise GenerationError(f"prompt {i} is text but no tokenizer is known: pass tokenizer= (an "
+                                      "object or a model directory with tiktoken.model / tokenizer.json)")
+            ids = tokenizer.encode(p)
+        else:
+            try:
+                ids = [int(t) for t in np.asarray(p).reshape(-1)]
+            except (TypeError, ValueError):
+                raise GenerationError(f"prompt {i}: not a string or a sequence of token ids") from None
+        if not ids:
+            raise GenerationError(f"prompt {i} is empty (0 tokens)")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
+        out.append(ids)
+    return out
+
+
+class Generator:
+    """A model ready to generate: split once, caches kept per batch bucket, compiled functions reused.
+
+    ``max_len``: cache length S (prompt + new tokens must fit). ``batch_buckets`` / ``prompt_buckets``:
+    static shapes requests are padded to (defaults: powers of two; prompts from 16 up to ``max_len``).
+    """
+
+    def __init__(self, model, tokenizer: Tokenizer | str | None = None, *, max_len: int = 1024,
+                 batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), prompt_buckets: Sequence[int] | None = None,
+                 min_prompt_bucket: int = 16):
+        if max_len < 2:
+            raise GenerationError(f"max_len must be >= 2, got {max_len}")
+        self.cfg = model.cfg
+        self.dtype = model.run.dtype
+        self.graphdef, self.params = nnx.split(model)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.cfg.vocab_size:
+            raise GenerationError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model only "
+                                  f"{self.cfg.vocab_size}")
+        self.max_len = int(max_len)
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.prompt_buckets = tuple(sorted(prompt_buckets)) if prompt_buckets else _pow2_buckets(
+            min(min_prompt_bucket, self.max_len), self.max_len)
+        self._caches: dict[int, Cache] = {}
+
+    # default stop ids: the chat turn terminator when the tokenizer has one, else its EOS, else the config's
+    def default_stop(self) -> list[int]:
+        tok = self.tokenizer
+        if tok is not None and END_OF_MSG in tok.specials:
+            return [tok.specials[END_OF_MSG]]
+        if tok is not None and tok.eos_id is not None:
+            return [tok.eos_id]
+        return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
+
+    def _cache(self, B: int) -> Cache:
+        cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate
+        return cache if cache is not None else init_cache(self.cfg, B, self.max_len, self.dtype)
+
+    def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
+                 stop: Sequence[int] | None = None, seed: int = 0,
+                 stream: Callable[[list[list[int]], list[str] | None], None] | None = None, stream_every: int = 8,
+                 record_logits: bool = False) -> Generation:
+        """Generate for one prompt or a batch of prompts of different lengths.
+
+        ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``: one value or one per prompt. ``stop``: ids
+        that end a sequence (default :meth:`default_stop`; ``()`` for none). ``stream(new_tokens, new_text)``
+        is called every ``stream_every`` decode steps with each sequence's new tokens (and text).
+        """
+        ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
+        n = len(ids)
+        budget = _per_seq(max_new_tokens, n, "max_new_tokens", np.int64)
+        if np.any(budget <= 0):
+            raise GenerationError(f"max_new_tokens must be positive, got {budget.tolist()}")
+        temp = _per_seq(temperature, n, "temperature", np.float32)
+        if np.any(~np.isfinite(temp)) or np.any(temp < 0):
+            raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {temp.tolist()}")
+        topk = _per_seq(top_k, n, "top_k", np.int64)
+        if np.any(topk < 0):
+            raise GenerationError(f"top_k must be >= 0 (0 = off), got {topk.tolist()}")
+        topp = _per_seq(top_p, n, "top_p", np.float32)
+        if np.any(~(topp > 0)) or np.any(topp > 1):
+            raise GenerationError(f"top_p must be in (0, 1], got {topp.tolist()}")
+        if stream_every < 1:
+            raise GenerationError(f"stream_every must be >= 1, got {stream_every}")
+        for i, p in enumerate(ids):
+            if len(p) >= self.max_len:
+                raise GenerationError(f"prompt {i} has {len(p)} tokens; the cache holds {self.max_len} "
+                                      "(raise max_len)")
+            if len(p) + budget[i] > self.max_len:
+                raise GenerationError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({budget[i]}) exceeds the "
+                                      f"cache length {self.max_len} (raise max_len)")
+        stop = self.default_stop() if stop is None else [int(s) for s in stop]
+        bad = [s for s in stop if not 0 <= s < self.cfg.vocab_size]
+        if bad:
+            raise GenerationError(f"stop ids {bad} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        if not 0 <= int(seed) < 2**32:
+            raise GenerationError(f"seed must be in [0, 2**32), got {seed}")
+
+        B = _bucket(n, self.batch_buckets, "batch size")
+        T = _bucket(max(len(p) for p in ids), self.prompt_buckets, "prompt length")
+        tokens = np.zeros((B, T), np.int32)
+        lengths = np.zeros((B,), np.int32)
+        for i, p in enumerate(ids):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+        pad = lambda a, fill, dt: np.concatenate([a.astype(dt), np.full((B - n,), fill, dt)])
+        stop_arr = np.full((-(-max(len(stop), 1) // STOP_SLOTS) * STOP_SLOTS,), -1, np.int32)
+        stop_arr[: len(stop)] = stop
+        samp = Sampling(pad(temp, 0, np.float32), pad(topk, 0, np.int32), pad(topp, 1, np.float32),
+                        pad(budget, 0, np.int32), stop_arr, np.uint32(seed))
+
+        t0 = time.perf_counter()
+        st = prefill(self.graphdef, self.params, self._cache(B), tokens, lengths, samp, out_len=self.max_len,
+                     record_logits=record_logits)
+        st.count.block_until_ready()
+        t1 = time.perf_counter()
+        max_budget = int(budget.max())
+        if stream is None:
+            st = decode(self.graphdef, self.params, st, samp, np.int32(max_budget))
+        else:
+            decoders = [self.tokenizer.stream_decoder() for _ in range(n)] if self.tokenizer else None
+            sent = np.zeros((n,), np.int64)
+
+            def emit(st, final=False):
+                count, out = np.asarray(st.count)[:n], np.asarray(st.out)[:n]
+                new = [out[i, sent[i] : count[i]].tolist() for i in range(n)]
+                sent[:] = count
+                text = None
+                if decoders is not None:
+                    text = [decoders[i].push([t for t in new[i] if t not in stop]) + (decoders[i].flush() if final else "")
+                            for i in range(n)]
+                if any(new) or (final and text and any(text)):
+                    stream(new, text)
+
+            emit(st)
+            while not bool(np.all(np.asarray(st.done))):
+                st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
+                emit(st, final=bool(np.all(np.asarray(st.done))))
+        st.count.block_until_ready()
+        t2 = time.perf_counter()
+
+        count, out, done = np.asarray(st.count), np.asarray(st.out), np.asarray(st.done)
+        logits = np.asarray(st.logits) if record_logits else None
+        self._caches[B] = st.cache
+        new = [out[i, : count[i]].tolist() for i in range(n)]
+        reasons = ["stop" if (toks and toks[-1] in stop) else "length" for toks in new]
+        if not bool(np.all(done[:n])):  # cannot happen: the loop runs max(budget) steps
+            raise RuntimeError("decode loop ended before every sequence finished")
+        text = None
+        if self.tokenizer is not None:
+            text = [self.tokenizer.decode(t[:-1] if r == "stop" else t) for t, r in zip(new, reasons)]
+        return Generation(
+            tokens=new, text=text, prompt_tokens=ids, finish_reason=reasons,
+            logits=None if logits is None else [logits[i, : count[i]] for i in range(n)],
+            timings={"prefill": t1 - t0, "decode": t2 - t1, "new_tokens": int(count[:n].sum()),
+                     "decode_steps": int(count[:n].max()) - 1, "batch_bucket": B, "prompt_bucket": T},
+        )
+
+
+_GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def _auto_max_len(longest_prompt: int, max_new: int) -> int:
+    """Power of two >= 256: varying requests reuse a few cache sizes instead of compiling one each."""
+    need = longest_prompt + max_new
+    size = 256
+    while size < need:
+        size *= 2
+    return size
+
+
+def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
+             stop: Sequence[int] | None = None, seed: int = 0, tokenizer: Tokenizer | str | None = None,
+             stream=None, stream_every: int = 8, max_len: int | None = None, record_logits: bool = False
+             ) -> Generation:
+    """Generate from a :class:`~kimi_jax.model.KimiModel`: see :meth:`Generator.generate`.
+
+    ``prompts``: a string, a list of token ids, or a list of either (different lengths are fine). ``tokenizer``:
+    a :class:`~kimi_jax.tokenizer.Tokenizer` or a model directory holding tokenizer files (needed for text).
+    ``max_len``: cache length; by default the smallest power of two >= 256 that fits. The generator (and its
+    compiled functions and caches) is kept per model, so repeated calls do not recompile.
+    """
+    if isinstance(tokenizer, str):
+        if tokenizer not in _TOKENIZERS:
+            _TOKENIZERS[tokenizer] = load_tokenizer(tokenizer)
+        tokenizer = _TOKENIZERS[tokenizer]
+    if max_len is None:
+        longest = max(len(p) for p in encode_prompts(prompts, tokenizer, model.cfg.vocab_size))
+        max_len = _auto_max_len(longest, int(np.max(max_new_tokens)))
+    per_model = _GENERATORS.setdefault(model, {})
+    key = (id(tokenizer), int(max_len))
+    gen = per_model.get(key)
+    if gen is None or gen.tokenizer is not tokenizer:
+        gen = per_model[key] = Generator(model, tokenizer, max_len=max_len)
+    return gen.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                        seed=seed, stream=stream, stream_every=stream_every, record_logits=record_logits)
