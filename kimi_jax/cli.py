@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shards", type=int, default=2)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.set_defaults(func=_cmd_make_tiny)
+    c = sub.add_parser("convert", help="convert an HF safetensors checkpoint into a kimi-jax Orbax checkpoint")
+    from convert import cli as convert_cli
+
+    convert_cli.add_arguments(c)
+    c.set_defaults(func=convert_cli.run)
     return p
 
 

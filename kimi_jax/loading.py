@@ -20,6 +20,13 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
+    from convert import orbax_io
+
+    converted = orbax_io.looks_converted(path)  # `kimi-jax convert` output (Orbax)
+    if converted:
+        orbax_io.read_marker(path)  # refuses an unfinished conversion, naming what is missing
     cfg = config_lib.load(path, strict=strict)
     run = run or RunConfig(dtype=jnp.dtype(dtype), implementation=implementation)
+    if converted:
+        return orbax_io.load_converted(path, cfg, lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0)))
     return load_hf(path, cfg, lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0)))

@@ -1,0 +1,23 @@
+"""``kimi-jax convert SRC DST``: the command-line face of :func:`convert.converter.convert_checkpoint`."""
+
+from __future__ import annotations
+
+
+def add_arguments(p):
+    p.add_argument("src", metavar="SRC", help="HF checkpoint directory (config.json, safetensors shards, tokenizer)")
+    p.add_argument("dst", metavar="DST", help="output directory (Orbax checkpoint + config + tokenizer files)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="parameter dtype (float32 tensors of the release stay float32, MXFP4 experts stay packed)")
+    p.add_argument("--layers", type=int, metavar="N", help="keep only the first N layers")
+    p.add_argument("--experts", type=int, metavar="N", help="keep only the first N routed experts per MoE layer")
+    p.add_argument("--overwrite", action="store_true", help="replace whatever DST holds")
+    p.add_argument("--verify", action="store_true", help="reread every stored array and compare with its source")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args):
+    from convert.converter import convert_checkpoint
+
+    summary = convert_checkpoint(args.src, args.dst, dtype=args.dtype, layers=args.layers, experts=args.experts,
+                                 overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress)
+    print(summary)

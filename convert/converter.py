@@ -1,0 +1,476 @@
+"""HF safetensors -> Orbax conversion: streaming, resumable, memory-bounded, MXFP4 kept packed.
+
+Order of work:
+  1. Validate everything that can be validated without writing: config.json (and the --layers/--experts slice), every
+     shard header (JSON, dtypes, offsets, truncation, duplicates -- kimi_jax.safetensors_io), the name table
+     (every tensor placed exactly once, every parameter filled -- kimi_jax.weights.plan), every shape and dtype
+     against the model (on zero-strided stand-ins, no memory), and the zero padding of every A_log.
+  2. Claim DST: empty, or an unfinished conversion of the same source with the same options (resume), or --overwrite.
+  3. Convert parameter by parameter in source-file order. Each output array is allocated 64-byte aligned, filled
+     straight from the shard files (``readinto`` when no transform is needed, so the bytes are copied once) and
+     handed to JAX on the CPU device without a copy; a batch of arrays (at most one large one) becomes one Orbax
+     partial save. Peak memory is about one output array plus the batch limit, far under 2x the largest + 1 GB.
+  4. config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then write
+     ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
+
+Resuming reads which parameters earlier partial saves committed (convert.orbax_io.saved_paths) and skips them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import re
+import resource
+import shutil
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from convert import orbax_io
+from kimi_jax import config as config_lib
+from kimi_jax.layers import RunConfig
+from kimi_jax.model import KimiModel
+from kimi_jax.safetensors_io import INDEX, SINGLE, Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.weights import Placement, WeightError, _identity, canonical, flat_targets, plan, transform
+
+# Files copied from SRC besides the weights (tokenizers, chat/generation settings). config.json is written by us.
+AUX_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "tokenizer.model", "special_tokens_map.json",
+             "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+             "generation_config.json")
+BATCH_BYTES = 256 << 20  # parameters saved together; a larger parameter is saved alone
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_ROUTER = ("mlp.gate", "mlp.e_score_correction_bias")  # sliced to the first --experts rows
+
+
+class ConvertError(CheckpointError):
+    """A conversion that cannot proceed (bad source, DST in the way, options that do not fit)."""
+
+
+class VerifyError(ConvertError):
+    """--verify found a stored array that differs from its source tensor."""
+
+
+@dataclasses.dataclass
+class Summary:
+    dst: str
+    tensors: int  # source tensors read in this run
+    params: int  # parameters (output arrays) written in this run
+    skipped: int  # parameters already on disk from an interrupted run
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    peak_rss: int  # bytes (ru_maxrss of this process)
+    verified: bool
+
+    def __str__(self):
+        rate = self.bytes_out / max(self.seconds, 1e-9) / 1e6
+        return (f"converted to {self.dst}: {self.tensors} tensors -> {self.params} parameters"
+                + (f" ({self.skipped} already done)" if self.skipped else "")
+                + f", {self.bytes_in / 1e6:.1f} MB in, {self.bytes_out / 1e6:.1f} MB out in {self.seconds:.1f} s "
+                f"({rate:.0f} MB/s), peak RSS {self.peak_rss / 2**20:.0f} MiB" + (", verified" if self.verified else ""))
+
+
+# -- the plan -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Job:
+    """One output parameter and the source tensors that fill it."""
+
+    target: str
+    sds: jax.ShapeDtypeStruct
+    group: list  # [Placement]; stacked experts: one per expert, sorted
+    rows: int | None  # router rows kept under --experts (None: whole tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.sds.shape)) * np.dtype(self.sds.dtype).itemsize
+
+
+def _keep(name: str, cfg: config_lib.ModelConfig, layers: int | None, experts: int | None) -> bool:
+    cname = canonical(name, cfg) or name
+    if layers is not None and (m := _LAYER.match(cname)) and int(m.group(1)) >= layers:
+        return False
+    if experts is not None and (m := _EXPERT.search(cname)) and int(m.group(1)) >= experts:
+        return False
+    return True
+
+
+def _fake(info: TensorInfo, rows: int | None):
+    """A zero-strided stand-in with the tensor's shape and dtype class, for the name table's checks (no memory)."""
+    from convert.safetensors_write import NUMPY
+
+    dt = NUMPY.get(info.dtype, np.dtype(np.float32))
+    shape = tuple(info.shape)
+    if rows is not None:
+        shape = (min(rows, shape[0]),) + shape[1:]
+    return np.broadcast_to(np.zeros((), dt), shape)
+
+
+def _plan_jobs(ckpt: Checkpoint, cfg, targets, layers, experts) -> tuple[list[_Job], list[str]]:
+    names = [n for n in ckpt.tensors if _keep(n, cfg, layers, experts)]
+    placements, ignored = plan(names, cfg, targets)
+    by_target: dict[str, list[Placement]] = {}
+    for p in placements:
+        by_target.setdefault(p.target, []).append(p)
+    jobs = []
+    for target, group in by_target.items():
+        rows = experts if (experts is not None and target.endswith(_ROUTER)) else None
+        jobs.append(_Job(target, targets[target], sorted(group, key=lambda p: -1 if p.expert is None else p.expert),
+                         rows))
+    # Source-file order, so shards are read front to back.
+    jobs.sort(key=lambda j: min((ckpt.tensors[p.tensor].file, ckpt.tensors[p.tensor].offset) for p in j.group))
+    return jobs, ignored
+
+
+def _preflight(ckpt: Checkpoint, jobs: list[_Job]):
+    """Every shape and dtype against the model, and the A_log padding, before anything is written."""
+    for job in jobs:
+        for p in job.group:
+            info = ckpt.tensors[p.tensor]
+            if p.transform == "a_log":  # small: check the real values (zero padding) now
+                transform(p, ckpt.get(p.tensor), info, job.sds)
+            else:
+                transform(p, _fake(info, job.rows), info, job.sds)
+
+
+# -- reading one parameter -----------------------------------------------------------------------------------
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array at a 64-byte boundary: jax.device_put on the CPU device then adopts it without a copy."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+class _Reader:
+    """Reads source tensors into output buffers; keeps shard files open."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.files: dict[str, object] = {}
+        self.bytes_in = 0
+        self.tensors = 0
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+    def _raw_into(self, info: TensorInfo, out: np.ndarray):
+        """Copy the tensor's bytes from its shard straight into ``out`` (same dtype and element count)."""
+        f = self.files.get(info.file)
+        if f is None:
+            try:
+                f = self.files[info.file] = open(info.file, "rb", buffering=0)
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: cannot open ({e.strerror or e})") from None
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(f.fileno(), [view[done:]], info.offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{info.file}: tensor {info.name!r}: file ended after {done} of its "
+                                      f"{info.nbytes} bytes (truncated while converting?)")
+            done += n
+
+    def fill(self, p: Placement, sds, out: np.ndarray, rows: int | None):
+        """Place source tensor ``p.tensor`` (transformed) into ``out``."""
+        info = self.ckpt.tensors[p.tensor]
+        from convert.safetensors_write import NUMPY
+
+        src_dtype = NUMPY.get(info.dtype)
+        if (p.transform is _identity and rows is None and src_dtype == out.dtype
+                and tuple(info.shape) == out.shape):
+            self._raw_into(info, out)  # the bulk of the bytes: one copy, file -> output array
+            self.bytes_in += info.nbytes
+        else:
+            raw = self.ckpt.get_slice(p.tensor)[:rows] if rows is not None else self.ckpt.get(p.tensor)
+            out[...] = transform(p, np.asarray(raw), info, sds)
+            self.bytes_in += raw.nbytes
+        self.tensors += 1
+
+    def read(self, job: _Job) -> np.ndarray:
+        out = _aligned_empty(job.sds.shape, job.sds.dtype)
+        if job.group[0].expert is None:
+            (p,) = job.group
+            self.fill(p, job.sds, out, job.rows)
+        else:
+            for p in job.group:
+                self.fill(p, job.sds, out[p.expert], None)
+        return out
+
+
+# -- DST handling --------------------------------------------------------------------------------------------
+
+
+def _fingerprint(ckpt: Checkpoint) -> str:
+    """Identifies the source by its tensor inventory (names, dtypes, shapes, files, sizes), not its path."""
+    h = hashlib.sha256()
+    for name in sorted(ckpt.tensors):
+        i = ckpt.tensors[name]
+        h.update(f"{name}|{i.dtype}|{list(i.shape)}|{os.path.basename(i.file)}|{i.offset}\n".encode())
+    return h.hexdigest()
+
+
+def _claim_dst(dst: str, src: str, state: dict, overwrite: bool) -> dict | None:
+    """Make DST ours. Returns the recorded state when resuming an unfinished conversion of the same source and
+    options, else None."""
+    real_dst, real_src = os.path.realpath(dst), os.path.realpath(src)
+    if real_dst == real_src or real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
+        raise ConvertError(f"DST {dst} is SRC or contains it; choose another destination")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ConvertError(f"DST {dst} exists and is not a directory")
+    if os.path.isdir(dst) and os.listdir(dst):
+        if overwrite:
+            shutil.rmtree(dst)
+        elif os.path.exists(os.path.join(dst, orbax_io.MARKER)):
+            raise ConvertError(f"DST {dst} already holds a complete kimi-jax checkpoint; pass --overwrite to replace it")
+        elif os.path.exists(os.path.join(dst, orbax_io.STATE)):
+            with open(os.path.join(dst, orbax_io.STATE)) as f:
+                old = json.load(f)
+            keys = ("format", "fingerprint", "dtype", "layers", "experts")
+            diff = {k: (old.get(k), state[k]) for k in keys if old.get(k) != state[k]}
+            if diff:
+                raise ConvertError(f"DST {dst} holds an unfinished conversion with other settings {diff} (was, now); "
+                                   "rerun with the same SRC and options to resume, or pass --overwrite")
+            return old
+        else:
+            raise ConvertError(f"DST {dst} is not empty; pass --overwrite to replace its contents")
+    try:
+        os.makedirs(dst, exist_ok=True)
+        _write_json(os.path.join(dst, orbax_io.STATE), state)
+    except OSError as e:
+        raise ConvertError(f"DST {dst} is not writable ({e.strerror or e})") from None
+    return None
+
+
+def _write_json(path: str, obj, *, indent=2):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _used(cfg: config_lib.ModelConfig) -> config_lib.ModelConfig:
+    """``cfg`` without the sub-configs of layer kinds it no longer has (the parser leaves those out)."""
+    kinds = set(cfg.attn_types) | set(cfg.ffn_types)
+    return cfg.replace(**{k: None for k, used in (("kda", "kda"), ("mla", "mla"), ("gqa", "gqa"), ("moe", "moe"),
+                                                   ("mlp", "dense")) if used not in kinds})
+
+
+def sliced_config(raw: dict, layers: int | None, experts: int | None) -> dict:
+    """config.json rewritten for the first ``layers`` layers / ``experts`` experts (release and HF key forms)."""
+    raw = json.loads(json.dumps(raw))
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+        lac = text.get("linear_attn_config")
+        if isinstance(lac, dict):
+            for key in ("kda_layers", "full_attn_layers"):  # 1-based layer numbers
+                if lac.get(key) is not None:
+                    lac[key] = [x for x in lac[key] if int(x) <= layers]
+        for key in ("layer_types", "mlp_layer_types"):
+            if isinstance(text.get(key), list):
+                text[key] = text[key][:layers]
+    if experts is not None:
+        for key in ("num_experts", "n_routed_experts"):
+            if key in text:
+                text[key] = experts
+    return raw
+
+
+# -- the converter -------------------------------------------------------------------------------------------
+
+
+def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
+                       overwrite: bool = False, verify: bool = False, progress: bool = True,
+                       batch_bytes: int = BATCH_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
+    """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
+
+    ``dtype``: parameter dtype ("bfloat16" | "float32"; tensors the release keeps in float32 stay float32, MXFP4
+    experts stay uint8). ``layers`` / ``experts``: keep the first N layers / routed experts (router rows and
+    correction bias sliced to match); config.json is rewritten. ``overwrite``: replace whatever DST holds.
+    ``verify``: reread every stored array and compare it bit for bit with its source. ``batch_bytes``: parameters
+    saved together per Orbax partial save (a larger parameter is saved alone). ``on_event(event, n)``: called with
+    ("saved", n) after the n-th partial save of this run, ("finalize", 0) before the Orbax checkpoint is finalized and
+    ("marker", 0) before the completion marker is written (tests kill the process there).
+    """
+    t0 = time.perf_counter()
+    src, dst = os.fspath(src), os.fspath(dst)
+    if dtype not in ("bfloat16", "float32"):
+        raise ConvertError(f"--dtype {dtype!r}: choose bfloat16 or float32")
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"SRC {src}: no such directory")
+    if orbax_io.looks_converted(src):
+        raise ConvertError(f"SRC {src} is already a kimi-jax (Orbax) checkpoint")
+
+    # 1. Validate without writing anything.
+    cfg_file = os.path.join(src, "config.json")
+    cfg = config_lib.load(src)
+    if experts is not None and cfg.moe is None:
+        raise ConvertError(f"--experts {experts}: {cfg_file} describes a model without routed experts")
+    cfg_out = cfg.sliced(layers, experts)
+    with open(cfg_file) as f:
+        raw_cfg = json.load(f)
+    new_raw = sliced_config(raw_cfg, layers, experts) if (layers is not None or experts is not None) else raw_cfg
+    if _used(config_lib.from_dict(new_raw)) != _used(cfg_out):
+        raise ConvertError(f"{cfg_file}: could not rewrite it for --layers {layers} --experts {experts} "
+                           "(the rewritten config does not parse to the sliced model)")
+    ckpt = Checkpoint(src)
+    abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(dtype)), rngs=nnx.Rngs(0)))
+    targets = flat_targets(nnx.state(abstract))
+    jobs, _ = _plan_jobs(ckpt, cfg, targets, layers, experts)
+    _preflight(ckpt, jobs)
+
+    # 2. Claim DST.
+    state = {"format": orbax_io.FORMAT, "source": os.path.abspath(src), "fingerprint": _fingerprint(ckpt),
+             "dtype": dtype, "layers": layers, "experts": experts}
+    resumed = _claim_dst(dst, src, state, overwrite)
+    params_dir = os.path.join(dst, orbax_io.PARAMS)
+    done = set()
+    if resumed is not None and (resumed.get("phase") == "finalize" or os.path.isdir(params_dir)):
+        done = set(targets)  # every batch was saved before the interrupted run began finalizing
+    elif resumed is not None:
+        done = orbax_io.saved_paths(dst)
+        stray = sorted(done - set(targets))
+        if stray:
+            raise ConvertError(f"DST {dst}: the unfinished conversion holds parameters {stray[:3]} this model does not "
+                               "have; pass --overwrite")
+
+    # 3. Convert.
+    todo = [j for j in jobs if j.target not in done]
+    reader = _Reader(ckpt)
+    bytes_out = sum(j.nbytes for j in todo)
+    bar = _progress(progress, bytes_out, len(todo), len(done))
+    batch: dict[str, jax.Array] = {}
+    pending_bytes, saves, written = 0, 0, 0
+    event = on_event or (lambda name, n: None)
+    cpu = jax.devices("cpu")[0]
+
+    def flush():
+        nonlocal batch, pending_bytes, saves
+        if batch:
+            orbax_io.save_batch(dst, batch, f"{time.time_ns()}-{saves}")
+            saves += 1
+            batch, pending_bytes = {}, 0
+            event("saved", saves)
+
+    try:
+        for job in todo:
+            if batch and pending_bytes + job.nbytes > batch_bytes:
+                flush()
+            arr = reader.read(job)
+            batch[job.target] = jax.device_put(arr, cpu)  # aligned: adopted without a copy
+            del arr
+            pending_bytes += job.nbytes
+            written += 1
+            if bar is not None:
+                bar.update(job.nbytes)
+                bar.set_postfix_str(f"tensors {reader.tensors}, params {len(done) + written}/{len(jobs)}", refresh=False)
+        flush()
+    finally:
+        reader.close()
+        if bar is not None:
+            bar.close()
+
+    # 4. Config, tokenizer files, finalize, verify, marker (last).
+    if new_raw is raw_cfg:
+        shutil.copyfile(cfg_file, os.path.join(dst, "config.json"))
+    else:
+        _write_json(os.path.join(dst, "config.json"), new_raw)
+    for name in AUX_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    if not os.path.isdir(params_dir):
+        _write_json(os.path.join(dst, orbax_io.STATE), dict(state, phase="finalize"))
+        event("finalize", 0)
+        try:
+            orbax_io.finalize(dst)
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"DST {dst}: finalizing the Orbax checkpoint failed ({e}); "
+                               "pass --overwrite to convert again") from e
+    have = orbax_io.stored(dst)
+    if set(have) != set(targets):
+        raise ConvertError(f"DST {dst}: finalized checkpoint has {len(have)} parameters, the model {len(targets)} "
+                           f"(missing {sorted(set(targets) - set(have))[:3]}); pass --overwrite to convert again")
+    if verify:
+        verify_checkpoint(dst, src, _jobs=jobs, _ckpt=ckpt, progress=progress)
+    ckpt.close()
+    summary = Summary(dst, reader.tensors, len(todo), len(done), reader.bytes_in, bytes_out,
+                      time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, verify)
+    marker = dict(state, version=orbax_io.VERSION, family=cfg_out.family, num_layers=cfg_out.num_layers,
+                  num_experts=None if cfg_out.moe is None else cfg_out.moe.num_experts, params=len(targets),
+                  bytes=sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in targets.values()),
+                  source_files=sorted({os.path.basename(i.file) for i in ckpt.tensors.values()}))
+    event("marker", 0)
+    _write_json(os.path.join(dst, orbax_io.MARKER), marker)
+    os.unlink(os.path.join(dst, orbax_io.STATE))
+    return summary
+
+
+def _progress(enabled: bool, total: int, n: int, skipped: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    desc = f"converting {n} params" + (f" ({skipped} done before)" if skipped else "")
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
+
+
+def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None):
+    """Reread every stored parameter of ``dst`` and compare it bit for bit with the source tensors, transformed as
+    conversion transforms them (MXFP4 bytes are copied, so they must be identical bytes)."""
+    dst, src = os.fspath(dst), os.fspath(src)
+    ckpt = _ckpt or Checkpoint(src)
+    jobs = _jobs
+    if jobs is None:
+        meta = json.load(open(os.path.join(dst, orbax_io.MARKER)))
+        cfg_src = config_lib.load(src)
+        cfg_out = config_lib.load(dst)
+        abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(meta["dtype"])),
+                                                    rngs=nnx.Rngs(0)))
+        jobs, _ = _plan_jobs(ckpt, cfg_src, flat_targets(nnx.state(abstract)), meta["layers"], meta["experts"])
+    reader = _Reader(ckpt)
+    bar = _progress(progress, sum(j.nbytes for j in jobs), len(jobs), 0)
+    if bar is not None:
+        bar.set_description(f"verifying {len(jobs)} params")
+    try:
+        i = 0
+        while i < len(jobs):  # batches bounded like the conversion's
+            chunk, size = [], 0
+            while i < len(jobs) and (not chunk or size + jobs[i].nbytes <= BATCH_BYTES):
+                chunk.append(jobs[i])
+                size += jobs[i].nbytes
+                i += 1
+            cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            got = orbax_io.restore(dst, {j.target: jax.ShapeDtypeStruct(j.sds.shape, j.sds.dtype, sharding=cpu)
+                                         for j in chunk}, check_complete=False)
+            for j in chunk:
+                want = reader.read(j)
+                have = np.asarray(got[j.target])
+                if have.dtype != want.dtype or have.shape != want.shape or \
+                        not np.array_equal(have.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+                    srcs = [p.tensor for p in j.group]
+                    raise VerifyError(f"{dst}: parameter {j.target} differs from its source {srcs[:2]}"
+                                      f"{' ...' if len(srcs) > 2 else ''} in {os.path.basename(ckpt.tensors[srcs[0]].file)}")
+                if bar is not None:
+                    bar.update(j.nbytes)
+            del got
+    finally:
+        reader.close()
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,188 @@
+"""The converted checkpoint on disk, and reading it back.
+
+A converted directory (DST) holds::
+
+    config.json                   the model config (rewritten when --layers/--experts sliced it)
+    tiktoken.model, tokenizer_config.json, ...   copied from the source
+    params/                       one Orbax checkpoint: a flat dict {"layers.3.self_attn.q_proj": array, ...} keyed
+                                  by the model's own parameter paths (nnx.state), experts stacked [E, ...], MXFP4 kept
+                                  as the uint8 ``*_packed`` / ``*_scale`` parameters
+    kimi_jax_checkpoint.json      written last: its presence is what makes DST a complete checkpoint
+
+While a conversion runs, ``params.partial_save/`` accumulates one Orbax partial save per batch of parameters and
+``kimi_jax_convert_state.json`` records what is being converted; ``from_pretrained`` refuses such a directory.
+Restoring takes an abstract target tree (``{path: jax.ShapeDtypeStruct(shape, dtype, sharding=...)}``) and hands the
+shardings straight to Orbax, so each process reads only its own slices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from kimi_jax.safetensors_io import CheckpointError
+
+PARAMS = "params"
+PARTIAL = PARAMS + ".partial_save"  # orbax.checkpoint.experimental.v1.partial's session directory for PARAMS
+MARKER = "kimi_jax_checkpoint.json"
+STATE = "kimi_jax_convert_state.json"
+FORMAT = "kimi-jax-orbax"
+VERSION = 1
+SAVED_KEY = "kimi_jax_saved"  # custom metadata of each partial save: {SAVED_KEY: {batch_id: [param paths]}}
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A converted directory whose conversion has not finished."""
+
+
+def ocp():
+    import orbax.checkpoint.experimental.v1 as v1
+
+    return v1
+
+
+def context(*, partial_load: bool = False):
+    """Orbax options: no compression (random-looking weights barely compress, and zstd would cost the CPU time the
+    conversion is bounded by)."""
+    ctx = ocp().Context()
+    ctx.array.saving.use_compression = False
+    if partial_load:
+        ctx.pytree.loading.partial_load = True
+    return ctx
+
+
+# -- what a directory is ----------------------------------------------------------------------------------------
+
+
+def looks_converted(path) -> bool:
+    """Any trace of a kimi-jax conversion (complete or not)."""
+    return any(os.path.exists(os.path.join(path, n)) for n in (MARKER, STATE, PARAMS, PARTIAL))
+
+
+def read_marker(path) -> dict:
+    """The metadata of a complete converted checkpoint; raises :class:`IncompleteCheckpointError` otherwise."""
+    path = os.fspath(path)
+    marker = os.path.join(path, MARKER)
+    if not os.path.exists(marker):
+        state = os.path.join(path, STATE)
+        how = (f"a conversion was started ({STATE} is present) and has not finished" if os.path.exists(state)
+               else "no conversion metadata")
+        raise IncompleteCheckpointError(
+            f"{path}: incomplete kimi-jax checkpoint: {MARKER} is missing ({how}); rerun `kimi-jax convert SRC "
+            f"{path}` to resume it, or convert again with --overwrite")
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{marker}: unreadable ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{marker}: format {meta.get('format')!r} version {meta.get('version')!r}; "
+                              f"this kimi-jax reads {FORMAT!r} version {VERSION}")
+    if not os.path.isdir(os.path.join(path, PARAMS)):
+        raise IncompleteCheckpointError(f"{path}: {MARKER} is present but {PARAMS}/ is missing")
+    return meta
+
+
+# -- writing (used by the converter) -----------------------------------------------------------------------------
+
+
+def save_batch(dst: str, arrays: dict, batch_id: str):
+    """One Orbax partial save of ``arrays`` (flat path -> array) into DST/params.partial_save, recording the paths
+    in the save's custom metadata so a resumed conversion knows what is already on disk."""
+    with context():
+        ocp().partial.save(os.path.join(dst, PARAMS), arrays, custom_metadata={SAVED_KEY: {batch_id: sorted(arrays)}})
+
+
+def saved_paths(dst: str) -> set[str]:
+    """Parameter paths committed by earlier partial saves of an unfinished conversion.
+
+    Each committed partial save is a ``*.pending_*`` directory of the session with the ``_CHECKPOINT_METADATA`` Orbax
+    writes (including our custom metadata); an interrupted save never got renamed into one, so it is not counted
+    (Orbax clears its leftover temporary directory on the next save)."""
+    session = os.path.join(dst, PARTIAL)
+    if not os.path.isdir(session):
+        return set()
+    done: set[str] = set()
+    for entry in sorted(os.listdir(session)):
+        if ".pending_" not in entry:
+            continue
+        meta_file = os.path.join(session, entry, "_CHECKPOINT_METADATA")
+        try:
+            with open(meta_file) as f:
+                custom = json.load(f).get("custom_metadata") or {}
+            batches = custom[SAVED_KEY]
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{meta_file}: cannot tell which parameters this partial save holds ({e!r}); "
+                                  "convert again with --overwrite") from None
+        for paths in batches.values():
+            done.update(paths)
+    return done
+
+
+def finalize(dst: str):
+    with context():
+        ocp().partial.finalize(os.path.join(dst, PARAMS))
+
+
+def stored(path) -> dict[str, jax.ShapeDtypeStruct]:
+    """Path -> ShapeDtypeStruct of every stored parameter (metadata only, no data read)."""
+    meta = ocp().metadata(os.path.join(os.fspath(path), PARAMS)).metadata
+    return {k: jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for k, v in meta.items()}
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+
+
+def restore(path, target: dict, *, check_complete: bool = True) -> dict:
+    """Read parameters of a converted checkpoint into ``target``'s shapes, dtypes and shardings.
+
+    ``target``: {param path: jax.ShapeDtypeStruct | np.ndarray}. A ShapeDtypeStruct with a ``sharding`` is read
+    straight into that sharding (each process reads only its devices' slices); without one it lands on the first
+    local device; an np.ndarray target gives host numpy. Dtypes are cast on read (bf16 storage -> float32 target is
+    exact). A subset of the stored parameters may be requested. Raises naming the parameter on any mismatch.
+    """
+    path = os.fspath(path)
+    if check_complete:
+        read_marker(path)
+    have = stored(path)
+    missing = sorted(set(target) - set(have))
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} parameter(s) not in the converted checkpoint: {missing[:5]}")
+    default = None
+    abstract = {}
+    for k, t in target.items():
+        if tuple(t.shape) != tuple(have[k].shape):
+            raise CheckpointError(f"{path}: parameter {k} is stored as {list(have[k].shape)}, "
+                                  f"the target wants {list(t.shape)}")
+        if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None:
+            default = default or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            t = jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=default)
+        abstract[k] = t
+    with context(partial_load=len(abstract) < len(have)):
+        return ocp().load(os.path.join(path, PARAMS), abstract)
+
+
+def load_converted(path, cfg, model_factory, *, shardings=None):
+    """Build the model for ``cfg`` and fill it from the converted checkpoint at ``path`` (``shardings``: optional
+    {param path: Sharding}, e.g. ``kimi_jax.sharding.param_shardings(...)``)."""
+    from flax import nnx
+
+    from kimi_jax.weights import flat_targets
+
+    abstract = nnx.eval_shape(model_factory)
+    graphdef, state = nnx.split(abstract)
+    targets = flat_targets(state)
+    if shardings:
+        targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings.get(k)) for k, v in targets.items()}
+    have = stored(path) if os.path.isdir(os.path.join(os.fspath(path), PARAMS)) else {}
+    extra = sorted(set(have) - set(targets))
+    if extra:
+        raise CheckpointError(f"{path}: converted checkpoint holds parameters this {cfg.family} model does not have: "
+                              f"{extra[:5]} (config.json and params/ disagree)")
+    values = restore(path, targets)
+    for p, var in nnx.to_flat_state(state):
+        var.set_value(values[".".join(str(k) for k in p)])
+    return nnx.merge(graphdef, state)

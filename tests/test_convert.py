@@ -1,0 +1,167 @@
+"""The converter against the shared K3 fixture and the HF loader: bit-exact parameters and logits, golden logits,
+slicing, DST handling, and kill -9 + resume giving the same checkpoint as an uninterrupted run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kimi_jax
+from convert import orbax_io
+from convert.converter import ConvertError, convert_checkpoint
+from kimi_jax import config as config_lib
+from kimi_jax.safetensors_io import Checkpoint
+from tests.parity import assert_close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def flat_params(model) -> dict[str, np.ndarray]:
+    return {".".join(str(k) for k in p): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_same_params(a: dict, b: dict, what=""):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (what, k)
+        assert np.array_equal(a[k].reshape(-1).view(np.uint8), b[k].reshape(-1).view(np.uint8)), f"{what}: {k} differs"
+
+
+@pytest.fixture(scope="module")
+def converted_f32(k3_tiny_a, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("conv") / "k3_f32"
+    summary = convert_checkpoint(k3_tiny_a, dst, dtype="float32", verify=True, progress=False)
+    return str(dst), summary
+
+
+def test_fixture_converted_equals_hf_load_and_golden(k3_tiny_a, k3_golden, converted_f32):
+    dst, summary = converted_f32
+    assert summary.verified and summary.tensors == 618 and summary.skipped == 0
+    assert sorted(os.listdir(dst)) == ["config.json", "kimi_jax_checkpoint.json", "params"]
+    hf = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
+    ob = kimi_jax.from_pretrained(dst, dtype="float32")
+    assert_same_params(flat_params(hf), flat_params(ob), "float32")
+    fwd = nnx.jit(lambda m, x: m(x).logits)
+    ids = jnp.asarray(k3_golden["input_ids"])
+    a, b = np.asarray(fwd(hf, ids)), np.asarray(fwd(ob, ids))
+    assert np.array_equal(a, b), "logits of the converted checkpoint must be bit-identical to the HF load"
+    err = assert_close(b, k3_golden["logits_prefill"], 2e-4, "converted logits vs golden")
+    print(f"converted fixture: logits bit-identical to HF load; max |logits - golden| = {err:.3g}")
+
+
+def test_bfloat16_conversion_keeps_mxfp4_packed(k3_tiny_a, tmp_path):
+    dst = tmp_path / "k3_bf16"
+    convert_checkpoint(k3_tiny_a, dst, progress=False)
+    hf = flat_params(kimi_jax.from_pretrained(k3_tiny_a, dtype="bfloat16"))
+    assert_same_params(hf, flat_params(kimi_jax.from_pretrained(dst, dtype="bfloat16")), "bfloat16")
+    stored = orbax_io.stored(dst)
+    ck = Checkpoint(k3_tiny_a)
+    src_u8 = sum(i.nbytes for i in ck.tensors.values() if i.dtype == "U8")
+    out_u8 = sum(int(np.prod(s.shape)) for s in stored.values() if s.dtype == np.uint8)
+    assert out_u8 == src_u8, "expert bytes on disk must equal the source's packed bytes"
+    assert stored["layers.1.mlp.experts.w1_packed"].shape == (8, 64, 32)
+    assert stored["layers.1.mlp.experts.w2_scale"].shape == (8, 64, 2)
+    # a bf16 checkpoint restores exactly into a float32 model (cast on read)
+    f32 = flat_params(kimi_jax.from_pretrained(dst, dtype="float32"))
+    for k, v in hf.items():
+        np.testing.assert_array_equal(f32[k], v.astype(f32[k].dtype), err_msg=k)
+
+
+def test_slicing_layers_and_experts(k3_tiny_a, tmp_path):
+    dst = tmp_path / "sliced"
+    convert_checkpoint(k3_tiny_a, dst, dtype="float32", layers=5, experts=4, verify=True, progress=False)
+    full_cfg = config_lib.load(k3_tiny_a)
+    cfg = config_lib.load(dst)
+    assert cfg == full_cfg.sliced(5, 4)
+    raw = json.load(open(dst / "config.json"))["text_config"]
+    assert raw["num_hidden_layers"] == 5 and raw["num_experts"] == 4
+    assert raw["linear_attn_config"]["kda_layers"] == [1, 2, 3, 5] and raw["linear_attn_config"]["full_attn_layers"] == [4]
+    full = flat_params(kimi_jax.from_pretrained(k3_tiny_a, dtype="float32"))
+    model = kimi_jax.from_pretrained(dst, dtype="float32")
+    for k, v in flat_params(model).items():
+        want = full[k]
+        if ".experts." in k or k.endswith(("mlp.gate", "mlp.e_score_correction_bias")):
+            want = want[:4]
+        np.testing.assert_array_equal(v, want, err_msg=k)
+    logits = np.asarray(model(jnp.ones((1, 4), jnp.int32)).logits)
+    assert np.isfinite(logits).all()
+
+
+def test_dst_rules(k3_tiny_a, converted_f32, tmp_path):
+    dst, _ = converted_f32
+    with pytest.raises(ConvertError, match="already holds a complete"):
+        convert_checkpoint(k3_tiny_a, dst, dtype="float32", progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConvertError, match="not empty; pass --overwrite"):
+        convert_checkpoint(k3_tiny_a, other, progress=False)
+    assert (other / "notes.txt").read_text() == "mine"
+    convert_checkpoint(k3_tiny_a, other, progress=False, overwrite=True, layers=2)
+    assert not (other / "notes.txt").exists() and config_lib.load(other).num_layers == 2
+    with pytest.raises(ConvertError, match="SRC or contains it"):
+        convert_checkpoint(k3_tiny_a, k3_tiny_a, overwrite=True, progress=False)
+    with pytest.raises(ConvertError, match="already a kimi-jax"):
+        convert_checkpoint(dst, tmp_path / "again", progress=False)
+
+
+def test_cli_convert(k3_tiny_a, tmp_path):
+    from kimi_jax.cli import main
+
+    assert main(["convert", k3_tiny_a, str(tmp_path / "c"), "--layers", "2", "--experts", "2", "--no-progress"]) == 0
+    assert os.path.exists(tmp_path / "c" / orbax_io.MARKER)
+    assert main(["convert", k3_tiny_a, str(tmp_path / "c"), "--no-progress"]) == 2  # exists: one-line error
+
+
+KILLER = """
+import os, signal, sys
+from convert.converter import convert_checkpoint
+event, at = sys.argv[3], int(sys.argv[4])
+def hook(name, n):
+    if name == event and n == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+convert_checkpoint(sys.argv[1], sys.argv[2], dtype="float32", progress=False, batch_bytes=200_000, on_event=hook)
+raise SystemExit("the hook should have killed this process")
+"""
+
+
+@pytest.mark.parametrize("event,at", [("saved", 4), ("finalize", 0), ("marker", 0)])
+def test_kill_and_resume(k3_tiny_a, converted_f32, tmp_path, event, at):
+    """SIGKILL the converter (after 4 partial saves / before finalizing / before the marker), check the directory is
+    refused, rerun: the result equals the uninterrupted conversion bit for bit."""
+    dst = tmp_path / "killed"
+    r = subprocess.run([sys.executable, "-c", KILLER, k3_tiny_a, str(dst), event, str(at)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert not os.path.exists(dst / orbax_io.MARKER)
+    with pytest.raises(orbax_io.IncompleteCheckpointError, match="incomplete kimi-jax checkpoint.*resume"):
+        kimi_jax.from_pretrained(dst)
+    summary = convert_checkpoint(k3_tiny_a, dst, dtype="float32", progress=False, batch_bytes=200_000)
+    if event == "saved":
+        assert 0 < summary.skipped < 282 and summary.params == 282 - summary.skipped
+    else:
+        assert summary.skipped == 282 and summary.params == 0
+    assert sorted(os.listdir(dst)) == ["config.json", "kimi_jax_checkpoint.json", "params"]
+    ref_dst, _ = converted_f32
+    full = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in orbax_io.stored(ref_dst).items()}
+    assert orbax_io.stored(dst).keys() == full.keys()
+    a, b = orbax_io.restore(ref_dst, full), orbax_io.restore(dst, full)
+    assert_same_params({k: np.asarray(v) for k, v in a.items()}, {k: np.asarray(v) for k, v in b.items()}, "resumed")
+
+
+def test_resume_with_other_options_is_refused(k3_tiny_a, tmp_path):
+    dst = tmp_path / "k"
+    r = subprocess.run([sys.executable, "-c", KILLER, k3_tiny_a, str(dst), "saved", "2"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -9, r.stderr[-2000:]
+    with pytest.raises(ConvertError, match="unfinished conversion with other settings.*dtype"):
+        convert_checkpoint(k3_tiny_a, dst, dtype="bfloat16", progress=False)
+    convert_checkpoint(k3_tiny_a, dst, dtype="bfloat16", progress=False, overwrite=True)
+    assert orbax_io.read_marker(dst)["dtype"] == "bfloat16"
