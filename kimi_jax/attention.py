@@ -186,9 +186,10 @@ class MLA(nnx.Module):
             o = jnp.einsum("bthr,hur->bthu", u, w_kvb[:, N:].astype(F32), precision=run.precision)
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, N + U)
-            k = jnp.concatenate([kv[..., :N], jnp.broadcast_to(kpe[:, :, None], (B, T, H, O))], axis=-1)
-            o = attn_kernels.attention(q, k, kv[..., N:], step.positions, scale=c.scale,
-                                       k_pos=step.positions, implementation=run.implementation)
+            # nope and rope parts scored separately (192 = 128 + 64 is not a power of two for Triton); the
+            # shared kpe is never broadcast to heads. Fresh prefill: keys sit at 0..T-1, the kernels' default.
+            o = attn_kernels.attention(q_nope, kv[..., :N], kv[..., N:], step.positions, scale=c.scale, q_pe=q_pe,
+                                       k_pe=kpe, implementation=run.implementation)
         o = o.astype(run.dtype).reshape(B, T, H * U)
         if c.output_gate:
             o = (o * jax.nn.sigmoid(linear(x_BTD, self.g_proj[...], run))).astype(run.dtype)
@@ -247,7 +248,8 @@ class GQA(nnx.Module):
             o = attn_kernels.attention(q, new_cache.k, new_cache.v, step.positions, scale=c.head_dim**-0.5,
                                        implementation=run.implementation)
         else:
-            o = attn_kernels.attention(q, k, v, step.positions, scale=c.head_dim**-0.5, k_pos=step.positions,
+            # fresh prefill: keys sit at positions 0..T-1, the kernels' default (lets them skip masked blocks)
+            o = attn_kernels.attention(q, k, v, step.positions, scale=c.head_dim**-0.5,
                                        implementation=run.implementation)
         o = o.astype(run.dtype).reshape(B, T, c.num_heads * c.head_dim)
         return linear(o, self.o_proj[...], run), new_cache

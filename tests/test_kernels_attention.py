@@ -1,0 +1,144 @@
+"""Pallas attention kernels (interpret mode on CPU) against the plain-jnp references.
+
+Covers causal GQA prefill with lengths that are not a multiple of the blocks, decode over a static cache with a
+different length per sequence (the kernel must not read past each row's position), flash-decoding splits, explicit
+key positions, MLA prefill with split nope/rope dims, and absorbed MLA over the latent cache. Both the GPU-style
+(Triton block rules, the ``pallas_interpret`` implementation) and the TPU-style (Mosaic block rules) kernels run.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas.attention as attn_api
+import kernels_pallas.mla_decode as mla_api
+from kernels_pallas.attention import pallas as attn_pallas
+from kernels_pallas.attention import reference as attn_ref
+from kernels_pallas.mla_decode import pallas as mla_pallas
+from kernels_pallas.mla_decode import reference as mla_ref
+from tests.parity import TOL, assert_close
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+_attn_ref = jax.jit(attn_ref.attention, static_argnames=("scale",))
+_mla_ref = jax.jit(mla_ref.mla_attention, static_argnames=("scale",))
+
+
+def _keys(seed, n):
+    # numpy draws: no per-shape compiles in the test's own setup
+    return [np.random.default_rng([seed, i]) for i in range(n)]
+
+
+def _normal(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def _qkv(B, T, H, G, K, U, S, dtype, seed=0):
+    ks = _keys(seed, 3)
+    return _normal(ks[0], (B, T, H, K), dtype), _normal(ks[1], (B, S, G, K), dtype), _normal(ks[2], (B, S, G, U), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_gqa_prefill_awkward_length(dtype):
+    """T = 37 rows of 2 heads per kv group: neither rows (74) nor keys (37) fill whole blocks."""
+    q, k, v = _qkv(2, 37, 4, 2, 16, 8, 37, dtype)
+    pos = jnp.broadcast_to(jnp.arange(37, dtype=jnp.int32), (2, 37))
+    got = jax.jit(lambda *a: attn_api.attention(*a, scale=0.25, implementation="pallas_interpret"))(q, k, v, pos)
+    want = _attn_ref(q, k, v, pos, scale=0.25)
+    assert got.dtype == jnp.float32 and got.shape == (2, 37, 4, 8)
+    assert_close(got, want, TOL[jnp.dtype(dtype).name], "GQA prefill")
+
+
+@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 3)], ids=["float32-1split", "bfloat16-3splits"])
+def test_decode_over_static_cache_per_sequence_lengths(dtype, splits):
+    """Sequences at positions 5 and 97 of a 100-slot cache; slots past a row's position hold junk that must not
+    leak in (the kernel skips those blocks entirely, or masks them)."""
+    B, T, H, G, S = 2, 2, 8, 2, 100
+    q, k, v = _qkv(B, T, H, G, 32, 16, S, dtype, seed=1)
+    # junk beyond sequence 0's positions: any leak would dominate the softmax
+    k = k.at[0, 7:].set(1e4)
+    pos = jnp.array([[5, 6], [97, 98]], jnp.int32)
+    got = jax.jit(lambda *a: attn_pallas.attention(*a, scale=0.2, interpret=True, block_k=16, num_splits=splits))(
+        q, k, v, pos)
+    want = _attn_ref(q, k, v, pos, scale=0.2)
+    assert_close(got, want, TOL[jnp.dtype(dtype).name], f"decode, {splits} splits")
+
+
+def test_explicit_key_positions():
+    """k_pos given: keys stored out of order are masked by their own positions (padding slots at 10**6)."""
+    q, k, v = _qkv(2, 5, 2, 1, 16, 16, 24, jnp.float32, seed=2)
+    k_pos = np.full((2, 24), 10**6)
+    k_pos[0] = np.random.default_rng(3).permutation(24)
+    k_pos[1, :9] = np.arange(9)
+    pos = jnp.array([[3, 7, 11, 20, 23], [0, 2, 4, 6, 8]], jnp.int32)
+    got = jax.jit(lambda *a: attn_api.attention(*a[:4], scale=0.3, k_pos=a[4], implementation="pallas_interpret"))(
+        q, k, v, pos, jnp.asarray(k_pos, jnp.int32))
+    assert_close(got, _attn_ref(q, k, v, pos, scale=0.3, k_pos_BS=k_pos), TOL["float32"], "k_pos")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mla_prefill_split_rope_dims(dtype):
+    """MLA expanded form: per-head nope keys plus one shared rope key row, scored as two dot products; the
+    reference with the same split equals the concatenated-192-dims attention."""
+    B, T, H, N, O, U = 2, 21, 3, 32, 16, 32
+    ks = _keys(4, 5)
+    q, k, v = _normal(ks[0], (B, T, H, N), dtype), _normal(ks[1], (B, T, H, N), dtype), _normal(ks[2], (B, T, H, U), dtype)
+    qpe, kpe = _normal(ks[3], (B, T, H, O), dtype), _normal(ks[4], (B, T, O), dtype)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    got = jax.jit(lambda *a: attn_api.attention(*a[:4], scale=0.15, q_pe=a[4], k_pe=a[5],
+                                                implementation="pallas_interpret"))(q, k, v, pos, qpe, kpe)
+    want = _attn_ref(q, k, v, pos, scale=0.15, q_pe_BTHO=qpe, k_pe_BSO=kpe)
+    concat = _attn_ref(jnp.concatenate([q, qpe], -1),
+                                jnp.concatenate([k, jnp.broadcast_to(kpe[:, :, None], (B, T, H, O))], -1), v, pos,
+                                scale=0.15)
+    assert_close(want, concat, 1e-5, "split reference vs concatenated")
+    assert_close(got, want, TOL[jnp.dtype(dtype).name], "MLA prefill")
+
+
+@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 2)], ids=["float32-1split", "bfloat16-2splits"])
+def test_mla_absorbed_decode(dtype, splits):
+    """Absorbed MLA over a latent cache (R = 64, O = 16), 2 query tokens x 4 heads, lengths 3 and 60 of 72 slots."""
+    B, T, H, R, O, S = 2, 2, 4, 64, 16, 72
+    ks = _keys(5, 4)
+    q_lat = _normal(ks[0], (B, T, H, R), jnp.float32)  # the caller absorbs in float32
+    q_pe, c, kpe = _normal(ks[1], (B, T, H, O), dtype), _normal(ks[2], (B, S, R), dtype), _normal(ks[3], (B, S, O), dtype)
+    pos = jnp.array([[3, 4], [60, 61]], jnp.int32)
+    scale = 0.05
+    got = jax.jit(lambda *a: mla_pallas.mla_attention(*a, scale=scale, interpret=True, block_k=16,
+                                                      num_splits=splits))(q_lat, q_pe, c, kpe, pos)
+    # the kernel multiplies in the cache dtype: compare against the reference fed the same rounded query
+    want = _mla_ref(q_lat.astype(dtype), q_pe, c, kpe, pos, scale=scale)
+    assert got.shape == (B, T, H, R)
+    assert_close(got, want, TOL[jnp.dtype(dtype).name], "MLA absorbed decode")
+
+
+def test_mla_api_dispatch_interpret():
+    """The package API routes ``pallas_interpret`` to the kernel and ``reference`` to the oracle."""
+    B, T, H, R, O, S = 1, 1, 2, 32, 16, 40
+    ks = _keys(6, 4)
+    args = (_normal(ks[0], (B, T, H, R), jnp.float32), _normal(ks[1], (B, T, H, O), jnp.float32),
+            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32), jnp.array([[33]], jnp.int32))
+    got = mla_api.mla_attention(*args, scale=0.1, implementation="pallas_interpret")
+    assert_close(got, mla_api.mla_attention(*args, scale=0.1, implementation="reference"), TOL["float32"], "MLA API")
+
+
+def test_tpu_block_rules_in_interpret():
+    """The TPU variant (kv-major layout, 128-wide key blocks, 8-row blocks) computes the same thing."""
+    q, k, v = _qkv(2, 3, 4, 2, 16, 8, 200, jnp.float32, seed=7)
+    pos = jnp.array([[10, 11, 12], [190, 191, 192]], jnp.int32)
+    got = jax.jit(lambda *a: attn_pallas.attention(*a, scale=0.25, platform="tpu", interpret=True))(q, k, v, pos)
+    assert_close(got, _attn_ref(q, k, v, pos, scale=0.25), TOL["float32"], "TPU-style attention")
+    B, T, H, R, O, S = 1, 1, 8, 32, 16, 128
+    ks = _keys(8, 4)
+    args = (_normal(ks[0], (B, T, H, R), jnp.float32), _normal(ks[1], (B, T, H, O), jnp.float32),
+            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32), jnp.array([[100]], jnp.int32))
+    got = jax.jit(lambda *a: mla_pallas.mla_attention(*a, scale=0.05, platform="tpu", interpret=True))(*args)
+    assert_close(got, _mla_ref(*args, scale=0.05), TOL["float32"], "TPU-style MLA")
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    """Padding rows (no visible key) come out as zeros from the kernel, so they cannot poison later math."""
+    q, k, v = _qkv(1, 2, 2, 2, 16, 16, 16, jnp.float32, seed=9)
+    k_pos = jnp.full((1, 16), 100, jnp.int32)  # every key after every query
+    got = attn_pallas.attention(q, k, v, jnp.array([[0, 1]], jnp.int32), scale=0.1, k_pos_BS=k_pos, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), 0.0)
