@@ -55,6 +55,12 @@ def _cmd_make_tiny(args):
     print(f"wrote a random {args.family} checkpoint to {path}")
 
 
+def _cmd_plan(args):
+    from kimi_jax.plan import run_cli
+
+    run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -79,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert_cli.add_arguments(c)
     c.set_defaults(func=convert_cli.run)
+    pl = sub.add_parser("plan", help="per-chip memory and roofline decode time of a model on a (data, expert, model) mesh")
+    pl.add_argument("--model", default="k3", help="preset (k3, kimi-linear-48b-a3b, kimi-dense) or model directory")
+    pl.add_argument("--mesh", default="data=1,expert=64,model=8", help="AXIS=N,... over data, expert, model")
+    pl.add_argument("--layout", default="tp_ep", help="sharding table: tp_ep or wide_ep")
+    pl.add_argument("--batch", type=int, default=8, help="concurrent sequences")
+    pl.add_argument("--context", type=int, default=131072, help="cache length per sequence (tokens)")
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pl.add_argument("--kernels", default="pallas", choices=["pallas", "reference"],
+                    help="reference = jnp kernels (CPU): adds their dequant / upcast workspace")
+    pl.add_argument("--hbm-bandwidth", type=float, default=None, help="bytes/s for an extra roofline line")
+    pl.add_argument("--chips", default=None, help="comma list of h100,h200,b200,v5p,v6e,v7x (default: all)")
+    pl.add_argument("--reserve", type=float, default=0.1, help="HBM fraction kept free for the runtime")
+    pl.add_argument("--prefill-chunk", type=int, default=0, help="also estimate activations of a prefill chunk")
+    pl.add_argument("--search", action="store_true", help="list, per chip, the smallest meshes that fit")
+    pl.set_defaults(func=_cmd_plan)
     return p
 
 

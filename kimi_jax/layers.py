@@ -27,12 +27,14 @@ class RunConfig:
     on CPU, Pallas on TPU/GPU), or one of the names the kernel packages offer (``"reference"``, ``"pallas"``).
     ``moe_path``: ``"auto"`` gathers the chosen experts' weights when there are fewer (token, expert) pairs than
     experts (decode) and sorts tokens into a grouped matmul otherwise (prefill).
+    ``parallel``: a :class:`kimi_jax.sharding.Parallel` (mesh + layout) for multi-device runs; None = one device.
     """
 
     dtype: jnp.dtype = jnp.bfloat16
     implementation: str | None = None
     kda_chunk: int = 64
     moe_path: str = "auto"  # "auto" | "gather" | "sorted"
+    parallel: object = None  # kimi_jax.sharding.Parallel | None
 
     @property
     def precision(self):

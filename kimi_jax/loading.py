@@ -8,15 +8,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax import config as config_lib
+from kimi_jax import distributed
 from kimi_jax.layers import RunConfig
 from kimi_jax.model import KimiModel
 from kimi_jax.weights import load_hf
 
 
 def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None, strict: bool = True,
-                    run: RunConfig | None = None) -> KimiModel:
+                    run: RunConfig | None = None, mesh=None, layout="tp_ep") -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
-    kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed)."""
+    kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed).
+
+    ``mesh`` (from :func:`kimi_jax.sharding.make_mesh`): read every parameter straight into its shards under
+    ``layout`` (a :mod:`kimi_jax.sharding` table name); each process reads only its devices' slices."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
@@ -27,6 +31,16 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
         orbax_io.read_marker(path)  # refuses an unfinished conversion, naming what is missing
     cfg = config_lib.load(path, strict=strict)
     run = run or RunConfig(dtype=jnp.dtype(dtype), implementation=implementation)
+    if mesh is not None:
+        run = distributed.with_parallel(run, mesh, layout)
+    factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
     if converted:
-        return orbax_io.load_converted(path, cfg, lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0)))
-    return load_hf(path, cfg, lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0)))
+        shardings = None
+        if run.parallel is not None:
+            from kimi_jax import sharding
+
+            shardings = sharding.param_shardings(nnx.eval_shape(factory), run.parallel.mesh, run.parallel.layout)
+        return orbax_io.load_converted(path, cfg, factory, shardings=shardings)
+    if run.parallel is not None:
+        return distributed.load_hf_sharded(path, cfg, run, factory)
+    return load_hf(path, cfg, factory)

@@ -14,6 +14,7 @@ from flax import nnx
 
 import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
+from kimi_jax import expert_parallel
 from kimi_jax.config import MoEConfig
 from kimi_jax.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
 
@@ -110,7 +111,10 @@ class MoE(nnx.Module):
         x = x_BTD.reshape(B * T, D)
         idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
         z = linear(x, self.routed_expert_down_proj[...], run) if c.latent is not None else x.astype(run.dtype)
-        out = self.experts(z, idx, run)  # [N, X, L]
+        if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/expert_parallel.py)
+            out = expert_parallel.routed_experts(self.experts, z, idx, run)
+        else:
+            out = self.experts(z, idx, run)  # [N, X, L]
         u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
         if c.latent is not None:
             if c.latent_norm:

@@ -1,0 +1,180 @@
+"""Expert parallelism: routed experts sharded over mesh axes, (token, expert) pairs sent to the chip that owns
+the expert and the results sent back.
+
+Inside one ``shard_map`` over the whole mesh, each chip holds ``E_loc`` experts (the ``ep`` axes split the
+expert dimension) and, with ``tp`` axes, a slice of every local expert's hidden width. Tokens arrive split over
+the batch and ``ep`` axes (replicated over ``tp``). Per chip:
+
+1. sort its (token, expert) pairs by global expert id: pairs for one destination chip become contiguous;
+2. exchange them over the ``ep`` axes -- ``ragged_all_to_all`` (TPU/GPU: exactly the rows needed) or, on
+   CPU where XLA has no ragged all-to-all, a fixed-capacity ``all_to_all`` of ``[chips, C, L]`` buffers;
+3. run the local experts as one grouped matmul over the received rows (rows sorted by local expert);
+   with ``tp`` the down projection's partial sums are ``psum``-ed in float32 before the one rounding, as the
+   single-device path rounds once after its float32 accumulation;
+4. send the rows back the way they came and unsort to ``[N, X, L]``, what :class:`~kimi_jax.moe.Experts`
+   returns, so the router weighting and everything after it are the single-device code.
+
+Padded token rows (``N`` rounded up to the number of token shards) never leave their chip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import kernels_pallas.moe_gmm as gmm_kernels
+from kernels_pallas.mxfp4 import MXFP4Weight
+from kimi_jax import sharding
+from kimi_jax.layers import F32, RunConfig, glu
+
+_WEIGHTS = ("w1", "w3", "w2")
+
+
+def _axes(part) -> tuple[str, ...]:
+    return () if part is None else ((part,) if isinstance(part, str) else tuple(part))
+
+
+def _names(quant):
+    return [f"{w}_{k}" for w in _WEIGHTS for k in ("packed", "scale")] if quant == "mxfp4" else list(_WEIGHTS)
+
+
+def plan_axes(experts, par: sharding.Parallel):
+    """(ep axes, tp axes, weight specs) of an :class:`~kimi_jax.moe.Experts` module under ``par``."""
+    specs = sharding.module_specs(experts, par.sizes, par.layout)
+    first = specs["w1_packed" if experts.cfg.quant == "mxfp4" else "w1"]
+    return _axes(first[0]), _axes(first[1]), specs
+
+
+def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
+    """``experts(z, idx, run)`` on a mesh: returns ``[N, X, L]`` in the run dtype."""
+    par: sharding.Parallel = run.parallel
+    cfg = experts.cfg
+    ep, tp, specs = plan_axes(experts, par)
+    if not ep and not tp:  # experts replicated: the single-device math on every chip
+        return experts(z_NL, idx_NX, run)
+    sizes = par.sizes
+    batch = tuple(a for a in par.layout.mesh_axes("batch") if sizes[a] > 1)
+    tok_axes = batch + tuple(a for a in ep if a not in batch)
+    shards = math.prod(sizes[a] for a in tok_axes)
+    N, X = idx_NX.shape
+    Np = -(-N // shards) * shards
+    z = jnp.pad(z_NL, ((0, Np - N), (0, 0)))
+    idx = jnp.pad(idx_NX, ((0, Np - N), (0, 0)))
+    valid = jnp.arange(Np) < N
+    names = _names(cfg.quant)
+    weights = {n: getattr(experts, n)[...] for n in names}
+    tok = P(tok_axes or None)
+    dispatch = par.dispatch
+    if dispatch == "auto":
+        dispatch = "ragged" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "capacity"
+
+    def body(z, idx, valid, w):
+        w = {k: (MXFP4Weight(w[f"{k}_packed"], w[f"{k}_scale"]) if cfg.quant == "mxfp4" else w[k]) for k in _WEIGHTS}
+        n_loc = idx.shape[0]
+        e_loc = (w["w1"].packed if cfg.quant == "mxfp4" else w["w1"]).shape[0]
+        local = lambda x, ids: _local_experts(x, ids, w, e_loc, cfg, run, tp)
+        e = idx.reshape(-1)
+        v = jnp.repeat(valid, X)
+        if not ep:
+            rows = local(jnp.repeat(z, X, axis=0), jnp.where(v, e, e_loc))
+        else:
+            n = math.prod(sizes[a] for a in ep)
+            cap = n_loc * min(X, e_loc)  # lossless: every pair of this chip to one destination
+            if par.capacity_factor is not None and dispatch == "capacity":  # ragged buffers stay lossless
+                cap = max(1, min(cap, math.ceil(par.capacity_factor * n_loc * X / n)))
+            fn = _capacity_dispatch if dispatch == "capacity" else _ragged_dispatch
+            rows = fn(z, e, v, X, e_loc, n, ep, cap, local, emulated=dispatch == "ragged_emulated")
+        return rows.reshape(n_loc, X, -1)
+
+    in_specs = (P(tok_axes or None, None), P(tok_axes or None, None), tok, {n: specs[n] for n in names})
+    out = jax.shard_map(body, mesh=par.mesh, in_specs=in_specs, out_specs=P(tok_axes or None, None, None),
+                        check_vma=False)(z, idx, valid, weights)
+    return out[:N]
+
+
+def _local_experts(x_RL, ids_R, w, e_loc, cfg, run: RunConfig, tp):
+    """Rows ``x`` through local expert ``ids`` (``e_loc`` = empty row, output 0): ``[R, L]`` run dtype, in order."""
+    order = jnp.argsort(ids_R, stable=True)
+    group = jnp.zeros((e_loc,), jnp.int32).at[ids_R].add(1, mode="drop")
+    # Weights do not depend on the tokens, so XLA may schedule every layer's expert decode (the jnp reference
+    # dequantises all local experts) at the start of the step, all live at once. Tie them to this layer's rows.
+    xs, w = jax.lax.optimization_barrier((x_RL[order], w))
+    kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
+    h = glu(gmm_kernels.gmm(xs, w["w1"], group, **kw).astype(run.dtype),
+            gmm_kernels.gmm(xs, w["w3"], group, **kw).astype(run.dtype), cfg.act, cfg.situ_beta,
+            cfg.situ_linear_beta, run)
+    ys = gmm_kernels.gmm(h, w["w2"], group, **kw)  # float32; partial over the tp slice of the hidden width
+    if tp:
+        ys = jax.lax.psum(ys, tp)
+    ys = ys.astype(run.dtype)
+    return jnp.zeros_like(ys).at[order].set(ys)
+
+
+def _sort_pairs(e_M, v_M, e_loc, n):
+    """Pairs sorted by destination chip (then local expert); invalid pairs last. Returns order, dest, local id."""
+    dest = jnp.where(v_M, e_M // e_loc, n)
+    order = jnp.argsort(dest * e_loc + e_M % e_loc, stable=True)
+    return order, dest[order], (e_M % e_loc)[order]
+
+
+def _capacity_dispatch(z, e, v, X, e_loc, n, axes, cap, local, emulated=False):
+    """Fixed-capacity exchange: ``[n, cap, L]`` buffers through ``all_to_all`` (pairs past ``cap`` dropped)."""
+    order, dest, lid = _sort_pairs(e, v, e_loc, n)
+    M = e.shape[0]
+    counts = jnp.zeros((n + 1,), jnp.int32).at[dest].add(1)
+    start = jnp.cumsum(counts) - counts
+    rank = jnp.arange(M) - start[dest]
+    keep = (dest < n) & (rank < cap)
+    d, s = jnp.where(keep, dest, n), jnp.where(keep, rank, cap)
+    buf = jnp.zeros((n, cap, z.shape[-1]), z.dtype).at[d, s].set(z[order // X], mode="drop")
+    ids = jnp.full((n, cap), e_loc, jnp.int32).at[d, s].set(lid, mode="drop")
+    got = jax.lax.all_to_all(buf, axes, 0, 0, tiled=True)  # [senders, cap, L]
+    got_ids = jax.lax.all_to_all(ids, axes, 0, 0, tiled=True)
+    y = local(got.reshape(n * cap, -1), got_ids.reshape(-1)).reshape(n, cap, -1)
+    back = jax.lax.all_to_all(y, axes, 0, 0, tiled=True)  # [destinations, cap, L]: my pairs' results
+    res = jnp.where(keep[:, None], back[jnp.minimum(dest, n - 1), jnp.minimum(rank, cap - 1)], 0)
+    return jnp.zeros_like(res).at[order].set(res)
+
+
+def _ragged_dispatch(z, e, v, X, e_loc, n, axes, cap, local, emulated=False):
+    """Exactly-sized exchange with ``ragged_all_to_all`` (``emulated``: the same offsets over ``all_gather``)."""
+    a2a = _ragged_all_to_all_emulated if emulated else jax.lax.ragged_all_to_all
+    order, dest, lid = _sort_pairs(e, v, e_loc, n)
+    me = jax.lax.axis_index(axes)
+    send = jnp.zeros((n + 1,), jnp.int32).at[dest].add(1)[:n]
+    in_off = jnp.cumsum(send) - send
+    sizes = jax.lax.all_gather(send, axes)  # [sender, destination]
+    recv = sizes[:, me]
+    out_off = (jnp.cumsum(sizes, axis=0) - sizes)[me]  # where my rows start in each destination's buffer
+    R = n * cap  # receive buffer: every sender's worst case
+    xs = z[order // X]
+    got = a2a(xs, jnp.zeros((R, z.shape[-1]), z.dtype), in_off, send, out_off, recv, axis_name=axes)
+    got_ids = a2a(lid.astype(jnp.int32), jnp.full((R,), e_loc, jnp.int32), in_off, send, out_off, recv, axis_name=axes)
+    y = local(got, got_ids)
+    recv_off = jnp.cumsum(recv) - recv
+    back_off = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]  # where each sender's rows for me started
+    back = a2a(y, jnp.zeros((e.shape[0], y.shape[-1]), y.dtype), recv_off, recv, back_off, send, axis_name=axes)
+    return jnp.zeros_like(back).at[order].set(back)
+
+
+def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` semantics built from ``all_gather`` (for CPU, where XLA lacks the op).
+
+    Sender s's rows ``operand_s[input_offsets_s[r] : + send_sizes_s[r]]`` land in receiver r's
+    ``output[output_offsets_s[r] : + ...]``; other output rows keep their value.
+    """
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [senders, R_in, ...]
+    io = jax.lax.all_gather(input_offsets, axis_name)[:, me]
+    ss = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    oo = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    r = jnp.arange(output.shape[0])
+    inside = (r[None] >= oo[:, None]) & (r[None] < (oo + ss)[:, None])  # [senders, R_out]
+    src = jnp.argmax(inside, axis=0)
+    row = jnp.clip(io[src] + r - oo[src], 0, operand.shape[0] - 1)
+    vals = ops[src, row]
+    hit = jnp.any(inside, axis=0).reshape((-1,) + (1,) * (operand.ndim - 1))
+    return jnp.where(hit, vals, output)

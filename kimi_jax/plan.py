@@ -1,0 +1,436 @@
+"""Deployment plan: per-chip bytes of a model on a mesh, a roofline decode step time, and which chips it fits.
+
+Everything is computed from the abstract model (exact parameter shapes and dtypes, MXFP4 experts as packed
+bytes) and the partition specs of :mod:`kimi_jax.sharding`, so the plan and the sharded program agree by
+construction on parameters and caches. Activations are an estimate of the largest temporaries of one step
+(named below, per kernel family); ``benchmarks/plan_vs_compiler.py`` checks the whole against XLA's own
+per-device memory analysis of the compiled decode step.
+
+Roofline: a decode step reads every local non-expert weight, the local share of the experts the batch routes
+to (expected count under uniform routing), and the caches (KDA state read and written, MLA/KV cache read over
+the whole context); time = bytes / HBM bandwidth. Collectives and compute are not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax import sharding
+from kimi_jax.cache import cache_shapes
+from kimi_jax.config import ModelConfig
+from kimi_jax.layers import RunConfig
+from kimi_jax.model import abstract_model
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s
+
+
+# Vendor datasheet figures (decimal GB, TB/s).
+CHIPS = {
+    "h100": Chip("NVIDIA H100 SXM", 80e9, 3.35e12),
+    "h200": Chip("NVIDIA H200", 141e9, 4.8e12),
+    "b200": Chip("NVIDIA B200", 180e9, 8.0e12),
+    "v5p": Chip("TPU v5p", 95e9, 2.765e12),
+    "v6e": Chip("TPU v6e", 32e9, 1.64e12),
+    "v7x": Chip("TPU v7x", 192e9, 7.37e12),
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    model: str
+    sizes: dict
+    layout: str
+    batch: int
+    context: int
+    dtype: str
+    kernels: str
+    params: dict  # category -> bytes per chip
+    cache: dict  # kda_state, kda_conv, mla, kv -> bytes per chip
+    activations: dict  # name -> bytes per chip (decode step)
+    step_read: dict  # name -> bytes read per decode step per chip
+    prefill_activations: dict
+    notes: list
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def param_total(self) -> int:
+        return sum(self.params.values())
+
+    @property
+    def cache_total(self) -> int:
+        return sum(self.cache.values())
+
+    @property
+    def activation_total(self) -> int:
+        return sum(self.activations.values())
+
+    @property
+    def total(self) -> int:
+        return self.param_total + self.cache_total + self.activation_total
+
+    def step_seconds(self, bandwidth: float) -> float:
+        return sum(self.step_read.values()) / bandwidth
+
+    def fits(self, chip: Chip, reserve: float = 0.1) -> bool:
+        return self.total <= chip.hbm_bytes * (1 - reserve)
+
+
+def _category(path: str) -> str:
+    if ".experts." in path:
+        return "routed experts"
+    if ".self_attn." in path:
+        return "attention"
+    if ".shared_experts." in path or (".mlp." in path and path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")):
+        return "dense + shared MLP"
+    if ".mlp." in path:
+        return "router + latent proj"
+    if path in ("embed_tokens", "lm_head"):
+        return "embedding + lm_head"
+    return "norms + AttnRes"
+
+
+def _spec_axes(part):
+    return () if part is None else ((part,) if isinstance(part, str) else tuple(part))
+
+
+def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
+              kernels: str = "pallas", prefill_chunk: int = 0, model_name: str = "") -> Plan:
+    """Per-chip bytes for ``cfg`` on a mesh of ``sizes`` (``{"data","expert","model"}``) under ``layout``.
+
+    ``kernels``: ``"pallas"`` (TPU/GPU kernels decode MXFP4 and read caches per tile: no workspace) or
+    ``"reference"`` (the jnp kernels, what CPU runs: one layer's local experts dequantized, the MLA latent cache
+    of one layer upcast to float32).
+    """
+    lay = sharding.layout(layout)
+    sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
+    dt = jnp.dtype(dtype)
+    model = _abstract(cfg, dt.name)
+    specs = sharding.param_specs(model, sizes, lay)
+    notes = []
+
+    params: dict[str, int] = {}
+    read: dict[str, int] = {}
+    expert_local = {}  # layer prefix -> (local bytes of all local experts, local experts)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = ".".join(str(k) for k in path)
+        sds = var.get_value()
+        b = sharding.shard_bytes(sds.shape, sds.dtype, specs[key], sizes)
+        cat = _category(key)
+        params[cat] = params.get(cat, 0) + b
+        if cat == "routed experts":
+            layer = key.split(".experts.")[0]
+            tot, _ = expert_local.get(layer, (0, 0))
+            e_loc = sharding.shard_shape(sds.shape, specs[key], sizes)[0]
+            expert_local[layer] = (tot + b, e_loc)
+        elif key != "embed_tokens":
+            read["weights (non-expert)"] = read.get("weights (non-expert)", 0) + b
+
+    # Caches ---------------------------------------------------------------------------------------------
+    shapes = cache_shapes(cfg, batch, context, dt)
+    cspecs = sharding.cache_specs(cfg, shapes, sizes, lay)
+    cache = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
+    b_loc = sharding.shard_shape((batch,), cspecs.lengths, sizes)[0]
+    for kind, entry, spec in zip(cfg.attn_types, shapes.layers, cspecs.layers):
+        for field in dataclasses.fields(entry):
+            sds, sp = getattr(entry, field.name), getattr(spec, field.name)
+            nbytes = sharding.shard_bytes(sds.shape, sds.dtype, sp, sizes)
+            name = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv", "conv_v": "kda_conv",
+                    "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}[field.name]
+            cache[name] += nbytes
+    rep = [a for a in sharding.replicated_over(cspecs.lengths, sizes) if a in lay.mesh_axes("batch")]
+    if rep:
+        notes.append(f"batch {batch} does not split over {'x'.join(rep)}: caches replicated there")
+    if cache["mla"] and sizes["model"] > 1:
+        notes.append("the MLA latent cache has no head axis: it is replicated over the model axis")
+    for kind, sub in (("kda", cfg.kda), ("mla", cfg.mla), ("gqa", cfg.gqa)):
+        if sub is not None and kind in cfg.attn_types and sizes["model"] > 1:
+            heads_axes = _allowed_heads(sub.num_heads, sizes, lay)
+            if not heads_axes:
+                notes.append(f"{kind}: {sub.num_heads} heads do not divide the model axis: attention replicated")
+
+    # Decode-step activations: the logits plus the largest per-layer workspace (layers run one after another).
+    V = cfg.vocab_size
+    head = "lm_head" if "lm_head" in specs else "embed_tokens"
+    v_loc = V // math.prod(sizes[a] for a in _spec_axes(specs[head][0]))
+    act = {"logits (f32)": b_loc * v_loc * 4}
+    if kernels == "reference":
+        work = {}
+        if expert_local:
+            work["expert dequant (reference)"] = _expert_workspace(cfg, model, specs, sizes, lay, batch, dt)
+        if cfg.mla is not None and "mla" in cfg.attn_types:
+            # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for
+            # the value read; the rope key part once.
+            m = cfg.mla
+            work["MLA cache upcast (reference)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
+        if dt != jnp.float32:
+            # XLA:CPU has no bf16 dot: it converts a weight to float32 next to its matmul.
+            work["bf16 weight upcast (XLA:CPU)"] = max(
+                math.prod(sharding.shard_shape(_shape(model, k), specs[k], sizes)) * 4
+                for k in specs if ".experts." not in k and len(_shape(model, k)) == 2)
+        name = max(work, key=work.get)
+        act[f"workspace: {name}"] = work[name]
+    elif kernels != "pallas":
+        raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
+
+    # Decode-step reads -------------------------------------------------------------------------------------
+    read["embedding rows"] = b_loc * cfg.hidden_size * dt.itemsize
+    if expert_local:
+        moe = cfg.moe
+        group_tokens = batch // sizes["data"] if batch % sizes["data"] == 0 else batch
+        p_used = 1 - (1 - moe.top_k / moe.num_experts) ** group_tokens
+        read["routed experts (used)"] = int(sum(tot * p_used for tot, _ in expert_local.values()))
+    read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
+    read["MLA / KV cache"] = cache["mla"] + cache["kv"]
+
+    prefill = _prefill_activations(cfg, sizes, lay, specs, model, b_loc, prefill_chunk, dt) if prefill_chunk else {}
+    return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
+                prefill, notes)
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract(cfg: ModelConfig, dtype: str):
+    return abstract_model(cfg, RunConfig(dtype=jnp.dtype(dtype)))
+
+
+def _expert_workspace(cfg, model, specs, sizes, lay, batch, dt):
+    """The jnp reference grouped matmul on one layer's local experts: one weight decoded to dense, its transposed
+    copy, and XLA:CPU's ragged_dot, which computes every (row, local expert) product before selecting."""
+    moe = cfg.moe
+    w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
+    e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
+    ep = _spec_axes(specs[w1][0])
+    n_ep = math.prod(sizes[a] for a in ep)
+    tok_axes = [a for a in lay.mesh_axes("batch") if sizes[a] > 1] + [a for a in ep if a not in lay.mesh_axes("batch")]
+    n_loc = -(-batch // math.prod(sizes[a] for a in tok_axes))
+    rows = n_ep * n_loc * min(moe.top_k, e_loc) if n_ep > 1 else n_loc * moe.top_k
+    return (2 * e_loc * f_loc * moe.expert_in + rows * e_loc * max(f_loc, moe.expert_in)) * dt.itemsize
+
+
+def _allowed_heads(h, sizes, lay):
+    return sharding.group_specs({"h": (("heads",), (h,))}, sizes, lay)["h"][0]
+
+
+def _shape(model, path):
+    node = model
+    for part in path.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node.get_value().shape
+
+
+def _prefill_activations(cfg, sizes, lay, specs, model, b_loc, T, dt):
+    """Rough largest temporaries of a prefill chunk of ``T`` tokens per local sequence (not compiler-checked)."""
+    D, N = cfg.hidden_size, b_loc * T
+    out = {"hidden + AttnRes blocks": N * D * dt.itemsize * (2 + (cfg.num_layers // cfg.attn_res_block_size + 1
+                                                                   if cfg.attn_res else 0))}
+    if cfg.moe is not None:
+        moe = cfg.moe
+        w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
+        e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
+        ep = math.prod(sizes[a] for a in _spec_axes(specs[w1][0]))
+        n_loc = -(-N // max(1, ep))
+        rows = ep * n_loc * min(moe.top_k, e_loc)  # lossless receive buffer
+        out["MoE dispatch rows (lossless)"] = rows * (moe.expert_in * dt.itemsize * 2 + f_loc * dt.itemsize * 2)
+    if cfg.kda is not None:
+        k = cfg.kda
+        h_loc = k.num_heads // max(1, math.prod(sizes[a] for a in _spec_axes(_allowed_heads(k.num_heads, sizes, lay))))
+        C = min(64, T)
+        out["KDA chunk decay tensor"] = b_loc * h_loc * C * C * k.head_dim * 4
+    return out
+
+
+# -- printing ----------------------------------------------------------------------------------------------
+
+
+def _gb(b):
+    return f"{b / GB:9.2f} GB"
+
+
+def format_plan(p: Plan, chips=None, reserve: float = 0.1, bandwidth: float | None = None) -> str:
+    chips = chips or list(CHIPS)
+    mesh = ",".join(f"{a}={p.sizes[a]}" for a in sharding.MESH_AXES)
+    lines = [f"{p.model}: mesh {mesh} ({p.chips} chips), layout {p.layout}, batch {p.batch}, context {p.context}, "
+             f"{p.dtype}, {p.kernels} kernels", "", "per-chip bytes"]
+    for k, v in p.params.items():
+        lines.append(f"  params  {k:<28}{_gb(v)}")
+    lines.append(f"  params  {'total':<28}{_gb(p.param_total)}")
+    labels = {"kda_state": "KDA state (f32)", "kda_conv": "KDA conv tails", "mla": "MLA latent cache", "kv": "GQA KV cache"}
+    for k, v in p.cache.items():
+        if v:
+            lines.append(f"  cache   {labels[k]:<28}{_gb(v)}")
+    for k, v in p.activations.items():
+        lines.append(f"  decode  {k:<28}{_gb(v)}")
+    lines.append(f"  {'total':<36}{_gb(p.total)}")
+    if p.prefill_activations:
+        lines.append("prefill-chunk activations (estimate, not in the total)")
+        for k, v in p.prefill_activations.items():
+            lines.append(f"  {k:<36}{_gb(v)}")
+    lines.append("")
+    lines.append(f"decode step reads per chip: {_gb(sum(p.step_read.values()))} "
+                 f"({', '.join(f'{k} {v / GB:.2f}' for k, v in p.step_read.items())} GB)")
+    if bandwidth:
+        t = p.step_seconds(bandwidth)
+        lines.append(f"  at {bandwidth / 1e12:.2f} TB/s: {t * 1e3:.2f} ms/step, {p.batch / t:.0f} tok/s aggregate")
+    lines.append(f"fits (total <= {100 * (1 - reserve):.0f}% of HBM):")
+    for name in chips:
+        c = CHIPS[name]
+        t = p.step_seconds(c.hbm_bandwidth)
+        verdict = "fits" if p.fits(c, reserve) else "does NOT fit"
+        lines.append(f"  {c.name:<18}{c.hbm_bytes / GB:5.0f} GB  {verdict:<13} roofline {t * 1e3:7.2f} ms/step "
+                     f"({p.batch / t:7.0f} tok/s)")
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def candidate_meshes(max_chips: int = 512):
+    """(data=1) x expert x model meshes with power-of-two sizes: the ones worth trying for one replica."""
+    out = []
+    n = 1
+    while n <= max_chips:
+        for model in (1, 2, 4, 8, 16, 32):
+            if model <= n:
+                out.append({"data": 1, "expert": n // model, "model": model})
+        n *= 2
+    return out
+
+
+def search(cfg: ModelConfig, layout, *, batch, context, dtype="bfloat16", kernels="pallas", chips=None,
+           reserve=0.1, max_chips=512) -> dict[str, list[Plan]]:
+    """For each chip, the fitting meshes with the fewest chips (all model-axis sizes at that count)."""
+    chips = chips or list(CHIPS)
+    plans = [make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, kernels=kernels)
+             for s in candidate_meshes(max_chips)]
+    out = {}
+    for name in chips:
+        fit = [p for p in plans if p.fits(CHIPS[name], reserve)]
+        least = min((p.chips for p in fit), default=None)
+        out[name] = [p for p in fit if p.chips == least]
+    return out
+
+
+# -- the compiler's view -------------------------------------------------------------------------------------
+
+
+def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
+                       implementation: str | None = None) -> dict:
+    """Lower and compile one decode step (abstract parameters and cache: nothing is allocated) on ``mesh``; return
+    XLA's per-device memory analysis in bytes and the compile time."""
+    import time
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    lay = sharding.layout(layout)
+    dt = jnp.dtype(dtype)
+    run = RunConfig(dtype=dt, implementation=implementation, parallel=sharding.Parallel(mesh, lay))
+    model = abstract_model(cfg, run)
+    graphdef, state = nnx.split(model)
+    specs = sharding.param_specs(model, mesh, lay)
+
+    def with_sharding(path, var):
+        sds = var.get_value()
+        var = var.replace(jax.ShapeDtypeStruct(sds.shape, sds.dtype,
+                                               sharding=NamedSharding(mesh, specs[".".join(str(k) for k in path)])))
+        return path, var
+
+    state = nnx.from_flat_state([with_sharding(p, v) for p, v in nnx.to_flat_state(state)])
+    shapes = cache_shapes(cfg, batch, context, dt)
+    cshard = sharding.cache_shardings(cfg, shapes, mesh, lay)
+    cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, cshard)
+    bspec = sharding.batch_spec((batch, 1), mesh, lay)
+    ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(mesh, bspec))
+    head = "lm_head" if "lm_head" in specs else "embed_tokens"
+    logits_sharding = NamedSharding(mesh, PartitionSpec(bspec[0], None, specs[head][0]))
+
+    def step(state, ids, cache):
+        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=True)
+        return out.logits, out.cache
+
+    t0 = time.perf_counter()
+    lowered = jax.jit(step, donate_argnums=(2,), out_shardings=(logits_sharding, cshard)).lower(state, ids, cache)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp", "generated_code")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["compile_seconds"] = seconds
+    return out
+
+
+def compare_with_compiler(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
+                          model_name: str = "") -> tuple[Plan, dict]:
+    """The plan (reference kernels: what the compiled program runs) next to XLA's memory analysis."""
+    import jax
+
+    kernels = "reference" if jax.default_backend() == "cpu" else "pallas"
+    p = make_plan(cfg, dict(mesh.shape), layout, batch=batch, context=context, dtype=dtype, kernels=kernels,
+                  model_name=model_name)
+    return p, decode_step_memory(cfg, mesh, layout, batch=batch, context=context, dtype=dtype)
+
+
+def format_comparison(p: Plan, xla: dict) -> str:
+    """Plan vs XLA, per device: arguments (parameters + cache + ids), temporaries, peak."""
+    arg_plan = p.param_total + p.cache_total
+    peak_plan = p.total
+    rows = [("parameters + cache (arguments)", arg_plan, xla["argument"]),
+            ("activations (temp + non-aliased outputs)", p.activation_total, xla["temp"] + xla["output"] - xla["alias"]),
+            ("peak (args + outputs - aliased + temp)", peak_plan, xla["peak"])]
+    lines = [f"{'per device':<44}{'plan':>12}{'XLA':>12}{'plan/XLA':>10}"]
+    for name, a, b in rows:
+        lines.append(f"{name:<44}{a / GB:>9.3f} GB{b / GB:>9.3f} GB{(a / b if b else float('nan')):>10.3f}")
+    lines.append(f"compile {xla['compile_seconds']:.0f} s; generated code {xla['generated_code'] / 1e6:.1f} MB")
+    return "\n".join(lines)
+
+
+def run_cli(args) -> None:
+    """``kimi-jax plan`` (arguments from :mod:`kimi_jax.cli`)."""
+    from kimi_jax import config as C
+
+    cfg = C.preset(args.model) if args.model in C.PRESETS else C.load(args.model)
+    chips = args.chips.split(",") if args.chips else list(CHIPS)
+    unknown = [c for c in chips if c not in CHIPS]
+    if unknown:
+        raise ValueError(f"--chips: unknown {unknown}; known: {sorted(CHIPS)}")
+    if not 0 <= args.reserve < 1:
+        raise ValueError(f"--reserve {args.reserve} must be in [0, 1)")
+    sizes = sharding.parse_mesh(args.mesh)
+    _check_mesh(cfg, sizes, args.layout)
+    p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
+                  kernels=args.kernels, prefill_chunk=args.prefill_chunk, model_name=args.model)
+    print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
+    if args.search:
+        print("\nsmallest fitting meshes (data=1), per chip:")
+        for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
+                                  kernels=args.kernels, chips=chips, reserve=args.reserve).items():
+            if not plans:
+                print(f"  {CHIPS[name].name:<18} none up to 512 chips")
+            for q in plans:
+                t = q.step_seconds(CHIPS[name].hbm_bandwidth)
+                print(f"  {CHIPS[name].name:<18} {q.chips:4d} chips expert={q.sizes['expert']:<4d}"
+                      f"model={q.sizes['model']:<3d} {q.total / GB:7.1f} GB/chip  {t * 1e3:6.2f} ms/step")
+
+
+def _check_mesh(cfg: ModelConfig, sizes: dict, layout) -> None:
+    """A mesh whose expert split cannot divide the routed experts would replicate them everywhere: refuse."""
+    if cfg.moe is None:
+        return
+    axes = sharding.layout(layout).mesh_axes("expert")
+    n = math.prod(sizes[a] for a in axes)
+    if cfg.moe.num_experts % n:
+        raise ValueError(f"--mesh: {'x'.join(f'{a}={sizes[a]}' for a in axes)} = {n} does not divide the "
+                         f"{cfg.moe.num_experts} routed experts (they would be replicated on every chip)")

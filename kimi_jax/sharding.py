@@ -1,0 +1,339 @@
+"""Parallel layouts: the mesh axes, one table from logical axis names to mesh axes, and the partition specs of
+every parameter and cache array derived from it.
+
+Mesh axes: ``data`` (independent sequences), ``expert`` (routed experts; attention and caches run
+data-parallel over it: "DP attention + EP MoE"), ``model`` (tensor parallelism: heads, MLP width, vocab).
+A layout is one table ``logical axis -> mesh axes``; another parallel layout is another table.
+
+Parameters declare logical axes in their metadata (``nnx.Param(..., axes=(...))``); caches declare them here
+(:func:`cache_specs`). Two rules turn a table into specs, each for a reason:
+
+* **Divisibility.** A dimension takes the longest prefix of its mesh axes whose product divides it; the rest
+  is replicated (4 heads cannot be split 8 ways). For MXFP4 arrays the packed input dimension counts in units
+  of one 32-value scale group, so a packed shard and its scale shard always cover the same columns.
+* **One module, one decision.** Within a module, every array carrying a logical axis shards it the same way
+  (the shortest prefix any of them allows). Attention modules add a virtual ``[num_heads]`` array, so heads are
+  never split mid-head: a flattened ``q_proj [H*K, D]`` is sharded only if ``H`` itself divides.
+
+And one check: no array may map two of its logical axes to the same mesh axis (:class:`ShardingError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from kimi_jax.cache import Cache, KDACache, KVCache, MLACache
+from kimi_jax.config import ModelConfig
+
+MESH_AXES = ("data", "expert", "model")
+
+
+class ShardingError(ValueError):
+    """A layout table or mesh that cannot shard the given arrays."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One table: logical axis name -> mesh axes (a tuple; the order is the order of the split)."""
+
+    name: str
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def __post_init__(self):
+        for logical, axes in self.rules:
+            bad = [a for a in axes if a not in MESH_AXES]
+            if bad:
+                raise ShardingError(f"layout {self.name!r}: logical axis {logical!r} maps to unknown mesh axes {bad} "
+                                    f"(mesh axes are {MESH_AXES})")
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        if logical is None:
+            return ()
+        for name, axes in self.rules:
+            if name == logical:
+                return axes
+        raise ShardingError(f"layout {self.name!r} has no rule for logical axis {logical!r}")
+
+
+def _table(name: str, **rules) -> Layout:
+    return Layout(name, tuple((k, tuple(v)) for k, v in rules.items()))
+
+
+# The default: attention heads / MLP width / vocab / LatentMoE projections split over `model`, routed experts
+# over `expert` and each expert's hidden width over `model`, sequences over `data` and `expert`.
+TP_EP = _table(
+    "tp_ep",
+    batch=("data", "expert"), cache_seq=(),
+    vocab=("model",), embed=(), heads=("model",), kv_heads=("model",), mlp=("model",), latent=("model",),
+    expert=("expert",), expert_mlp=("model",),
+)
+# Wide expert parallelism (SGLang's TP16/EP16 on 16 H200s is `--mesh model=16`): experts over every chip of
+# `expert` x `model`, each expert whole on one chip; attention as in TP_EP.
+WIDE_EP = _table(
+    "wide_ep",
+    batch=("data", "expert"), cache_seq=(),
+    vocab=("model",), embed=(), heads=("model",), kv_heads=("model",), mlp=("model",), latent=("model",),
+    expert=("expert", "model"), expert_mlp=(),
+)
+LAYOUTS = {t.name: t for t in (TP_EP, WIDE_EP)}
+
+
+def layout(name_or_layout) -> Layout:
+    if isinstance(name_or_layout, Layout):
+        return name_or_layout
+    if name_or_layout not in LAYOUTS:
+        raise ShardingError(f"unknown layout {name_or_layout!r}; available: {sorted(LAYOUTS)}")
+    return LAYOUTS[name_or_layout]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How a model runs on many devices (hashable: lives in :class:`~kimi_jax.layers.RunConfig`, static under jit).
+
+    ``dispatch``: expert-parallel token exchange. ``"auto"`` = ``"ragged"`` (``ragged_all_to_all``) on TPU/GPU and
+    ``"capacity"`` (fixed-capacity ``all_to_all``) on CPU, where XLA has no ragged all-to-all;
+    ``"ragged_emulated"`` runs the ragged path's offset arithmetic over ``all_gather`` (CPU tests of that path).
+    ``capacity_factor``: None = lossless buffers (worst case: every pair of a shard to one destination); a number
+    sizes buffers at that multiple of the mean load and *drops* overflowing (token, expert) pairs.
+    """
+
+    mesh: object  # jax.sharding.Mesh or AbstractMesh
+    layout: Layout = TP_EP
+    dispatch: str = "auto"
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.dispatch not in ("auto", "ragged", "capacity", "ragged_emulated"):
+            raise ShardingError(f"Parallel.dispatch={self.dispatch!r}; choose auto, ragged, capacity or ragged_emulated")
+        missing = [a for a in MESH_AXES if a not in self.mesh.shape]
+        if missing:
+            raise ShardingError(f"mesh axes {tuple(self.mesh.shape)} lack {missing}; build meshes with make_mesh()")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+
+# -- meshes ------------------------------------------------------------------------------------------------
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=1,expert=64,model=8"`` -> {"data": 1, "expert": 64, "model": 8} (missing axes are 1)."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, val = part.partition("=")
+        if key not in MESH_AXES or not val.isdigit() or int(val) < 1:
+            raise ShardingError(f"--mesh {text!r}: {part!r} is not AXIS=N with AXIS in {MESH_AXES} and N >= 1")
+        sizes[key] = int(val)
+    return sizes
+
+
+def make_mesh(data: int = 1, expert: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Mesh:
+    """A (data, expert, model) mesh over ``devices`` (default: all global devices), Auto axis types (GSPMD)."""
+    n = data * expert * model
+    devices = jax.devices() if devices is None else list(devices)
+    if n != len(devices):
+        raise ShardingError(f"mesh data={data} x expert={expert} x model={model} = {n} devices, "
+                            f"but {len(devices)} are available")
+    return jax.make_mesh((data, expert, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def abstract_mesh(data: int = 1, expert: int = 1, model: int = 1) -> jax.sharding.AbstractMesh:
+    """Sizes only (no devices): enough for specs and plans."""
+    return jax.sharding.AbstractMesh((data, expert, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+# -- specs -------------------------------------------------------------------------------------------------
+
+
+def _unit(name: str, dim: int, ndim: int) -> int:
+    """Divisibility unit of a dimension: the packed / scale input dimension of MXFP4 counts in scale groups."""
+    if dim == ndim - 1 and name.endswith("_packed"):
+        return 16  # 16 bytes = 32 nibbles = one scale group
+    return 1
+
+
+def _check_conflicts(where: str, axes, lay: Layout):
+    seen: dict[str, str] = {}
+    for logical in axes:
+        for m in lay.mesh_axes(logical):
+            if m in seen:
+                raise ShardingError(f"{where}: layout {lay.name!r} maps logical axes {seen[m]!r} and {logical!r} "
+                                    f"of one array to the same mesh axis {m!r}")
+            seen[m] = logical
+
+
+def _allowed(logical: str, size: int, sizes: Mapping[str, int], lay: Layout) -> tuple[str, ...]:
+    """Longest prefix of the logical axis's mesh axes (size-1 axes left out) whose product divides ``size``."""
+    out, n = [], 1
+    for m in lay.mesh_axes(logical):
+        k = sizes.get(m, 1)
+        if k == 1:
+            continue
+        if size % (n * k):
+            break
+        out.append(m)
+        n *= k
+    return tuple(out)
+
+
+def _common_prefix(a: tuple, b: tuple) -> tuple:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def group_specs(arrays: Mapping[str, tuple[tuple, tuple]], sizes: Mapping[str, int], lay: Layout,
+                virtual: Mapping[str, int] | None = None, where: str = "") -> dict[str, PartitionSpec]:
+    """Specs for the arrays of one module: ``{name: (axes, shape)}``; ``virtual``: extra {logical: size}
+    constraints (a module's head count). Applies the conflict check and both rules of the module docstring."""
+    decided: dict[str, tuple[str, ...]] = {}
+
+    def narrow(logical, size):
+        allowed = _allowed(logical, size, sizes, lay)
+        decided[logical] = allowed if logical not in decided else _common_prefix(decided[logical], allowed)
+
+    for name, (axes, shape) in arrays.items():
+        _check_conflicts(f"{where}{name}", axes, lay)
+        for d, (logical, size) in enumerate(zip(axes, shape)):
+            if logical is not None:
+                narrow(logical, int(size) // _unit(name, d, len(shape)))
+    for logical, size in (virtual or {}).items():
+        if logical in decided:
+            narrow(logical, size)
+    out = {}
+    for name, (axes, _) in arrays.items():
+        parts = []
+        for logical in axes:
+            m = decided.get(logical, ()) if logical is not None else ()
+            parts.append(None if not m else (m[0] if len(m) == 1 else m))
+        out[name] = PartitionSpec(*parts)
+    return out
+
+
+def _module_virtual(module) -> dict[str, int]:
+    cfg = getattr(module, "cfg", None)
+    out = {}
+    if hasattr(cfg, "num_heads"):
+        out["heads"] = cfg.num_heads
+    if hasattr(cfg, "num_kv_heads"):
+        out["kv_heads"] = cfg.num_kv_heads
+    return out
+
+
+def _param_arrays(module) -> dict[str, tuple[tuple, tuple]]:
+    out = {}
+    for name, value in vars(module).items():
+        if isinstance(value, nnx.Param):
+            axes = value.get_metadata().get("axes")
+            if axes is None:
+                raise ShardingError(f"parameter {type(module).__name__}.{name} declares no logical axes")
+            out[name] = (tuple(axes), tuple(value.shape))
+    return out
+
+
+def module_specs(module, sizes: Mapping[str, int], lay: Layout, prefix: str = "") -> dict[str, PartitionSpec]:
+    """Specs of one module's own parameters, keyed by attribute name."""
+    return group_specs(_param_arrays(module), sizes, lay, _module_virtual(module), prefix)
+
+
+def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP) -> dict[str, PartitionSpec]:
+    """Partition spec of every parameter of ``model`` (real or abstract), keyed "layers.3.self_attn.q_proj"."""
+    lay = layout(lay)
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            prefix = "".join(f"{p}." for p in path)
+            for name, spec in module_specs(node, sizes, lay, prefix).items():
+                out[prefix + name] = spec
+    return out
+
+
+def param_shardings(model, mesh, lay: Layout | str = TP_EP) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(mesh, s) for k, s in param_specs(model, mesh, lay).items()}
+
+
+def state_shardings(state, mesh, lay: Layout | str, model) -> object:
+    """The NNX state pytree of ``model`` with each leaf replaced by its NamedSharding (for jit in/out_shardings)."""
+    specs = param_specs(model, mesh, lay)
+
+    def leaf(path, var):
+        return NamedSharding(mesh, specs.get(".".join(str(k) for k in path), PartitionSpec()))
+
+    flat = nnx.to_flat_state(state)
+    return nnx.from_flat_state([(path, var.replace(leaf(path, var))) for path, var in flat])
+
+
+# -- caches ------------------------------------------------------------------------------------------------
+
+CACHE_AXES = {
+    KDACache: {"conv_q": ("batch", None, "heads"), "conv_k": ("batch", None, "heads"),
+               "conv_v": ("batch", None, "heads"), "state": ("batch", "heads", None, None)},
+    MLACache: {"c": ("batch", "cache_seq", None), "kpe": ("batch", "cache_seq", None)},
+    KVCache: {"k": ("batch", "cache_seq", "kv_heads", None), "v": ("batch", "cache_seq", "kv_heads", None)},
+}
+
+
+def cache_specs(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> Cache:
+    """A :class:`Cache` of PartitionSpecs matching ``cache`` (real or ``cache_shapes``), heads split only when the
+    layer's head count divides (the same decision as its parameters)."""
+    lay = layout(lay)
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    virtual = {"kda": {"heads": cfg.kda.num_heads} if cfg.kda else {},
+               "mla": {},
+               "gqa": {"heads": cfg.gqa.num_heads, "kv_heads": cfg.gqa.num_kv_heads} if cfg.gqa else {}}
+    layers = []
+    for i, (kind, entry) in enumerate(zip(cfg.attn_types, cache.layers)):
+        fields = CACHE_AXES[type(entry)]
+        arrays = {f: (axes, tuple(getattr(entry, f).shape)) for f, axes in fields.items()}
+        specs = group_specs(arrays, sizes, lay, virtual[kind], f"cache layer {i} ")
+        layers.append(type(entry)(**specs))
+    lengths = group_specs({"lengths": (("batch",), tuple(cache.lengths.shape))}, sizes, lay)["lengths"]
+    return Cache(tuple(layers), lengths)
+
+
+def cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | str = TP_EP) -> Cache:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cfg, cache, mesh, lay),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_spec(shape, mesh_or_sizes, lay: Layout | str = TP_EP) -> PartitionSpec:
+    """Spec for a batch-major activation (token ids ``[B, T]``, lengths ``[B]``)."""
+    lay = layout(lay)
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    return group_specs({"x": (("batch",) + (None,) * (len(shape) - 1), tuple(shape))}, sizes, lay)["x"]
+
+
+# -- accounting --------------------------------------------------------------------------------------------
+
+
+def shard_shape(shape, spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Per-device shape of an array of ``shape`` under ``spec`` (specs from this module always divide)."""
+    out = []
+    for d, size in enumerate(shape):
+        part = spec[d] if d < len(spec) else None
+        axes = () if part is None else ((part,) if isinstance(part, str) else tuple(part))
+        out.append(int(size) // math.prod(sizes[a] for a in axes))
+    return tuple(out)
+
+
+def shard_bytes(shape, dtype, spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
+    return math.prod(shard_shape(shape, spec, sizes)) * jnp.dtype(dtype).itemsize
+
+
+def replicated_over(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """Mesh axes (size > 1) an array under ``spec`` is replicated over."""
+    used = set()
+    for part in spec:
+        if part is not None:
+            used.update((part,) if isinstance(part, str) else part)
+    return tuple(a for a in MESH_AXES if sizes.get(a, 1) > 1 and a not in used)

@@ -1,0 +1,171 @@
+"""Sharding tables, partition specs, the deployment plan and the `kimi-jax plan` CLI (one process, no devices needed).
+
+Expected numbers are computed here from the released K3 config (K3_SPEC: 93 layers = 69 KDA + 24 MLA, 96 heads
+x 128, 896 routed experts of 3072 x 3584 in MXFP4, MLA latent 512 + 64), not taken from the code under test.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from kimi_jax import config as C
+from kimi_jax import plan, sharding
+from kimi_jax.cache import cache_shapes
+from kimi_jax.model import abstract_model
+
+K3_SIZES = dict(data=1, expert=8, model=8)
+
+
+@pytest.fixture(scope="module")
+def k3():
+    cfg = C.preset("k3")
+    return cfg, abstract_model(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = C.from_dict(C.tiny_k3_config_dict())
+    return cfg, abstract_model(cfg)
+
+
+def test_one_array_never_maps_two_logical_axes_to_one_mesh_axis():
+    bad = sharding._table("bad", batch=("data",), expert=("expert", "model"), expert_mlp=("model",))
+    arrays = {"w1": (("expert", "expert_mlp", None), (8, 64, 64))}
+    with pytest.raises(sharding.ShardingError, match=r"w1.*'expert'.*'expert_mlp'.*same mesh axis 'model'"):
+        sharding.group_specs(arrays, dict(data=1, expert=2, model=2), bad)
+    # the shipped tables pass the check for every parameter and cache array of every family
+    for name in sharding.LAYOUTS:
+        for cfg in (C.from_dict(C.tiny_k3_config_dict()), C.preset("kimi-linear-48b-a3b"), C.preset("kimi-dense")):
+            sharding.param_specs(abstract_model(cfg), dict(data=2, expert=2, model=2), name)
+            sharding.cache_specs(cfg, cache_shapes(cfg, 4, 16), dict(data=2, expert=2, model=2), name)
+
+
+def test_unknown_axes_and_meshes_are_named():
+    with pytest.raises(sharding.ShardingError, match="unknown mesh axes"):
+        sharding._table("t", heads=("tensor",))
+    with pytest.raises(sharding.ShardingError, match="'fsdp=2'"):
+        sharding.parse_mesh("data=1,fsdp=2")
+    with pytest.raises(sharding.ShardingError, match="unknown layout 'zz'"):
+        sharding.layout("zz")
+    assert sharding.parse_mesh("expert=64,model=8") == {"data": 1, "expert": 64, "model": 8}
+
+
+def test_k3_full_size_shard_shapes(k3):
+    """Per-device shapes on data=1, expert=8, model=8, worked out by hand."""
+    cfg, model = k3
+    specs = sharding.param_specs(model, K3_SIZES)
+    want = {
+        "embed_tokens": (163840 // 8, 7168),
+        "lm_head": (163840 // 8, 7168),
+        "layers.1.self_attn.q_proj": (96 * 128 // 8, 7168),  # KDA: 12 of 96 heads per chip
+        "layers.1.self_attn.A_log": (12,),
+        "layers.1.self_attn.o_proj": (7168, 96 * 128 // 8),
+        "layers.3.self_attn.q_b_proj": (96 * 192 // 8, 1536),  # MLA heads
+        "layers.3.self_attn.kv_a_proj_with_mqa": (576, 7168),  # shared latent: replicated
+        "layers.0.mlp.gate_proj": (33792 // 8, 7168),
+        "layers.5.mlp.shared_experts.down_proj": (7168, 2 * 3072 // 8),
+        "layers.5.mlp.routed_expert_down_proj": (3584 // 8, 7168),
+        "layers.5.mlp.experts.w1_packed": (896 // 8, 3072 // 8, 3584 // 2),  # EP x TP inside each expert
+        "layers.5.mlp.experts.w1_scale": (896 // 8, 3072 // 8, 3584 // 32),
+        "layers.5.mlp.experts.w2_packed": (896 // 8, 3584, 3072 // 8 // 2),
+        "layers.5.mlp.experts.w2_scale": (896 // 8, 3584, 3072 // 8 // 32),
+    }
+    shapes = {k: v.get_value().shape for k, v in
+              ((".".join(map(str, p)), v) for p, v in __import__("flax").nnx.to_flat_state(
+                  __import__("flax").nnx.state(model)))}
+    for name, shape in want.items():
+        assert sharding.shard_shape(shapes[name], specs[name], K3_SIZES) == shape, name
+    # wide EP (TP16/EP16 on 16 chips): each expert whole on one chip, 56 per chip
+    wide = sharding.param_specs(model, dict(data=1, expert=1, model=16), "wide_ep")
+    assert sharding.shard_shape(shapes["layers.5.mlp.experts.w2_packed"], wide["layers.5.mlp.experts.w2_packed"],
+                                dict(data=1, expert=1, model=16)) == (56, 3584, 3072 // 2)
+
+
+def test_divisibility_fallbacks_keep_heads_and_mxfp4_groups_whole(tiny):
+    cfg, model = tiny  # 4 heads, experts of width 64 (two 32-value MXFP4 groups in w2's input)
+    tp8 = sharding.param_specs(model, dict(data=1, expert=1, model=8))
+    assert tp8["layers.1.self_attn.q_proj"] == P(None, None)  # 4 heads cannot split 8 ways: never mid-head
+    assert tp8["layers.3.self_attn.q_b_proj"] == P(None, None)
+    assert tp8["layers.0.mlp.gate_proj"] == P("model", None)  # MLP width 256 can
+    # w2's 2 scale groups cannot split 8 ways, so no expert array of that module splits its hidden width
+    assert {tp8[f"layers.3.mlp.experts.{n}"] for n in ("w1_packed", "w1_scale", "w2_packed", "w2_scale")} == {
+        P(None, None, None)}
+    mix = sharding.param_specs(model, dict(data=2, expert=2, model=2))
+    assert mix["layers.1.self_attn.q_proj"] == P("model", None)
+    assert mix["layers.1.self_attn.A_log"] == P("model")
+    assert mix["layers.3.mlp.experts.w2_packed"] == P("expert", None, "model")
+    assert mix["layers.3.mlp.experts.w2_scale"] == P("expert", None, "model")
+    c = sharding.cache_specs(cfg, cache_shapes(cfg, 2, 32), dict(data=2, expert=2, model=2))
+    assert c.layers[0].state == P("data", "model", None, None)  # batch 2 splits over data only
+    assert c.layers[3].c == P("data", None, None)
+    assert c.lengths == P("data")
+
+
+def _k3_bytes():
+    experts = 92 * 896 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32)  # MXFP4: packed nibbles + one E8M0 byte per 32
+    kda_state = 69 * 96 * 128 * 128 * 4  # per sequence, float32
+    mla_per_token = 24 * (512 + 64) * 2  # bf16
+    return experts, kda_state, mla_per_token
+
+
+def test_plan_matches_hand_computed_k3_bytes():
+    cfg = C.preset("k3")
+    experts, kda_state, mla_per_token = _k3_bytes()
+    assert kda_state == 434_110_464 and mla_per_token == 27_648  # FIELD_NOTES: ~0.43 GB, ~27.6 KB/token
+    one = plan.make_plan(cfg, dict(data=1, expert=1, model=1), batch=8, context=131072)
+    assert one.params["routed experts"] == experts
+    assert one.cache["kda_state"] == 8 * kda_state
+    assert one.cache["mla"] == 8 * 131072 * mla_per_token
+    assert 1.55e12 < one.param_total < 1.57e12  # 1.446 TB experts + ~114 GB bf16 trunk (K3_SPEC: ~1.44 TB + ~109 GB)
+    p = plan.make_plan(cfg, dict(data=1, expert=64, model=8), batch=8, context=131072)
+    assert p.params["routed experts"] == experts / 512
+    # batch 8 cannot split 64 ways: every chip holds all 8 sequences, heads split 8 ways, latent not at all
+    assert p.cache["kda_state"] == 8 * kda_state / 8
+    assert p.cache["mla"] == 8 * 131072 * mla_per_token
+    assert any("replicated" in n for n in p.notes)
+    # roofline: at least the local non-expert weights and the whole local MLA cache are read every step
+    assert p.step_seconds(4.8e12) > (p.cache["mla"] + p.params["attention"]) / 4.8e12
+    assert p.fits(plan.CHIPS["h200"]) and not p.fits(plan.CHIPS["v6e"])
+
+
+def test_plan_cli(capsys):
+    from kimi_jax.cli import main
+
+    assert main(["plan", "--model", "k3", "--mesh", "data=1,expert=64,model=8", "--batch", "8",
+                 "--context", "131072", "--hbm-bandwidth", "4.8e12"]) == 0
+    out = capsys.readouterr().out
+    assert "512 chips" in out and "routed experts" in out and "MLA latent cache" in out
+    assert "ms/step" in out and "NVIDIA H200" in out and "TPU v7x" in out and "TPU v5p" in out
+    assert main(["plan", "--model", "k3", "--mesh", "data=1,expert=3,model=8"]) == 2  # 896 experts
+    assert "does not divide the 896 routed experts" in capsys.readouterr().err
+    assert main(["plan", "--model", "k3", "--mesh", "bogus"]) == 2
+
+
+def test_ragged_dispatch_lowers_for_tpu_and_gpu(tiny):
+    """The TPU/GPU exchange (ragged_all_to_all, not implemented by XLA:CPU) lowers for both platforms."""
+    from flax import nnx
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+
+    from kimi_jax.layers import RunConfig
+    from kimi_jax.moe import MoE
+
+    cfg, _ = tiny
+    for platform, dev in (("tpu", AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")),
+                          ("cuda", AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))):
+        mesh = AbstractMesh((1, 4, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3, abstract_device=dev)
+        # reference kernels: this checks the exchange, not the (tiny-shape-limited) Pallas matmuls
+        run = RunConfig(dtype=jnp.bfloat16, implementation="reference",
+                        parallel=sharding.Parallel(mesh, dispatch="ragged"))
+        moe = nnx.eval_shape(lambda: MoE(cfg.moe, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        specs = sharding.param_specs(moe, mesh)
+        graphdef, state = nnx.split(moe)
+        state = nnx.from_flat_state([
+            (p, v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                               sharding=NamedSharding(mesh, specs[".".join(map(str, p))]))))
+            for p, v in nnx.to_flat_state(state)])
+        x = jax.ShapeDtypeStruct((4, 3, cfg.hidden_size), jnp.bfloat16)
+        fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, run)[0])
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = fn.trace(state, x).lower(lowering_platforms=(platform,)).as_text()
+        assert "ragged_all_to_all" in text, platform
