@@ -4,30 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-
-
-def _cmd_demo(args):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from kimi_jax import config as C
-    from kimi_jax.layers import RunConfig
-    from kimi_jax.model import KimiModel, param_count
-
-    cfg = C.from_dict(C.tiny_k3_config_dict())
-    t0 = time.perf_counter()
-    model = KimiModel(cfg, run=RunConfig(dtype=jnp.dtype(args.dtype)), rngs=nnx.Rngs(args.seed))
-    ids = jax.random.randint(jax.random.key(args.seed), (1, args.tokens), 0, cfg.vocab_size)
-    fwd = nnx.jit(lambda m, x: m(x).logits)
-    logits = np.asarray(fwd(model, ids))
-    dt = time.perf_counter() - t0
-    print(f"tiny Kimi K3 ({param_count(model) / 1e6:.2f}M parameters, {cfg.num_layers} layers "
-          f"{''.join(a[0].upper() for a in cfg.attn_types)}) on {jax.devices()[0].platform}, {args.dtype}")
-    print(f"logits {list(logits.shape)}: mean {logits.mean():+.4f} std {logits.std():.4f} "
-          f"min {logits.min():+.3f} max {logits.max():+.3f} (forward incl. compile {dt:.2f}s)")
 
 
 def _cmd_info(args):
@@ -64,11 +40,13 @@ def _cmd_plan(args):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run a tiny Kimi K3 on the embedded default (no downloads)")
-    d.add_argument("--tokens", type=int, default=16)
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(func=_cmd_demo)
+    from kimi_jax import generate_cli
+
+    generate_cli.add_demo_arguments(sub.add_parser(
+        "demo", help="build a tiny Kimi K3 checkpoint in the released format, load it and generate (no downloads)"))
+    generate_cli.add_generate_arguments(sub.add_parser(
+        "generate", help="generate from a prompt (--model: HF or converted directory; default: the demo model)"))
+    generate_cli.add_chat_arguments(sub.add_parser("chat", help="interactive K3-format chat with a model"))
     i = sub.add_parser("info", help="describe a model directory or preset (k3, kimi-linear-48b-a3b, kimi-dense)")
     i.add_argument("model")
     i.set_defaults(func=_cmd_info)

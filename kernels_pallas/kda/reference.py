@@ -86,6 +86,8 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, sc
     Lengths that are not a multiple of ``chunk_size`` are right-padded with inert steps (g = 0, beta = 0,
     k = q = v = 0), which leave the state unchanged. Returns (o_BTHV float32, final state_BHKV float32).
     """
+    if chunk_size == 1:  # one-token chunks are the recurrence; the scan skips the [C, C] machinery
+        return kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, scale=scale)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     C = min(chunk_size, T) if T > 0 else chunk_size

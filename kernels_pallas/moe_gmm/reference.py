@@ -14,27 +14,60 @@ from kernels_pallas.mxfp4 import MXFP4Weight, as_dense
 _F32 = jnp.float32
 
 
-def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None):
+def _expert(w_ENK, e, dt):
+    """Expert ``e``'s weight ``[N, K]`` in ``dt`` (an MXFP4 expert is decoded here, only this one)."""
+    if isinstance(w_ENK, MXFP4Weight):
+        return as_dense(MXFP4Weight(w_ENK.packed[e], w_ENK.scale[e]), dt)
+    return w_ENK[e].astype(dt)
+
+
+def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, tile=32):
     """Grouped matmul: rows of ``x`` are sorted by expert, ``group_sizes[e]`` rows use expert ``e``.
 
     Rows past ``sum(group_sizes)`` produce zeros. Returns ``[M, N]`` float32.
+
+    Each group's rows are cut into tiles of ``tile`` rows and one loop runs over the tiles in use, multiplying
+    each by its expert's weight. The work is the rows present plus less than a tile of padding per group;
+    ``lax.ragged_dot`` is the same product, but XLA:CPU expands it into a dense product with every expert
+    (15x slower for 16 experts at 1024 rows).
     """
     dt = compute_dtype or x_MK.dtype
-    w = as_dense(w_ENK, dt)
-    return jax.lax.ragged_dot(
-        x_MK.astype(dt), jnp.swapaxes(w, 1, 2), group_sizes_E.astype(jnp.int32), preferred_element_type=_F32
-    )
+    M, K = x_MK.shape
+    E, N = group_sizes_E.shape[0], w_ENK.shape[1]
+    sizes = group_sizes_E.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    tiles = (sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles)  # tiles of groups 0..e
+    xp = jnp.concatenate([x_MK.astype(dt), jnp.zeros((tile, K), dt)])  # a tile may run past row M
+
+    def body(t, out):
+        e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1)
+        r0 = starts[e] + (t - (tile_end[e] - tiles[e])) * tile
+        y = jnp.einsum("mk,nk->mn", jax.lax.dynamic_slice_in_dim(xp, r0, tile), _expert(w_ENK, e, dt),
+                       preferred_element_type=_F32)
+        keep = (r0 + jnp.arange(tile) < ends[e])[:, None]  # rows past the group belong to the next one
+        cur = jax.lax.dynamic_slice_in_dim(out, r0, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, cur), r0, 0)
+
+    out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros((M + tile, N), _F32))
+    return out[:M]
 
 
 def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None):
     """Decode-shaped expert matmul: token n's slot x uses expert ``idx[n, x]``. Returns ``[N, X, N_out]`` f32.
 
     Only the chosen experts' weights are read (and, for MXFP4, decoded): at small batch this is the
-    bandwidth-optimal form.
+    bandwidth-optimal form. A loop over the N*X slots reads each expert weight in place; gathering the
+    weights into one ``[N, X, N_out, K]`` array first would copy them (2x slower on XLA:CPU).
     """
     dt = compute_dtype or x_NXK.dtype
-    if isinstance(w_ENK, MXFP4Weight):
-        w = as_dense(MXFP4Weight(w_ENK.packed[idx_NX], w_ENK.scale[idx_NX]), dt)
-    else:
-        w = w_ENK[idx_NX].astype(dt)
-    return jnp.einsum("nxk,nxfk->nxf", x_NXK.astype(dt), w, preferred_element_type=_F32)
+    N, X, K = x_NXK.shape
+    xs = x_NXK.reshape(N * X, K).astype(dt)
+    ids = idx_NX.reshape(N * X)
+
+    def body(s, out):
+        return out.at[s].set(jnp.dot(_expert(w_ENK, ids[s], dt), xs[s], preferred_element_type=_F32))
+
+    out = jax.lax.fori_loop(0, N * X, body, jnp.zeros((N * X, w_ENK.shape[1]), _F32))
+    return out.reshape(N, X, -1)

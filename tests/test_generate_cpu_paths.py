@@ -1,0 +1,78 @@
+"""The CPU fast paths generation relies on, against independent float64 numpy products and the slow forms
+they replace: tiled grouped matmul (vs lax.ragged_dot), slot-loop expert gather, KDA prefill as the recurrence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.kda import reference as kda_ref
+from kernels_pallas.moe_gmm import reference as moe_ref
+from kernels_pallas.mxfp4 import MXFP4Weight, dequantize
+from kimi_jax.layers import RunConfig
+
+
+def _groups_np(x, w, sizes):
+    out = np.zeros((x.shape[0], w.shape[1]))
+    o = 0
+    for e, n in enumerate(sizes):
+        out[o : o + n] = x[o : o + n] @ w[e].T
+        o += n
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 40, 1, 0, 19], [0, 0, 0, 64, 0, 0], [3, 3, 3, 3, 3, 3], [0] * 6])
+@pytest.mark.parametrize("tile", [8, 32])
+def test_tiled_gmm_matches_numpy_and_ragged_dot(sizes, tile):
+    rng = np.random.default_rng(sum(sizes) + tile)
+    M = 70  # rows past sum(sizes) must come out zero
+    x = rng.standard_normal((M, 48)).astype(np.float32)
+    w = rng.standard_normal((6, 24, 48)).astype(np.float32) / 7
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(jax.jit(lambda a, b, c: moe_ref.gmm(a, b, c, tile=tile))(x, w, gs))
+    want = _groups_np(x.astype(np.float64), w.astype(np.float64), sizes)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    ragged = jax.lax.ragged_dot(jnp.asarray(x), jnp.swapaxes(jnp.asarray(w), 1, 2), gs, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(got, np.asarray(ragged), atol=2e-5, rtol=0)
+
+
+def test_tiled_gmm_and_gather_with_mxfp4_weights():
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (4, 16, 32), dtype=np.uint8)
+    scale = rng.integers(120, 124, (4, 16, 2), dtype=np.uint8)
+    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scale))
+    dense = np.asarray(dequantize(w, jnp.float32), np.float64)
+    x = rng.standard_normal((20, 64)).astype(np.float32)
+    sizes = [7, 0, 9, 4]
+    got = np.asarray(jax.jit(moe_ref.gmm)(x, w, jnp.asarray(sizes, jnp.int32)))
+    np.testing.assert_allclose(got, _groups_np(x.astype(np.float64), dense, sizes), atol=1e-5)
+    idx = rng.integers(0, 4, (3, 2))
+    xs = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    got = np.asarray(jax.jit(moe_ref.gather_matmul)(xs, w, jnp.asarray(idx)))
+    want = np.einsum("nxk,nxfk->nxf", xs.astype(np.float64), dense[idx])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_gather_matmul_float_weights():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((5, 12, 16)).astype(np.float32)
+    xs = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    idx = rng.integers(0, 5, (4, 3))
+    got = np.asarray(jax.jit(moe_ref.gather_matmul)(xs, w, jnp.asarray(idx)))
+    np.testing.assert_allclose(got, np.einsum("nxk,nxfk->nxf", xs, w[idx]), atol=1e-5)
+
+
+def test_kda_chunk_of_one_is_the_recurrence_and_the_cpu_default():
+    ks = jax.random.split(jax.random.key(3), 6)
+    B, T, H, K = 2, 9, 2, 8
+    n = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    q, k = n(jax.random.normal(ks[0], (B, T, H, K))), n(jax.random.normal(ks[1], (B, T, H, K)))
+    v = jax.random.normal(ks[2], (B, T, H, K))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H, K)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    s0 = jax.random.normal(ks[5], (B, H, K, K))
+    o1, s1 = kda_ref.kda_chunked(q, k, v, g, beta, s0, scale=0.3, chunk_size=1)
+    o4, s4 = kda_ref.kda_chunked(q, k, v, g, beta, s0, scale=0.3, chunk_size=4)
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o4), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(s1), np.asarray(s4), atol=1e-5)
+    assert RunConfig().kda_chunk == (1 if jax.default_backend() == "cpu" else 64)
