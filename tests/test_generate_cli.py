@@ -1,0 +1,78 @@
+"""The embedded demo checkpoint and the demo / generate / chat commands (in-process, sharing compiled code)."""
+
+import io
+import json
+import os
+
+import pytest
+
+from kimi_jax import cli, generate_cli
+from kimi_jax.demo import build_demo_checkpoint
+from kimi_jax.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return build_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+def test_demo_checkpoint_is_in_the_released_format(demo_dir):
+    files = sorted(os.listdir(demo_dir))
+    assert files == ["config.json", "model-00001-of-000002.safetensors", "model-00002-of-000002.safetensors",
+                     "model.safetensors.index.json", "tiktoken.model", "tokenizer_config.json"]
+    cfg = json.load(open(os.path.join(demo_dir, "config.json")))
+    tok = load_tokenizer(demo_dir)
+    assert cfg["model_type"] == "kimi_k3" and cfg["text_config"]["vocab_size"] == tok.vocab_size == 1024
+    # as released: the config's eos is the chat turn terminator, bos/pad the [BOS]/[PAD] specials
+    assert cfg["eos_token_id"] == tok.specials["<|end_of_msg|>"] == 770
+    assert (cfg["bos_token_id"], cfg["pad_token_id"]) == (tok.specials["[BOS]"], tok.specials["[PAD]"])
+    index = json.load(open(os.path.join(demo_dir, "model.safetensors.index.json")))
+    assert set(index) == {"metadata", "weight_map"}
+    assert all(k.startswith("language_model.") for k in index["weight_map"])
+    assert any(k.endswith("experts.0.w1.weight_packed") for k in index["weight_map"])
+
+
+def test_demo_command(capsys):
+    assert cli.main(["demo", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "tiny Kimi K3 in the released format" in err and "MXFP4 experts" in err
+    assert "time to first token" in err and "tok/s" in err
+    assert out.strip()  # the streamed text
+
+
+def test_generate_command(demo_dir, capsys):
+    assert cli.main(["generate", "--model", demo_dir, "--prompt", "The capital of France is",
+                     "--max-new-tokens", "5", "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "decode" in err
+    # ids in, ids out (a batch of two, different lengths)
+    assert cli.main(["generate", "--model", demo_dir, "--ids", "5,6,7", "--ids", "8,9", "--max-new-tokens", "3"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith("[0] ") and "\n[1] " in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["generate", "--model", "/nonexistent/dir", "--ids", "1"], "no such model directory"),
+    (["generate", "--ids", "1,x"], "comma-separated integers"),
+    (["generate", "--ids", "1", "--top-p", "0"], "top_p must be in"),
+    (["generate", "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be positive"),
+    (["generate", "--ids", "5000"], "outside the vocabulary"),
+])
+def test_generate_command_errors(argv, msg, capsys, demo_dir):
+    if "--model" not in argv:
+        argv = argv[:1] + ["--model", demo_dir] + argv[1:]
+    assert cli.main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_text_without_tokenizer_files(k3_tiny_a, capsys):
+    assert cli.main(["generate", "--model", k3_tiny_a, "--prompt", "hello"]) == 2
+    assert "tokenizer files" in capsys.readouterr().err
+
+
+def test_chat_session(demo_dir, capsys):
+    args = cli.build_parser().parse_args(["chat", "--model", demo_dir, "--max-new-tokens", "4", "--no-thinking"])
+    generate_cli.run_chat(args, stdin=io.StringIO("hello\n/reset\n\nhi again\n/exit\nnever read\n"))
+    out, err = capsys.readouterr()
+    assert out.count("kimi> ") == 2  # two messages answered; the empty line and /reset are not
+    assert "reply cut at 4 tokens" in err  # random weights do not end their turn in 4 tokens
