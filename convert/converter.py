@@ -18,10 +18,11 @@ Resuming reads which parameters earlier partial saves committed (convert.orbax_i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import gc
 import hashlib
 import json
-import mmap
 import os
 import re
 import resource
@@ -37,8 +38,8 @@ from convert import orbax_io
 from kimi_jax import config as config_lib
 from kimi_jax.layers import RunConfig
 from kimi_jax.model import KimiModel
-from kimi_jax.safetensors_io import INDEX, SINGLE, Checkpoint, CheckpointError, TensorInfo
-from kimi_jax.weights import Placement, WeightError, _identity, canonical, flat_targets, plan, transform
+from kimi_jax.safetensors_io import Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.weights import Placement, _identity, canonical, flat_targets, plan, transform
 
 # Files copied from SRC besides the weights (tokenizers, chat/generation settings). config.json is written by us.
 AUX_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "tokenizer.model", "special_tokens_map.json",
@@ -67,8 +68,10 @@ class Summary:
     bytes_in: int
     bytes_out: int
     seconds: float
-    peak_rss: int  # bytes (ru_maxrss of this process)
+    peak_rss: int  # bytes (peak resident set of this process)
     verified: bool
+    setup_seconds: float = 0.0  # validation, planning, claiming DST (incl. first use of Orbax and JAX)
+    stream_seconds: float = 0.0  # reading and saving the parameters
 
     def __str__(self):
         rate = self.bytes_out / max(self.seconds, 1e-9) / 1e6
@@ -154,6 +157,31 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+class _Slab:
+    """A reusable buffer that a batch's arrays are carved from (64-byte aligned). Reusing it avoids the page faults
+    (kernel zeroing) that a fresh allocation per array costs, which is a full extra pass over the bytes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buf: np.ndarray | None = None  # allocated on first use
+        self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.capacity
+
+    def take(self, shape, dtype) -> np.ndarray:
+        if self.buf is None:
+            self.buf = _aligned_empty((self.capacity,), np.uint8)
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        out = self.buf[self.used:self.used + n].view(dtype).reshape(shape)
+        self.used += _round64(n)
+        return out
+
+
 class _Reader:
     """Reads source tensors into output buffers; keeps shard files open."""
 
@@ -201,8 +229,8 @@ class _Reader:
             self.bytes_in += raw.nbytes
         self.tensors += 1
 
-    def read(self, job: _Job) -> np.ndarray:
-        out = _aligned_empty(job.sds.shape, job.sds.dtype)
+    def read(self, job: _Job, out: np.ndarray | None = None) -> np.ndarray:
+        out = _aligned_empty(job.sds.shape, job.sds.dtype) if out is None else out
         if job.group[0].expert is None:
             (p,) = job.group
             self.fill(p, job.sds, out, job.rows)
@@ -356,36 +384,62 @@ def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None 
     reader = _Reader(ckpt)
     bytes_out = sum(j.nbytes for j in todo)
     bar = _progress(progress, bytes_out, len(todo), len(done))
-    batch: dict[str, jax.Array] = {}
-    pending_bytes, saves, written = 0, 0, 0
     event = on_event or (lambda name, n: None)
     cpu = jax.devices("cpu")[0]
+    # Batches of parameters, each fitting one slab; a parameter larger than batch_bytes is a batch alone.
+    capacity = max([batch_bytes] + [_round64(j.nbytes) for j in todo])
+    batches: list[list[_Job]] = []
+    used = capacity
+    for job in todo:
+        if used + _round64(job.nbytes) > capacity:
+            batches.append([])
+            used = 0
+        batches[-1].append(job)
+        used += _round64(job.nbytes)
+    # Double buffering: a worker thread reads batch n+1 into one slab while Orbax writes batch n from the other
+    # (Orbax partial saves themselves must not overlap: they share one temporary directory).
+    slabs = [_Slab(capacity), _Slab(capacity)]
 
-    def flush():
-        nonlocal batch, pending_bytes, saves
-        if batch:
-            orbax_io.save_batch(dst, batch, f"{time.time_ns()}-{saves}")
-            saves += 1
-            batch, pending_bytes = {}, 0
-            event("saved", saves)
-
-    try:
-        for job in todo:
-            if batch and pending_bytes + job.nbytes > batch_bytes:
-                flush()
-            arr = reader.read(job)
-            batch[job.target] = jax.device_put(arr, cpu)  # aligned: adopted without a copy
-            del arr
-            pending_bytes += job.nbytes
-            written += 1
+    def read_batch(i):
+        slab = slabs[i % 2]
+        slab.used = 0
+        out = {}
+        for job in batches[i]:
+            arr = reader.read(job, slab.take(job.sds.shape, job.sds.dtype))
+            out[job.target] = jax.device_put(arr, cpu)  # 64-byte aligned: adopted without a copy
             if bar is not None:
                 bar.update(job.nbytes)
+        return out
+
+    written = 0
+    t_stream = time.perf_counter()
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kimi-jax-convert-read")
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # Orbax allocates many short-lived objects per save; cyclic GC passes over them cost ~5% CPU
+    try:
+        nxt = pool.submit(read_batch, 0) if batches else None
+        for i in range(len(batches)):
+            arrays = nxt.result()
+            nxt = pool.submit(read_batch, i + 1) if i + 1 < len(batches) else None
+            orbax_io.save_batch(dst, arrays, f"{time.time_ns()}-{i}")
+            written += len(arrays)
+            for a in arrays.values():
+                a.delete()  # its slab is refilled two batches from now
+            del arrays
+            if bar is not None:
                 bar.set_postfix_str(f"tensors {reader.tensors}, params {len(done) + written}/{len(jobs)}", refresh=False)
-        flush()
+            event("saved", i + 1)
     finally:
+        if nxt is not None:
+            nxt.cancel()
+        pool.shutdown(wait=True)
+        if gc_was_enabled:
+            gc.enable()
         reader.close()
         if bar is not None:
             bar.close()
+    del slabs
+    stream_seconds = time.perf_counter() - t_stream
 
     # 4. Config, tokenizer files, finalize, verify, marker (last).
     if new_raw is raw_cfg:
@@ -411,7 +465,7 @@ def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None 
         verify_checkpoint(dst, src, _jobs=jobs, _ckpt=ckpt, progress=progress)
     ckpt.close()
     summary = Summary(dst, reader.tensors, len(todo), len(done), reader.bytes_in, bytes_out,
-                      time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, verify)
+                      time.perf_counter() - t0, peak_rss(), verify, t_stream - t0, stream_seconds)
     marker = dict(state, version=orbax_io.VERSION, family=cfg_out.family, num_layers=cfg_out.num_layers,
                   num_experts=None if cfg_out.moe is None else cfg_out.moe.num_experts, params=len(targets),
                   bytes=sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in targets.values()),
@@ -420,6 +474,19 @@ def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None 
     _write_json(os.path.join(dst, orbax_io.MARKER), marker)
     os.unlink(os.path.join(dst, orbax_io.STATE))
     return summary
+
+
+def peak_rss() -> int:
+    """Peak resident set of this process in bytes: VmHWM (reset by exec, unlike ru_maxrss, which Linux carries over
+    from the process that forked us), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _progress(enabled: bool, total: int, n: int, skipped: int):
