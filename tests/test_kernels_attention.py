@@ -123,16 +123,19 @@ def test_mla_api_dispatch_interpret():
 
 
 def test_tpu_block_rules_in_interpret():
-    """The TPU variant (kv-major layout, 128-wide key blocks, 8-row blocks) computes the same thing."""
+    """The TPU variant (key blocks as a sequential grid axis with VMEM scratch, 128-wide key blocks, 8-row blocks,
+    scalar-prefetched block counts) computes the same thing: sequence 0 needs 1 of 2 key blocks, sequence 1 both."""
     q, k, v = _qkv(2, 3, 4, 2, 16, 8, 200, jnp.float32, seed=7)
     pos = jnp.array([[10, 11, 12], [190, 191, 192]], jnp.int32)
-    got = jax.jit(lambda *a: attn_pallas.attention(*a, scale=0.25, platform="tpu", interpret=True))(q, k, v, pos)
+    got = jax.jit(lambda *a: attn_pallas.attention(*a, scale=0.25, platform="tpu", interpret=True, block_k=128))(
+        q, k, v, pos)
     assert_close(got, _attn_ref(q, k, v, pos, scale=0.25), TOL["float32"], "TPU-style attention")
-    B, T, H, R, O, S = 1, 1, 8, 32, 16, 128
+    B, T, H, R, O, S = 1, 1, 8, 32, 16, 256
     ks = _keys(8, 4)
     args = (_normal(ks[0], (B, T, H, R), jnp.float32), _normal(ks[1], (B, T, H, O), jnp.float32),
             _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32), jnp.array([[100]], jnp.int32))
-    got = jax.jit(lambda *a: mla_pallas.mla_attention(*a, scale=0.05, platform="tpu", interpret=True))(*args)
+    got = jax.jit(lambda *a: mla_pallas.mla_attention(*a, scale=0.05, platform="tpu", interpret=True,
+                                                      block_k=128))(*args)
     assert_close(got, _mla_ref(*args, scale=0.05), TOL["float32"], "TPU-style MLA")
 
 

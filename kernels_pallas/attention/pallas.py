@@ -13,6 +13,11 @@ reference returns NaN there; no caller produces such rows).
 
 Long caches can be split over several programs (``num_splits``, flash-decoding): each split writes an
 unnormalised partial result with its running max and sum, and a small XLA epilogue merges them.
+
+Per backend: on GPU (Triton) each program loops over key blocks of a whole-sequence ref (a pointer; only the
+blocks it reads move), reading the static ``[B, S, G, K]`` cache in place. On TPU (Mosaic) a whole-sequence
+block would have to fit VMEM, so the key axis is a sequential grid axis with the softmax state in VMEM scratch,
+and the number of key blocks each row block needs is scalar-prefetched: the index map stops fetching past it.
 """
 
 from __future__ import annotations
@@ -84,6 +89,51 @@ def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale,
         o_ref[...] = acc / jnp.where(l > 0, l, 1.0)
 
 
+def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, precision):
+    """TPU: the key axis is the last (sequential) grid axis; m, l and the accumulator live in VMEM scratch, and
+    key blocks past what the row block can see are neither fetched (the index map repeats the last needed block)
+    nor computed."""
+    it = iter(refs)
+    qpos_ref, q_ref = next(it), next(it)
+    qpe_ref = next(it) if has_pe else None
+    k_ref = next(it)
+    kpe_ref = next(it) if has_pe else None
+    v_ref = k_ref if v_is_k else next(it)
+    kpos_ref = next(it) if has_kpos else None
+    o_ref, m_sc, l_sc, acc_sc = next(it), next(it), next(it), next(it)
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, NEG, F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, F32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+    @pl.when(j < need_ref[b * n_q + i])
+    def _():
+        k = k_ref[...]
+        s = dot_nt(q_ref[...], k, precision)
+        if has_pe:
+            s = s + dot_nt(qpe_ref[...], kpe_ref[...], precision)
+        s = s * scale
+        kpos = kpos_ref[...] if has_kpos else j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        visible = kpos <= qpos_ref[...]
+        s = jnp.where(visible, s, NEG)
+        m_prev = m_sc[...]  # [bq, 128], every lane equal (lane-dense scratch)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, :1]), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_sc[...] = m_new
+        v = k if v_is_k else v_ref[...]
+        acc_sc[...] = alpha[:, :1] * acc_sc[...] + dot_nn(p.astype(v.dtype), v, precision)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _():
+        l = l_sc[:, :1]
+        o_ref[...] = acc_sc[...] / jnp.where(l > 0, l, 1.0)
+
+
 def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_BS=None, v_is_k=False,
           platform="gpu", interpret=False, block_q=None, block_k=None, num_splits=1, num_warps=None,
           num_stages=None):
@@ -92,7 +142,7 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
     q ``[B, G, R, K]`` (R rows per kv group), k ``[B, S, Gk, K]``, v ``[B, S, Gk, U]`` with Gk = G (or 1, shared
     by every group), qpos ``[B, R]`` int32 (row positions, the same for every group). Optional split key dims:
     q_pe ``[B, G, R, O]`` against k_pe ``[B, S, O]`` (shared by all groups). ``v_is_k``: values are the keys
-    (absorbed MLA reads its latent cache once per block).
+    (absorbed MLA reads its latent cache once per block). ``num_splits`` applies on GPU only.
     """
     B, G, R, K = q_BGRK.shape
     S, Gk = k.shape[1], k.shape[2]
@@ -122,41 +172,37 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
     if not v_is_k:
         v = heads(pad_axis(v, 1, Sp), 3)
     Up = k.shape[-1] if v_is_k else v.shape[-1]
-
+    qpe = heads(pad_axis(q_pe_BGRO, 2, Rp), 3) if has_pe else None
+    kpe = heads(pad_axis(k_pe_BSO, 1, Sp), 2) if has_pe else None
+    kpos = pad_axis(k_pos_BS.astype(jnp.int32), 1, Sp, _I32_MAX)[:, None, :] if has_kpos else None  # [B, 1, Sp]
     n_blocks = Sp // bk
+    kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt))
+    if platform == "tpu":
+        out = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, interpret=interpret, **kw)
+        return out[:, :, :R, :U]
+
     splits = max(1, min(int(num_splits), n_blocks))
     per_split = cdiv(n_blocks, splits)
     splits = cdiv(n_blocks, per_split)
     grid = (B, G, Rp // bq, splits)
-
     row_spec = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, g, i, j: (b, g, i, 0))
-    if platform == "tpu":  # Mosaic wants whole trailing dims: [B, Gk, S, K] blocks
-        kv_major = lambda x: jnp.swapaxes(x, 1, 2)
-        kv_spec = lambda d: pl.BlockSpec(
-            (None, None, Sp, d), (lambda b, g, i, j: (b, g, 0, 0)) if Gk == G else (lambda b, g, i, j: (b, 0, 0, 0)))
-    else:  # Triton takes the strided [B, S, Gk, K] cache as it is
-        kv_major = lambda x: x
-        kv_spec = lambda d: pl.BlockSpec(
-            (None, Sp, None, d), (lambda b, g, i, j: (b, 0, g, 0)) if Gk == G else (lambda b, g, i, j: (b, 0, 0, 0)))
-
+    # Triton takes the strided [B, S, Gk, K] cache as it is: no transposed copy of a static cache per step
+    kv_spec = lambda d: pl.BlockSpec(
+        (None, Sp, None, d), (lambda b, g, i, j: (b, 0, g, 0)) if Gk == G else (lambda b, g, i, j: (b, 0, 0, 0)))
     args = [qpos, q]
     in_specs = [pl.BlockSpec((None, bq, 1), lambda b, g, i, j: (b, i, 0)), row_spec(Kp)]
     if has_pe:
-        qpe = heads(pad_axis(q_pe_BGRO, 2, Rp), 3)
-        kpe = heads(pad_axis(k_pe_BSO, 1, Sp), 2)
-        Op = qpe.shape[-1]
         args.append(qpe)
-        in_specs.append(row_spec(Op))
-    args.append(kv_major(k))
+        in_specs.append(row_spec(qpe.shape[-1]))
+    args.append(k)
     in_specs.append(kv_spec(Kp))
     if has_pe:
         args.append(kpe)
-        in_specs.append(pl.BlockSpec((None, Sp, Op), lambda b, g, i, j: (b, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, Sp, kpe.shape[-1]), lambda b, g, i, j: (b, 0, 0)))
     if not v_is_k:
-        args.append(kv_major(v))
+        args.append(v)
         in_specs.append(kv_spec(Up))
     if has_kpos:
-        kpos = pad_axis(k_pos_BS.astype(jnp.int32), 1, Sp, _I32_MAX)[:, None, :]  # [B, 1, Sp]
         args.append(kpos)
         in_specs.append(pl.BlockSpec((None, 1, Sp), lambda b, g, i, j: (b, 0, 0)))
 
@@ -171,12 +217,10 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
         out_shape = jax.ShapeDtypeStruct((B, G, Rp, Up), F32)
         out_specs = row_spec(Up)
 
-    kernel = functools.partial(_kernel, bk=bk, blocks_per_split=per_split, has_pe=has_pe, v_is_k=v_is_k,
-                               has_kpos=has_kpos, split=split, scale=float(scale), precision=precision_for(dt))
+    kernel = functools.partial(_kernel, bk=bk, blocks_per_split=per_split, split=split, **kw)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
-        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
-                                        semantics=("parallel",) * 4),
+        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages),
         name="flash_attention",
     )(*args)
     if split:
@@ -186,6 +230,50 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
         num, den = jnp.sum(w * acc, axis=2), jnp.sum(w * l, axis=2)
         out = num / jnp.where(den > 0, den, 1.0)
     return out[:, :, :R, :U]
+
+
+def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, v_is_k, has_kpos, **kw):
+    """TPU launch: grid (B, G, row blocks, key blocks), kv-major [B, Gk, S, K] blocks of ``bk`` keys, and the
+    number of key blocks each row block needs scalar-prefetched into SMEM."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    B, G, Rp, Kp = q.shape
+    Sp, Gk = k.shape[1], k.shape[2]
+    nq, nk = Rp // bq, Sp // bk
+    if has_kpos:
+        need = jnp.full((B * nq,), nk, jnp.int32)
+    else:
+        need = jnp.clip((jnp.max(qpos.reshape(B, nq, bq), axis=2) + bk) // bk, 0, nk).reshape(B * nq)
+    last = lambda b, i, j, need: jnp.maximum(jnp.minimum(j, need[b * nq + i] - 1), 0)  # no fetch past the need
+    kv_major = lambda x: jnp.swapaxes(x, 1, 2)  # Mosaic wants whole trailing dims
+    kv_spec = lambda d: pl.BlockSpec(
+        (None, None, bk, d), lambda b, g, i, j, need: (b, g if Gk == G else 0, last(b, i, j, need), 0))
+    row_spec = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, g, i, j, need: (b, g, i, 0))
+    args = [qpos, q]
+    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, g, i, j, need: (b, i, 0)), row_spec(Kp)]
+    if has_pe:
+        args.append(qpe)
+        in_specs.append(row_spec(qpe.shape[-1]))
+    args.append(kv_major(k))
+    in_specs.append(kv_spec(Kp))
+    if has_pe:
+        args.append(kpe)
+        in_specs.append(pl.BlockSpec((None, bk, kpe.shape[-1]),
+                                     lambda b, g, i, j, need: (b, last(b, i, j, need), 0)))
+    if not v_is_k:
+        args.append(kv_major(v))
+        in_specs.append(kv_spec(Up))
+    if has_kpos:
+        args.append(kpos)
+        in_specs.append(pl.BlockSpec((None, 1, bk), lambda b, g, i, j, need: (b, 0, last(b, i, j, need))))
+    kernel = functools.partial(_tpu_kernel, bk=bk, n_q=nq, has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, **kw)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((B, G, Rp, Up), F32), interpret=interpret, name="flash_attention",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, G, nq, nk), in_specs=in_specs, out_specs=row_spec(Up),
+            scratch_shapes=[pltpu.VMEM((bq, 128), F32), pltpu.VMEM((bq, 128), F32), pltpu.VMEM((bq, Up), F32)]),
+        compiler_params=compiler_params("tpu", interpret, semantics=("parallel", "parallel", "parallel", "arbitrary")),
+    )(need.astype(jnp.int32), *args)
 
 
 def default_splits(platform: str, B: int, G: int, R: int, S: int, bk: int) -> int:

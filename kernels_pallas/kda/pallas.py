@@ -16,6 +16,9 @@ Chunked prefill, per chunk of C tokens with ``G = cumsum(g)`` inside the chunk (
 
 Inside the kernel the state is kept transposed (``[V, K]``) so the per-channel decay is a row broadcast.
 All products are float32 at full precision (Triton would otherwise use TF32).
+
+Per backend: on GPU a program walks all chunks of its sequence from whole-sequence refs (pointers); on TPU the
+chunks are a sequential grid axis (only one chunk's tiles in VMEM) and the state is carried in VMEM scratch.
 """
 
 from __future__ import annotations
@@ -31,54 +34,78 @@ from kernels_pallas._common import (F32, HIGHEST, NEG, compiler_params, dot_nn, 
                                     round_up)
 
 
-def _chunk_kernel(q_ref, k_ref, G_ref, v_ref, beta_ref, s0_ref, o_ref, s_ref, *, C, n_chunks, scale):
+def _chunk_math(q, k, G, v, beta, St, column_of, g_last, *, C):
+    """One chunk. q (already scaled), k, G: [C, K]; v: [C, BV]; beta: [C, 1]; St: [BV, K] transposed state;
+    ``column_of(j)`` loads row j of (k, G) as [1, K]; g_last: [1, K]. Returns (o [C, BV], new St)."""
     rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
-    eye = (rows == cols).astype(F32)
     dot = functools.partial(dot_nn, precision=HIGHEST)
+
+    def column(j, acc):
+        a_kk, a_qk = acc
+        kj, Gj = column_of(j)
+        kd = jnp.exp(jnp.where(rows >= j, G - Gj, NEG)) * kj  # [C, K]: rows i >= j, decayed from j to i
+        sel = cols == j
+        a_kk = a_kk + jnp.where(sel, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
+        a_qk = a_qk + jnp.where(sel, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
+        return a_kk, a_qk
+
+    zero = jnp.zeros((C, C), F32)
+    a_kk, a_qk = jax.lax.fori_loop(0, C, column, (zero, zero))
+    L = jnp.where(rows > cols, a_kk * beta, 0.0)
+    a_qk = jnp.where(rows >= cols, a_qk, 0.0)
+    # (I + L)^-1 = sum_n (-L)^n (L nilpotent) = (I - L)(I + L^2)(I + L^4)...
+    n_doublings = int(math.ceil(math.log2(C)))
+    T = (rows == cols).astype(F32) - L
+    P = dot(L, L)
+    for step in range(n_doublings - 1):
+        T = T + dot(T, P)
+        if step < n_doublings - 2:
+            P = dot(P, P)
+    gamma = jnp.exp(G)
+    u = dot(T, beta * v)  # [C, BV]
+    w = dot(T, beta * gamma * k)  # [C, K]
+    v_new = u - dot_nt(w, St, HIGHEST)  # w @ S
+    o = dot_nt(gamma * q, St, HIGHEST) + dot(a_qk, v_new)
+    kd = jnp.exp(g_last - G) * k
+    return o, St * jnp.exp(g_last) + dot_tn(v_new, kd, HIGHEST)
+
+
+def _chunk_kernel(q_ref, k_ref, G_ref, v_ref, beta_ref, s0_ref, o_ref, s_ref, *, C, n_chunks, scale):
+    """GPU: one program walks all chunks of its (sequence, head, value block); the state stays in registers."""
 
     def chunk(c, St):  # St: [BV, K], the transposed state
         c0 = pl.multiple_of(c * C, C)
-        q = q_ref[pl.ds(c0, C), :].astype(F32) * scale
-        k = k_ref[pl.ds(c0, C), :].astype(F32)
-        G = G_ref[pl.ds(c0, C), :]
-        v = v_ref[pl.ds(c0, C), :].astype(F32)
-        beta = beta_ref[pl.ds(c0, C), :]  # [C, 1]
-
-        def column(j, acc):
-            a_kk, a_qk = acc
-            kj = k_ref[pl.ds(c0 + j, 1), :].astype(F32)  # [1, K]
-            Gj = G_ref[pl.ds(c0 + j, 1), :]
-            kd = jnp.exp(jnp.where(rows >= j, G - Gj, NEG)) * kj  # [C, K]: rows i >= j, decayed from j to i
-            sel = cols == j
-            a_kk = a_kk + jnp.where(sel, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
-            a_qk = a_qk + jnp.where(sel, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
-            return a_kk, a_qk
-
-        zero = jnp.zeros((C, C), F32)
-        a_kk, a_qk = jax.lax.fori_loop(0, C, column, (zero, zero))
-        L = jnp.where(rows > cols, a_kk * beta, 0.0)
-        a_qk = jnp.where(rows >= cols, a_qk, 0.0)
-        # (I + L)^-1 = sum_n (-L)^n (L nilpotent) = (I - L)(I + L^2)(I + L^4)...
-        n_doublings = int(math.ceil(math.log2(C)))
-        T = eye - L
-        P = dot(L, L)
-        for step in range(n_doublings - 1):
-            T = T + dot(T, P)
-            if step < n_doublings - 2:
-                P = dot(P, P)
-        gamma = jnp.exp(G)
-        u = dot(T, beta * v)  # [C, BV]
-        w = dot(T, beta * gamma * k)  # [C, K]
-        v_new = u - dot_nt(w, St, HIGHEST)  # w @ S
-        o = dot_nt(gamma * q, St, HIGHEST) + dot(a_qk, v_new)
+        o, St = _chunk_math(
+            q_ref[pl.ds(c0, C), :].astype(F32) * scale, k_ref[pl.ds(c0, C), :].astype(F32), G_ref[pl.ds(c0, C), :],
+            v_ref[pl.ds(c0, C), :].astype(F32), beta_ref[pl.ds(c0, C), :], St,
+            lambda j: (k_ref[pl.ds(c0 + j, 1), :].astype(F32), G_ref[pl.ds(c0 + j, 1), :]),
+            G_ref[pl.ds(c0 + C - 1, 1), :], C=C)
         o_ref[pl.ds(c0, C), :] = o
-        g_last = G_ref[pl.ds(c0 + C - 1, 1), :]  # [1, K]
-        kd = jnp.exp(g_last - G) * k
-        return St * jnp.exp(g_last) + dot_tn(v_new, kd, HIGHEST)
+        return St
 
-    St = jax.lax.fori_loop(0, n_chunks, chunk, s0_ref[...].T)
-    s_ref[...] = St.T
+    s_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, s0_ref[...].T).T
+
+
+def _chunk_kernel_tpu(q_ref, k_ref, G_ref, v_ref, beta_ref, s0_ref, o_ref, s_ref, st_sc, *, C, scale):
+    """TPU: chunks are the last (sequential) grid axis, so only one chunk's tiles sit in VMEM; the transposed
+    state is carried in VMEM scratch from chunk to chunk."""
+    c = pl.program_id(2)
+
+    @pl.when(c == 0)
+    def _():
+        st_sc[...] = s0_ref[...].T
+
+    o, St = _chunk_math(q_ref[...].astype(F32) * scale, k_ref[...].astype(F32), G_ref[...],
+                        v_ref[...].astype(F32), beta_ref[...], st_sc[...],
+                        lambda j: (k_ref[pl.ds(j, 1), :].astype(F32), G_ref[pl.ds(j, 1), :]),
+                        G_ref[pl.ds(C - 1, 1), :], C=C)
+    o_ref[...] = o
+    st_sc[...] = St
+
+    @pl.when(c == pl.num_programs(2) - 1)
+    def _():
+        s_ref[...] = St.T
 
 
 def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, scale, chunk_size=None,
@@ -115,19 +142,35 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, sc
     else:
         s0 = pad_axis(pad_axis(state_BHKV.astype(F32), 2, Kp), 3, Vp)
 
-    full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, j: (b, h, 0, 0))
-    vblk = lambda rows: pl.BlockSpec((None, None, rows, BV), lambda b, h, j: (b, h, 0, j))
-    o, s = pl.pallas_call(
-        functools.partial(_chunk_kernel, C=C, n_chunks=Tp // C, scale=float(scale)),
-        out_shape=(jax.ShapeDtypeStruct((B, H, Tp, Vp), F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), F32)),
-        grid=(B, H, Vp // BV),
-        in_specs=[full(Kp), full(Kp), full(Kp), vblk(Tp), full(1), vblk(Kp)],
-        out_specs=(vblk(Tp), vblk(Kp)),
-        interpret=interpret,
-        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
-                                        semantics=("parallel",) * 3),
-        name="kda_chunked",
-    )(q, k, G, v, beta, s0)
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        tile = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))
+        state = pl.BlockSpec((None, None, Kp, Vp), lambda b, h, c: (b, h, 0, 0))
+        o, s = pl.pallas_call(
+            functools.partial(_chunk_kernel_tpu, C=C, scale=float(scale)),
+            out_shape=(jax.ShapeDtypeStruct((B, H, Tp, Vp), F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), F32)),
+            grid=(B, H, Tp // C),
+            in_specs=[tile(Kp), tile(Kp), tile(Kp), tile(Vp), tile(1), state],
+            out_specs=(tile(Vp), state),
+            scratch_shapes=[pltpu.VMEM((Vp, Kp), F32)],
+            interpret=interpret,
+            compiler_params=compiler_params(platform, interpret, semantics=("parallel", "parallel", "arbitrary")),
+            name="kda_chunked",
+        )(q, k, G, v, beta, s0)
+    else:
+        full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, j: (b, h, 0, 0))
+        vblk = lambda rows: pl.BlockSpec((None, None, rows, BV), lambda b, h, j: (b, h, 0, j))
+        o, s = pl.pallas_call(
+            functools.partial(_chunk_kernel, C=C, n_chunks=Tp // C, scale=float(scale)),
+            out_shape=(jax.ShapeDtypeStruct((B, H, Tp, Vp), F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), F32)),
+            grid=(B, H, Vp // BV),
+            in_specs=[full(Kp), full(Kp), full(Kp), vblk(Tp), full(1), vblk(Kp)],
+            out_specs=(vblk(Tp), vblk(Kp)),
+            interpret=interpret,
+            compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages),
+            name="kda_chunked",
+        )(q, k, G, v, beta, s0)
     o = jnp.transpose(o, (0, 2, 1, 3))[:, :T, :, :V]
     return o, s[:, :, :K, :V]
 
