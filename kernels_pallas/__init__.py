@@ -1,8 +1,14 @@
 """Kernels for kimi-jax: one small package per op, each a plain-jnp reference (the oracle and the CPU path)
-plus accelerator kernels behind the same signature, chosen with ``implementation=``.
+plus Pallas kernels behind the same signature, chosen with ``implementation=``:
 
-``implementation=None`` picks the reference on CPU and the Pallas kernel on TPU/GPU where one exists; an
-implementation that was asked for explicitly and cannot run raises :class:`KernelUnavailable`.
+* ``None`` (automatic): the reference on CPU, the Pallas kernel on TPU/GPU;
+* ``"reference"``: the plain-jnp oracle anywhere;
+* ``"pallas"``: the compiled kernel (Triton on GPU, Mosaic on TPU); on CPU this raises :class:`KernelUnavailable`;
+* ``"pallas_interpret"``: the same kernel source run by Pallas's interpreter on any backend (how CPU tests run it).
+
+Packages: ``attention`` (causal flash attention for GQA and MLA prefill and decode over a static cache),
+``mla_decode`` (absorbed MLA over the latent cache), ``kda`` (chunked prefill, recurrent decode), ``moe_gmm``
+(grouped and gathered expert matmuls, bf16/f32 or MXFP4 decoded in-kernel).
 """
 
 from kernels_pallas._dispatch import KernelUnavailable, resolve  # noqa: F401
