@@ -7,7 +7,7 @@ a few minutes.
     python benchmarks/gpu_kernels.py                    # on the GPU: all cases, a table, JSON with --json
     python benchmarks/gpu_kernels.py --only moe_gather_mxfp4,mla_decode --sweep
     python benchmarks/gpu_kernels.py --interpret        # CPU smoke test: tiny shapes, kernels in interpret mode
-    python benchmarks/gpu_kernels.py --lower-only       # CPU: lower the full GPU-sized cases for CUDA (no run)
+    python benchmarks/gpu_kernels.py --lower-only --sweep  # CPU: lower the GPU-sized cases for CUDA (no run)
 
 "XLA path" is the package's plain-jnp reference jitted by XLA (float32 softmax/recurrence math, ``ragged_dot`` for
 the grouped matmul); for attention a ``jax.nn.dot_product_attention`` row is added when XLA/cuDNN supports the
@@ -361,14 +361,17 @@ def _print_row(status, row):
         print("    " + row["traceback"].strip().replace("\n", "\n    "), flush=True)
 
 
-def lower_only(cases):
-    """Lower every case's kernel for CUDA under an abstract H100 (no GPU needed): catches shape/block errors."""
+def lower_only(cases, sweep):
+    """Lower every case's kernel (and with ``sweep`` its block variants) for CUDA under an abstract H100 (no GPU
+    needed): catches shape and block errors before a GPU is ever involved."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
     dev = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     rows = []
     for case in cases:
-        fns = {"": case.kernel("pallas"), **{"sweep:" + k: case.tuned(**kw) for k, kw in case.sweep.items()}}
+        fns = {"": case.kernel("pallas")}
+        if sweep:
+            fns.update({"sweep:" + k: case.tuned(**kw) for k, kw in case.sweep.items()})
         for label, fn in fns.items():
             row = {"case": case.name + (f" [{label}]" if label else "")}
             try:
@@ -401,7 +404,7 @@ def main(argv=None):
             p.error(f"unknown cases {sorted(unknown)}; choose from {[c.name for c in cases]}")
         cases = [c for c in cases if c.name in names]
     if args.lower_only:
-        rows = lower_only(cases)
+        rows = lower_only(cases, args.sweep)
     else:
         if not args.interpret and jax.default_backend() != "gpu":
             p.error(f"no GPU here (backend {jax.default_backend()!r}); use --interpret or --lower-only on CPU")

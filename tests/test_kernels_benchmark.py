@@ -16,6 +16,11 @@ def test_gpu_sized_cases_lower_for_cuda(capsys):
     assert gpu_kernels.main(["--lower-only"]) == 0, capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_gpu_sized_block_sweeps_lower_for_cuda(capsys):
+    assert gpu_kernels.main(["--lower-only", "--sweep"]) == 0, capsys.readouterr().out
+
+
 def test_harness_runs_and_checks_in_interpret_mode(tmp_path):
     out = tmp_path / "bench.json"
     rc = gpu_kernels.main(["--interpret", "--only", "moe_gather_mxfp4", "--json", str(out)])
