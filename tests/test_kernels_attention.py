@@ -49,7 +49,8 @@ def test_gqa_prefill_awkward_length(dtype):
     assert_close(got, want, TOL[jnp.dtype(dtype).name], "GQA prefill")
 
 
-@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 3)], ids=["float32-1split", "bfloat16-3splits"])
+@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 3)],
+                         ids=["float32-1split", "bfloat16-3splits"])
 def test_decode_over_static_cache_per_sequence_lengths(dtype, splits):
     """Sequences at positions 5 and 97 of a 100-slot cache; slots past a row's position hold junk that must not
     leak in (the kernel skips those blocks entirely, or masks them)."""
@@ -82,7 +83,8 @@ def test_mla_prefill_split_rope_dims(dtype):
     reference with the same split equals the concatenated-192-dims attention."""
     B, T, H, N, O, U = 2, 21, 3, 32, 16, 32
     ks = _keys(4, 5)
-    q, k, v = _normal(ks[0], (B, T, H, N), dtype), _normal(ks[1], (B, T, H, N), dtype), _normal(ks[2], (B, T, H, U), dtype)
+    q, k = _normal(ks[0], (B, T, H, N), dtype), _normal(ks[1], (B, T, H, N), dtype)
+    v = _normal(ks[2], (B, T, H, U), dtype)
     qpe, kpe = _normal(ks[3], (B, T, H, O), dtype), _normal(ks[4], (B, T, O), dtype)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     got = jax.jit(lambda *a: attn_api.attention(*a[:4], scale=0.15, q_pe=a[4], k_pe=a[5],
@@ -95,13 +97,15 @@ def test_mla_prefill_split_rope_dims(dtype):
     assert_close(got, want, TOL[jnp.dtype(dtype).name], "MLA prefill")
 
 
-@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 2)], ids=["float32-1split", "bfloat16-2splits"])
+@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 2)],
+                         ids=["float32-1split", "bfloat16-2splits"])
 def test_mla_absorbed_decode(dtype, splits):
     """Absorbed MLA over a latent cache (R = 64, O = 16), 2 query tokens x 4 heads, lengths 3 and 60 of 72 slots."""
     B, T, H, R, O, S = 2, 2, 4, 64, 16, 72
     ks = _keys(5, 4)
     q_lat = _normal(ks[0], (B, T, H, R), jnp.float32)  # the caller absorbs in float32
-    q_pe, c, kpe = _normal(ks[1], (B, T, H, O), dtype), _normal(ks[2], (B, S, R), dtype), _normal(ks[3], (B, S, O), dtype)
+    q_pe, c = _normal(ks[1], (B, T, H, O), dtype), _normal(ks[2], (B, S, R), dtype)
+    kpe = _normal(ks[3], (B, S, O), dtype)
     pos = jnp.array([[3, 4], [60, 61]], jnp.int32)
     scale = 0.05
     got = jax.jit(lambda *a: mla_pallas.mla_attention(*a, scale=scale, interpret=True, block_k=16,
@@ -117,7 +121,8 @@ def test_mla_api_dispatch_interpret():
     B, T, H, R, O, S = 1, 1, 2, 32, 16, 40
     ks = _keys(6, 4)
     args = (_normal(ks[0], (B, T, H, R), jnp.float32), _normal(ks[1], (B, T, H, O), jnp.float32),
-            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32), jnp.array([[33]], jnp.int32))
+            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32),
+            jnp.array([[33]], jnp.int32))
     got = mla_api.mla_attention(*args, scale=0.1, implementation="pallas_interpret")
     assert_close(got, mla_api.mla_attention(*args, scale=0.1, implementation="reference"), TOL["float32"], "MLA API")
 
@@ -133,7 +138,8 @@ def test_tpu_block_rules_in_interpret():
     B, T, H, R, O, S = 1, 1, 8, 32, 16, 256
     ks = _keys(8, 4)
     args = (_normal(ks[0], (B, T, H, R), jnp.float32), _normal(ks[1], (B, T, H, O), jnp.float32),
-            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32), jnp.array([[100]], jnp.int32))
+            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32),
+            jnp.array([[100]], jnp.int32))
     got = jax.jit(lambda *a: mla_pallas.mla_attention(*a, scale=0.05, platform="tpu", interpret=True,
                                                       block_k=128))(*args)
     assert_close(got, _mla_ref(*args, scale=0.05), TOL["float32"], "TPU-style MLA")
