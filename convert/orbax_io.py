@@ -96,13 +96,6 @@ def save_batch(dst: str, arrays: dict, batch_id: str):
         ocp().partial.save(os.path.join(dst, PARAMS), arrays, custom_metadata={SAVED_KEY: {batch_id: sorted(arrays)}})
 
 
-def save_batch_async(dst: str, arrays: dict, batch_id: str):
-    """:func:`save_batch` in the background; returns Orbax's AsyncResponse (``.result()`` waits for the commit)."""
-    with context():
-        return ocp().partial.save_async(os.path.join(dst, PARAMS), arrays,
-                                        custom_metadata={SAVED_KEY: {batch_id: sorted(arrays)}})
-
-
 def saved_paths(dst: str) -> set[str]:
     """Parameter paths committed by earlier partial saves of an unfinished conversion.
 

@@ -165,3 +165,35 @@ def test_resume_with_other_options_is_refused(k3_tiny_a, tmp_path):
         convert_checkpoint(k3_tiny_a, dst, dtype="bfloat16", progress=False)
     convert_checkpoint(k3_tiny_a, dst, dtype="bfloat16", progress=False, overwrite=True)
     assert orbax_io.read_marker(dst)["dtype"] == "bfloat16"
+
+
+def test_verify_detects_a_different_source(k3_tiny_a, converted_f32, tmp_path):
+    """--verify is a real comparison: the converted fixture verifies against the fixture, and fails naming the
+    parameter against a checkpoint with the same layout and other values."""
+    from convert import synthetic
+    from convert.converter import VerifyError, verify_checkpoint
+
+    dst, _ = converted_f32
+    verify_checkpoint(dst, k3_tiny_a, progress=False)
+    other = synthetic.write_checkpoint(tmp_path / "other", "k3", config=json.load(open(os.path.join(k3_tiny_a, "config.json"))))
+    with pytest.raises(VerifyError, match=r"parameter \S+ differs from its source \['language_model\."):
+        verify_checkpoint(dst, other, progress=False)
+
+
+def test_tokenizer_and_generation_files_are_copied(tmp_path):
+    from convert import synthetic
+
+    src = synthetic.write_checkpoint(tmp_path / "src", "k3", num_shards=3)
+    files = {"tiktoken.model": b"IQ== 0\n", "tokenizer_config.json": b'{"bos_token": "[BOS]"}',
+             "generation_config.json": b'{"max_new_tokens": 8}'}
+    for name, data in files.items():
+        (tmp_path / "src" / name).write_bytes(data)
+    (tmp_path / "src" / "modeling_kimi_k3.py").write_text("raise SystemExit  # remote code is not copied")
+    dst = tmp_path / "dst"
+    convert_checkpoint(src, dst, layers=2, progress=False)
+    for name, data in files.items():
+        assert (dst / name).read_bytes() == data, name
+    assert not (dst / "modeling_kimi_k3.py").exists()
+    out, full = config_lib.load(dst), config_lib.load(src)
+    assert (out.num_layers, out.attn_types, out.ffn_types) == (2, ("kda", "kda"), ("dense", "moe"))
+    assert (out.kda, out.moe, out.mlp, out.attn_res_block_size) == (full.kda, full.moe, full.mlp, full.attn_res_block_size)
