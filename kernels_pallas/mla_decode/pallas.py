@@ -13,7 +13,7 @@ from kernels_pallas.attention.pallas import default_splits, flash
 
 
 def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, platform="gpu", interpret=False,
-                  block_q=None, block_k=None, num_splits=None):
+                  block_q=None, block_k=None, num_splits=None, num_warps=None):
     """Returns u ``[B, T, H, R]`` float32 (latent space). Same signature as the reference plus block choices."""
     B, T, H, R = q_lat_BTHR.shape
     S = c_BSR.shape[1]
@@ -28,5 +28,6 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, pla
     dt = c_BSR.dtype
     u = flash(rows(q_lat_BTHR.astype(dt)), c_BSR[:, :, None, :], None, qpos, scale=scale,
               q_pe_BGRO=rows(q_pe_BTHO.astype(dt)), k_pe_BSO=kpe_BSO.astype(dt), v_is_k=True, platform=platform,
-              interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits)
+              interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits,
+              num_warps=num_warps or (8 if R > 256 else None))  # 8 warps: room for the [bq, R] accumulator
     return u.reshape(B, T, H, R)
