@@ -35,6 +35,7 @@ _I32_MAX = jnp.iinfo(jnp.int32).max
 
 
 def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale, precision):
+    """GPU (and interpret): one program per (batch, group, row block, split) loops over its key blocks."""
     it = iter(refs)
     qpos_ref, q_ref = next(it), next(it)
     qpe_ref = next(it) if has_pe else None
