@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
+import re
 from typing import Mapping, Sequence
 
 import jax
@@ -92,6 +95,23 @@ def param_bytes(model) -> int:
     return sum(a.nbytes for _, a in _var_arrays(model))
 
 
+def shard_table(model, names: Sequence[str]) -> list[dict]:
+    """How the named parameters (dotted paths, e.g. ``layers.1.mlp.experts.w1_packed``) are laid out: global shape,
+    partition spec, the shape of one shard and how many distinct shards the devices hold."""
+    arrays = dict(_var_arrays(model))
+    rows = []
+    for name in names:
+        if name not in arrays:
+            raise KeyError(f"shard_table: no parameter {name!r} (e.g. {sorted(arrays)[:3]})")
+        a = arrays[name]
+        shards = a.addressable_shards
+        spec = getattr(a.sharding, "spec", None)
+        rows.append({"parameter": name, "dtype": str(a.dtype), "shape": tuple(a.shape),
+                     "spec": "replicated" if spec is None else str(spec), "shard_shape": tuple(shards[0].data.shape),
+                     "distinct_shards": len({tuple((i.start, i.stop) for i in s.index) for s in shards})})
+    return rows
+
+
 def memory_report(model, cache=None) -> list[dict]:
     """Per device: parameter bytes, cache bytes, and what the runtime reports in use / as the limit (TPU and GPU;
     None on CPU, whose runtime keeps no such statistics)."""
@@ -123,6 +143,48 @@ def markdown_table(rows: Sequence[Mapping], columns: Mapping[str, str] | None = 
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r.get(k)) for k in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# -- partial downloads ---------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_NOT_TEXT = re.compile(r"(vision_tower|mm_projector)\.")  # the release's vision tower: never loaded
+INDEX = "model.safetensors.index.json"
+_HUB_FILES = ("config.json", "generation_config.json", "tiktoken.model", "tokenizer_config.json", "tokenizer.json",
+              "special_tokens_map.json", "chat_template.jinja")
+
+
+def layer_subset(weight_map: Mapping[str, str], layers: int) -> tuple[list[str], dict]:
+    """The shard files holding every text tensor of the first ``layers`` layers and every tensor outside the layers
+    (embedding, final norm, output head), and the index ``weight_map`` restricted to those files (tensors of later
+    layers that share them stay listed: ``kimi-jax convert --layers`` skips them)."""
+    if layers < 1:
+        raise ValueError(f"layer_subset: layers must be >= 1, got {layers}")
+    files = set()
+    for name, fname in weight_map.items():
+        m = _LAYER.search(name)
+        if _NOT_TEXT.match(name) or (m and int(m.group(1)) >= layers):
+            continue
+        files.add(fname)
+    return sorted(files), {n: f for n, f in weight_map.items() if f in files}
+
+
+def hub_download_layers(repo_id: str, local_dir, layers: int, *, revision: str | None = None) -> list[str]:
+    """Download from the Hugging Face Hub only the shards :func:`layer_subset` needs for the first ``layers`` layers,
+    plus config and tokenizer files, and write an index listing only those shards (so the checkpoint validates and
+    converts with ``--layers``). Needs ``huggingface_hub`` and network access. Returns the shard names."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    local_dir = os.fspath(local_dir)
+    with open(hf_hub_download(repo_id, INDEX, revision=revision, local_dir=local_dir)) as f:
+        index = json.load(f)
+    files, weight_map = layer_subset(index["weight_map"], layers)
+    snapshot_download(repo_id, revision=revision, local_dir=local_dir, allow_patterns=[*files, *_HUB_FILES])
+    index = {"metadata": {**index.get("metadata", {}), "subset_of": repo_id, "subset_layers": layers},
+             "weight_map": weight_map}
+    with open(os.path.join(local_dir, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    return files
 
 
 # -- inside the model ------------------------------------------------------------------------------------------
@@ -383,11 +445,11 @@ def plan_rows(cfg: ModelConfig, deployments: Sequence[Deployment] = DEPLOYMENTS,
 def roofline_vs_batch(cfg: ModelConfig, deployment: Deployment, batches: Sequence[int], *, context: int,
                       dtype="bfloat16") -> dict:
     """Roofline decode throughput of one deployment at several batch sizes: {batch, step_ms, tokens_per_s,
-    total_gb} arrays (memory per chip grows with the batch's caches)."""
+    total_gb, fits} arrays (memory per chip grows with the batch's caches; ``fits``: within 90% of HBM)."""
     from kimi_jax import plan
 
     chip = plan.CHIPS[deployment.chip]
-    out = {"batch": [], "step_ms": [], "tokens_per_s": [], "total_gb": []}
+    out = {"batch": [], "step_ms": [], "tokens_per_s": [], "total_gb": [], "fits": []}
     for b in batches:
         p = plan.make_plan(cfg, dict(deployment.sizes), deployment.layout, batch=int(b), context=context, dtype=dtype)
         step = p.step_seconds(chip.hbm_bandwidth)
@@ -395,10 +457,16 @@ def roofline_vs_batch(cfg: ModelConfig, deployment: Deployment, batches: Sequenc
         out["step_ms"].append(step * 1e3)
         out["tokens_per_s"].append(b / step)
         out["total_gb"].append(p.total / GB)
+        out["fits"].append(p.fits(chip))
     return {k: np.asarray(v) for k, v in out.items()}
 
 
 # -- figures ---------------------------------------------------------------------------------------------------
+
+
+def _tokens(n: int) -> str:
+    n = int(n)
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
 def _plt():
@@ -463,6 +531,7 @@ def plot_state_norms(s: StateNorms):
     for j, layer in enumerate(s.layers):
         ax.plot(s.positions, mean[:, j], marker="o", ms=3, label=f"KDA layer {layer}")
     ax.set_xlabel("tokens consumed (position)")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("state norm ||S||_F (dimensionless)")
     ax.set_title("KDA recurrent state size over a long sequence (fixed memory, bounded norm)")
     ax.legend(fontsize=8, ncol=2)
@@ -489,9 +558,10 @@ def plot_cache_curve(contexts: Sequence[int], curves: Mapping[str, np.ndarray], 
                     xytext=(5, -30), textcoords="offset points", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(list(contexts), [_tokens(n) for n in contexts])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("cache per sequence (GB)")
-    ax.set_title("Decode cache vs context length (bf16 cache, fp32 KDA state; batch 1)")
+    ax.set_title("Decode cache per sequence vs context length (bf16 cache, fp32 KDA state)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return fig
@@ -519,17 +589,25 @@ def plot_plan_memory(rows: Sequence[Mapping]):
     return fig
 
 
-def plot_roofline(curves: Mapping[str, Mapping]):
-    """Roofline decode throughput (tokens/s, all sequences) vs batch, one line per deployment."""
+def plot_roofline(curves: Mapping[str, Mapping], *, context: int | None = None):
+    """Roofline decode throughput (tokens/s, all sequences) vs batch, one line per deployment; batches that do not
+    fit in HBM are drawn hollow."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    batches = set()
     for name, c in curves.items():
-        ax.plot(c["batch"], c["tokens_per_s"], marker="o", label=name)
+        (line,) = ax.plot(c["batch"], c["tokens_per_s"], label=name)
+        fits = np.asarray(c.get("fits", np.ones(len(c["batch"]), bool)), bool)
+        ax.plot(c["batch"][fits], c["tokens_per_s"][fits], "o", color=line.get_color())
+        ax.plot(c["batch"][~fits], c["tokens_per_s"][~fits], "o", mfc="none", color=line.get_color())
+        batches.update(int(b) for b in c["batch"])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sorted(batches), [str(b) for b in sorted(batches)])
     ax.set_xlabel("concurrent sequences (batch)")
     ax.set_ylabel("decode throughput, roofline (tokens/s)")
-    ax.set_title("K3 decode roofline (HBM bandwidth bound)")
+    where = f", {context:,} tokens each" if context else ""
+    ax.set_title(f"K3 decode roofline (HBM bandwidth bound{where}; hollow = does not fit)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return fig

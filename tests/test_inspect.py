@@ -15,6 +15,7 @@ from kimi_jax import config as C
 from kimi_jax import inspect as ki
 from kimi_jax.cache import KDACache, init_cache
 from tests.parity import assert_close
+from tests.test_notebooks import figure_problems
 
 
 @pytest.fixture(scope="module")
@@ -146,17 +147,6 @@ def test_markdown_table_and_errors():
         ki.pad_prompts([[1, 2], []])
 
 
-def _check_labels(fig):
-    """Every plot axis has a title and both labels; every colorbar a label; a unit in parentheses on each."""
-    for ax in fig.axes:
-        if ax.get_label() == "<colorbar>":
-            assert "(" in ax.get_ylabel() + ax.get_xlabel(), "colorbar without a label/unit"
-            continue
-        assert ax.get_title(), "axis without a title"
-        for label in (ax.get_xlabel(), ax.get_ylabel()):
-            assert label and "(" in label, f"axis label {label!r} names no unit"
-
-
 def test_figures_have_titles_labels_and_units():
     import matplotlib
 
@@ -172,7 +162,48 @@ def test_figures_have_titles_labels_and_units():
             ki.plot_cache_curve([1024, 2048], {"a": np.array([1e9, 2e9])}, measured=[("a", 1024, 1e9)],
                                 crossover=1500),
             ki.plot_plan_memory(rows),
-            ki.plot_roofline({"x": {"batch": np.array([1, 2]), "tokens_per_s": np.array([10.0, 19.0])}})]
+            ki.plot_roofline({"x": {"batch": np.array([1, 2]), "tokens_per_s": np.array([10.0, 19.0]),
+                                    "fits": np.array([True, False])}}, context=4096)]
     for fig in figs:
-        _check_labels(fig)
+        assert figure_problems(fig) == [], figure_problems(fig)
         plt.close(fig)
+
+
+def test_layer_subset_converts_like_the_full_checkpoint(tmp_path):
+    """The shards a partial download keeps (first 2 layers + embedding/head) convert with --layers 2 to the same
+    parameters as the complete checkpoint does."""
+    import shutil
+
+    from convert.converter import convert_checkpoint
+    from convert.synthetic import write_checkpoint
+    from kimi_jax.demo import demo_config
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    write_checkpoint(full, "k3", config=demo_config(), num_shards=4)  # layers 0-2 | 3-4 | 5-6 | 7-8 + the rest
+    with open(full / ki.INDEX) as f:
+        index = json.load(f)
+    files, weight_map = ki.layer_subset(index["weight_map"], 2)
+    assert files == ["model-00001-of-000004.safetensors", "model-00004-of-000004.safetensors"]
+    assert set(weight_map.values()) == set(files) and len(weight_map) < len(index["weight_map"])
+    part.mkdir()
+    for name in files + ["config.json"]:
+        shutil.copy(full / name, part / name)
+    with open(part / ki.INDEX, "w") as f:
+        json.dump({"metadata": index["metadata"], "weight_map": weight_map}, f)
+    for src in (full, part):
+        convert_checkpoint(src, tmp_path / f"{src.name}-orbax", dtype="float32", layers=2, experts=4, progress=False)
+    a, b = (kimi_jax.from_pretrained(tmp_path / f"{n}-orbax", dtype="float32") for n in ("full", "part"))
+    pa, pb = (dict(ki._var_arrays(m)) for m in (a, b))
+    assert sorted(pa) == sorted(pb) and len(pa) > 20
+    for k in pa:
+        np.testing.assert_array_equal(np.asarray(pa[k]), np.asarray(pb[k]), err_msg=k)
+    with pytest.raises(ValueError, match=">= 1"):
+        ki.layer_subset(index["weight_map"], 0)
+
+
+def test_shard_table_on_one_device(model):
+    rows = ki.shard_table(model, ["embed_tokens", "layers.1.mlp.experts.w1_packed"])
+    assert rows[0]["shape"] == (512, 128) and rows[0]["shard_shape"] == (512, 128) and rows[0]["distinct_shards"] == 1
+    assert rows[1]["dtype"] == "uint8"
+    with pytest.raises(KeyError, match="no parameter"):
+        ki.shard_table(model, ["layers.99.nothing"])
