@@ -29,6 +29,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# run as a script, this folder would shadow top-level packages (benchmarks/convert.py vs the convert package)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.dirname(HERE))
 BENCH_CONFIG = os.path.join(HERE, "..", "..", "shared", "bench", "kimi-linear-bench.config.json")
 PROMPT, NEW = 512, 64
 
