@@ -95,10 +95,18 @@ def param_bytes(model) -> int:
     return sum(a.nbytes for _, a in _var_arrays(model))
 
 
-def shard_table(model, names: Sequence[str]) -> list[dict]:
+def shard_table(model, names: Sequence[str] | None = None) -> list[dict]:
     """How the named parameters (dotted paths, e.g. ``layers.1.mlp.experts.w1_packed``) are laid out: global shape,
-    partition spec, the shape of one shard and how many distinct shards the devices hold."""
+    partition spec, the shape of one shard and how many distinct shards the devices hold. Default names: the
+    embedding, layer 0's first attention weight and the routed-expert arrays of the first MoE layer (packed MXFP4
+    bytes and scales, or dense weights, whichever the checkpoint has)."""
     arrays = dict(_var_arrays(model))
+    if names is None:
+        attn = sorted((k for k in arrays if k.startswith("layers.0.self_attn.")),
+                      key=lambda k: (not k.endswith(("q_proj", "q_a_proj")), k))[:1]
+        moe = moe_layers(model.cfg)
+        experts = [k for k in arrays if moe and k.startswith(f"layers.{moe[0]}.mlp.experts.")]
+        names = ["embed_tokens", *attn, *experts]
     rows = []
     for name in names:
         if name not in arrays:

@@ -205,5 +205,9 @@ def test_shard_table_on_one_device(model):
     rows = ki.shard_table(model, ["embed_tokens", "layers.1.mlp.experts.w1_packed"])
     assert rows[0]["shape"] == (512, 128) and rows[0]["shard_shape"] == (512, 128) and rows[0]["distinct_shards"] == 1
     assert rows[1]["dtype"] == "uint8"
+    default = [r["parameter"] for r in ki.shard_table(model)]
+    assert default[:2] == ["embed_tokens", "layers.0.self_attn.q_proj"]
+    assert sorted(default[2:]) == sorted(f"layers.1.mlp.experts.{w}_{k}" for w in ("w1", "w2", "w3")
+                                         for k in ("packed", "scale"))
     with pytest.raises(KeyError, match="no parameter"):
         ki.shard_table(model, ["layers.99.nothing"])

@@ -65,6 +65,35 @@ def test_colab_link_and_install_cell(name):
     assert nb.metadata.kernelspec.name == "python3"  # what Colab and a plain Jupyter expect
 
 
+# Runs a notebook's install cell in a fresh IPython shell where kimi_jax is not importable, with `%pip` recorded
+# instead of run: the branch a fresh Colab runtime takes.
+_FRESH_RUNTIME = """
+import json, sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+calls = []
+shell.register_magic_function(lambda line: calls.append(line), "line", "pip")  # replaces %pip
+sys.modules["kimi_jax"] = None  # import kimi_jax -> ImportError
+result = shell.run_cell(sys.stdin.read())
+print(json.dumps({"ok": result.success, "calls": calls}))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_install_cell_on_a_fresh_runtime(name):
+    import subprocess
+
+    first_code = next(c.source for c in _load(name).cells if c.cell_type == "code")
+    env = {**os.environ, "PATH": "/nonexistent"}  # no nvidia-smi: a CPU runtime (no /dev/accel* here either)
+    env.pop("TPU_ACCELERATOR_TYPE", None)
+    out = subprocess.run([sys.executable, "-c", _FRESH_RUNTIME], input=first_code, capture_output=True, text=True,
+                         env=env, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ok"], out.stdout + out.stderr
+    accel = "tpu" if any(p.startswith("accel") for p in os.listdir("/dev")) else "cpu"
+    assert got["calls"] == [f'install -q "kimi-jax[notebooks] @ git+{REPO_URL}" "jax[{accel}]"']
+
+
 def test_readme_links_every_notebook_and_extra_exists():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
