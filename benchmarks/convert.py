@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,12 @@ def shard_files(src):
     return sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
 
 
-def timed_copy(src, dst, durable: bool) -> tuple[int, float]:
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def timed_copy(src, dst, durable: bool) -> tuple[int, float, float]:
     """`cp` of the shard files; with ``durable`` also fsync each copy (the conversion's Orbax saves fsync their data
     files before committing, so this is the like-for-like baseline)."""
     if os.path.exists(dst):
@@ -68,22 +74,24 @@ def timed_copy(src, dst, durable: bool) -> tuple[int, float]:
     os.makedirs(dst)
     files = [os.path.join(src, f) for f in shard_files(src)]
     os.sync()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), child_cpu()
     subprocess.run(["cp", "--reflink=never", *files, dst], check=True)
+    cpu = child_cpu() - c
     if durable:
         for f in shard_files(src):
             fd = os.open(os.path.join(dst, f), os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
-    return sum(os.path.getsize(f) for f in files), time.perf_counter() - t
+    return sum(os.path.getsize(f) for f in files), time.perf_counter() - t, cpu
 
 
 def timed_convert(src, dst) -> dict:
     os.sync()
+    c = child_cpu()
     r = subprocess.run([sys.executable, "-c", CONVERT, src, dst], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"conversion failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return dict(json.loads(r.stdout.strip().splitlines()[-1]), cpu=child_cpu() - c)
 
 
 def largest_output_array(dst) -> int:
@@ -112,19 +120,19 @@ def main():
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
         copies, durable, convs = [], [], []
         for i in range(args.repeat):
-            n, dt = timed_copy(src, copy, durable=False)
+            n, dt, cpu = timed_copy(src, copy, durable=False)
             copies.append(n / dt)
-            print(f"  run {i}: cp       {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s")
-            n, dt = timed_copy(src, copy, durable=True)
+            print(f"  run {i}: cp       {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s, CPU {cpu:.1f} s")
+            n, dt, cpu = timed_copy(src, copy, durable=True)
             durable.append(n / dt)
-            print(f"  run {i}: cp+fsync {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s")
+            print(f"  run {i}: cp+fsync {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s, CPU {cpu:.1f} s (cp)")
             r = timed_convert(src, dst)
             convs.append(r["bytes_in"] / r["seconds"])
             print(f"  run {i}: convert  {r['bytes_in'] / 1e9:.2f} GB in {r['seconds']:6.2f} s = "
                   f"{r['bytes_in'] / r['seconds'] / 1e6:7.0f} MB/s (read), {r['bytes_out'] / 1e9:.2f} GB written; "
                   f"setup {r['setup']:.1f} s, streaming {r['stream']:.1f} s = {r['bytes_in'] / r['stream'] / 1e6:.0f} MB/s; "
                   f"peak RSS {r['peak_rss'] / 2**20:.0f} MiB (after imports {r['rss_after_imports'] / 2**20:.0f} MiB); "
-                  f"process wall {r['wall']:.1f} s")
+                  f"process wall {r['wall']:.1f} s, CPU {r['cpu']:.1f} s (incl. Python/JAX start-up)")
         big = largest_output_array(dst)
         bound = 2 * big + 2**30
         best_copy, best_durable, best_conv = max(copies), max(durable), max(convs)

@@ -324,7 +324,19 @@ def sliced_config(raw: dict, layers: int | None, experts: int | None) -> dict:
 # -- the converter -------------------------------------------------------------------------------------------
 
 
-def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
+def convert_checkpoint(src, dst, **kw) -> Summary:
+    """See :func:`_convert`. The cyclic garbage collector is paused for the call: planning and Orbax's per-save
+    bookkeeping allocate many short-lived objects, and GC passes over them cost several percent of the CPU time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _convert(src, dst, **kw)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
                        overwrite: bool = False, verify: bool = False, progress: bool = True,
                        batch_bytes: int = BATCH_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
     """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
@@ -414,8 +426,6 @@ def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None 
     written = 0
     t_stream = time.perf_counter()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kimi-jax-convert-read")
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # Orbax allocates many short-lived objects per save; cyclic GC passes over them cost ~5% CPU
     try:
         nxt = pool.submit(read_batch, 0) if batches else None
         for i in range(len(batches)):
@@ -433,8 +443,6 @@ def convert_checkpoint(src, dst, *, dtype: str = "bfloat16", layers: int | None 
         if nxt is not None:
             nxt.cancel()
         pool.shutdown(wait=True)
-        if gc_was_enabled:
-            gc.enable()
         reader.close()
         if bar is not None:
             bar.close()
