@@ -101,8 +101,16 @@ def test_readme_links_every_notebook_and_extra_exists():
         assert COLAB + name in readme, f"README lacks the Colab link of {name}"
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         assert re.search(r"^notebooks = \[.*matplotlib", f.read(), re.M), "pyproject needs the notebooks extra"
-    urls = set(re.findall(r"github\.com/[\w-]+/[\w-]+", readme))
-    assert urls <= {"github.com/kimi-jax/kimi-jax"}, urls
+
+
+
+def test_one_repository_url_everywhere():
+    """Colab links and pip installs in the README and every notebook name the same repository."""
+    texts = [open(os.path.join(ROOT, "README.md")).read()]
+    texts += [open(os.path.join(NOTEBOOKS, n)).read() for n in EXPECTED]
+    pattern = r"colab\.research\.google\.com/github/([\w.-]+/[\w.-]+)|git\+https://github\.com/([\w.-]+/[\w.-]+)"
+    repos = {a or b for t in texts for a, b in re.findall(pattern, t)}
+    assert repos == {"kimi-jax/kimi-jax"}, repos
 
 
 # Run in the kernel before the notebook: check every figure after each cell, before the inline backend closes it.
@@ -145,6 +153,7 @@ def kernel_env(tmp_path_factory, monkeypatch_module):
     flags = os.environ.get("XLA_FLAGS", "")
     monkeypatch_module.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=2".strip())
     monkeypatch_module.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Jupyter
+    monkeypatch_module.setenv("TMPDIR", str(tmp_path_factory.mktemp("notebook-tmp")))  # checkpoints they write
     return path
 
 
