@@ -113,7 +113,10 @@ def test_dst_rules(k3_tiny_a, converted_f32, tmp_path):
 
 
 def test_cli_convert(k3_tiny_a, tmp_path):
+    import convert
     from kimi_jax.cli import main
+
+    assert convert.convert_checkpoint is convert_checkpoint and convert.restore is orbax_io.restore
 
     assert main(["convert", k3_tiny_a, str(tmp_path / "c"), "--layers", "2", "--experts", "2", "--no-progress"]) == 0
     assert os.path.exists(tmp_path / "c" / orbax_io.MARKER)
