@@ -51,17 +51,19 @@ def main(argv=None):
     if args.layers or args.experts:
         cfg = cfg.sliced(args.layers, args.experts)
     mesh = sharding.make_mesh(**sizes)
-    p, xla = plan.compare_with_compiler(cfg, mesh, args.layout, batch=args.batch, context=args.context,
-                                        dtype=args.dtype, model_name=args.model)
+    p, r, xla = plan.compare_with_compiler(cfg, mesh, args.layout, batch=args.batch, context=args.context,
+                                           dtype=args.dtype, model_name=args.model)
     print(plan.format_plan(p))
     print()
-    print(plan.format_comparison(p, xla))
+    print(plan.format_comparison(p, r, xla))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mesh": sizes, "layout": args.layout, "batch": args.batch, "context": args.context,
                        "layers": cfg.num_layers, "experts": cfg.moe.num_experts if cfg.moe else 0,
                        "plan": {"params": p.param_total, "cache": p.cache_total, "activations": p.activation_total,
-                                "total": p.total}, "xla": xla}, f, indent=1)
+                                "total": p.total},
+                       "plan_reference_kernels": {"activations": r.activation_total, "total": r.total},
+                       "xla": xla}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
             name = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv", "conv_v": "kda_conv",
                     "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}[field.name]
             cache[name] += nbytes
+    cache["lengths"] = sharding.shard_bytes(shapes.lengths.shape, shapes.lengths.dtype, cspecs.lengths, sizes)
     rep = [a for a in sharding.replicated_over(cspecs.lengths, sizes) if a in lay.mesh_axes("batch")]
     if rep:
         notes.append(f"batch {batch} does not split over {'x'.join(rep)}: caches replicated there")
@@ -163,27 +164,30 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
             if not heads_axes:
                 notes.append(f"{kind}: {sub.num_heads} heads do not divide the model axis: attention replicated")
 
-    # Decode-step activations: the logits plus the largest per-layer workspace (layers run one after another).
-    V = cfg.vocab_size
+    # Decode-step activations: the logits, the residual stream and AttnRes blocks, the expert exchange buffers; with
+    # the jnp reference kernels, also the largest per-layer workspace they may materialise (layers run in turn).
+    V, D = cfg.vocab_size, cfg.hidden_size
     head = "lm_head" if "lm_head" in specs else "embed_tokens"
     v_loc = V // math.prod(sizes[a] for a in _spec_axes(specs[head][0]))
     act = {"logits (f32)": b_loc * v_loc * 4}
+    blocks = cfg.num_layers // cfg.attn_res_block_size + 2 if cfg.attn_res else 2
+    act["residual stream + AttnRes blocks"] = b_loc * D * blocks * 4
+    if expert_local:
+        rows, f_loc = _exchange_rows(cfg, model, specs, sizes, lay, batch)
+        L = cfg.moe.expert_in
+        act["expert exchange (lossless)"] = rows * (L * (2 * dt.itemsize + 4) + 2 * f_loc * dt.itemsize)
     if kernels == "reference":
         work = {}
         if expert_local:
-            work["expert dequant (reference)"] = _expert_workspace(cfg, model, specs, sizes, lay, batch, dt)
+            work["workspace: expert dequant (ref.)"] = _expert_workspace(cfg, model, specs, sizes, lay, batch, dt)
         if cfg.mla is not None and "mla" in cfg.attn_types:
             # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for
             # the value read; the rope key part once.
             m = cfg.mla
-            work["MLA cache upcast (reference)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
-        if dt != jnp.float32:
-            # XLA:CPU has no bf16 dot: it converts a weight to float32 next to its matmul.
-            work["bf16 weight upcast (XLA:CPU)"] = max(
-                math.prod(sharding.shard_shape(_shape(model, k), specs[k], sizes)) * 4
-                for k in specs if ".experts." not in k and len(_shape(model, k)) == 2)
-        name = max(work, key=work.get)
-        act[f"workspace: {name}"] = work[name]
+            work["workspace: MLA upcast (ref.)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
+        if work:
+            name = max(work, key=work.get)
+            act[name] = work[name]  # the largest; the others are of other layers
     elif kernels != "pallas":
         raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
 
@@ -207,9 +211,8 @@ def _abstract(cfg: ModelConfig, dtype: str):
     return abstract_model(cfg, RunConfig(dtype=jnp.dtype(dtype)))
 
 
-def _expert_workspace(cfg, model, specs, sizes, lay, batch, dt):
-    """The jnp reference grouped matmul on one layer's local experts: one weight decoded to dense, its transposed
-    copy, and XLA:CPU's ragged_dot, which computes every (row, local expert) product before selecting."""
+def _exchange_rows(cfg, model, specs, sizes, lay, batch):
+    """Rows a chip receives in one decode step's expert exchange (lossless buffers), and its local expert width."""
     moe = cfg.moe
     w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
     e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
@@ -217,7 +220,17 @@ def _expert_workspace(cfg, model, specs, sizes, lay, batch, dt):
     n_ep = math.prod(sizes[a] for a in ep)
     tok_axes = [a for a in lay.mesh_axes("batch") if sizes[a] > 1] + [a for a in ep if a not in lay.mesh_axes("batch")]
     n_loc = -(-batch // math.prod(sizes[a] for a in tok_axes))
-    rows = n_ep * n_loc * min(moe.top_k, e_loc) if n_ep > 1 else n_loc * moe.top_k
+    return (n_ep * n_loc * min(moe.top_k, e_loc) if n_ep > 1 else n_loc * moe.top_k), f_loc
+
+
+def _expert_workspace(cfg, model, specs, sizes, lay, batch, dt):
+    """Upper estimate for the jnp reference grouped matmul on one layer's local experts, as XLA:CPU compiled it at
+    full size: one weight decoded to dense, its transposed copy, and a dense product of every received row with
+    every local expert before the selection. (At small shapes XLA:CPU instead loops over experts.)"""
+    moe = cfg.moe
+    w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
+    e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
+    rows, _ = _exchange_rows(cfg, model, specs, sizes, lay, batch)
     return (2 * e_loc * f_loc * moe.expert_in + rows * e_loc * max(f_loc, moe.expert_in)) * dt.itemsize
 
 
@@ -266,19 +279,20 @@ def format_plan(p: Plan, chips=None, reserve: float = 0.1, bandwidth: float | No
     lines = [f"{p.model}: mesh {mesh} ({p.chips} chips), layout {p.layout}, batch {p.batch}, context {p.context}, "
              f"{p.dtype}, {p.kernels} kernels", "", "per-chip bytes"]
     for k, v in p.params.items():
-        lines.append(f"  params  {k:<28}{_gb(v)}")
-    lines.append(f"  params  {'total':<28}{_gb(p.param_total)}")
-    labels = {"kda_state": "KDA state (f32)", "kda_conv": "KDA conv tails", "mla": "MLA latent cache", "kv": "GQA KV cache"}
+        lines.append(f"  params  {k:<34}{_gb(v)}")
+    lines.append(f"  params  {'total':<34}{_gb(p.param_total)}")
+    labels = {"kda_state": "KDA state (f32)", "kda_conv": "KDA conv tails", "mla": "MLA latent cache", "kv": "GQA KV cache",
+              "lengths": "sequence lengths"}
     for k, v in p.cache.items():
         if v:
-            lines.append(f"  cache   {labels[k]:<28}{_gb(v)}")
+            lines.append(f"  cache   {labels[k]:<34}{_gb(v)}")
     for k, v in p.activations.items():
-        lines.append(f"  decode  {k:<28}{_gb(v)}")
-    lines.append(f"  {'total':<36}{_gb(p.total)}")
+        lines.append(f"  decode  {k:<34}{_gb(v)}")
+    lines.append(f"  {'total':<42}{_gb(p.total)}")
     if p.prefill_activations:
         lines.append("prefill-chunk activations (estimate, not in the total)")
         for k, v in p.prefill_activations.items():
-            lines.append(f"  {k:<36}{_gb(v)}")
+            lines.append(f"  {k:<42}{_gb(v)}")
     lines.append("")
     lines.append(f"decode step reads per chip: {_gb(sum(p.step_read.values()))} "
                  f"({', '.join(f'{k} {v / GB:.2f}' for k, v in p.step_read.items())} GB)")
@@ -362,7 +376,9 @@ def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, co
         return out.logits, out.cache
 
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(2,), out_shardings=(logits_sharding, cshard)).lower(state, ids, cache)
+    # keep_unused: a deployed model holds every weight (layer 0's AttnRes mix, which has no block to mix, too)
+    lowered = jax.jit(step, donate_argnums=(2,), out_shardings=(logits_sharding, cshard),
+                      keep_unused=True).lower(state, ids, cache)
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
@@ -373,27 +389,26 @@ def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, co
 
 
 def compare_with_compiler(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
-                          model_name: str = "") -> tuple[Plan, dict]:
-    """The plan (reference kernels: what the compiled program runs) next to XLA's memory analysis."""
-    import jax
+                          model_name: str = "") -> tuple[Plan, Plan, dict]:
+    """The plan (as deployed: Pallas kernels, no workspace), the plan with the jnp reference kernels' workspace
+    estimate (what the compiled CPU program runs), and XLA's memory analysis of the compiled decode step."""
+    kw = dict(batch=batch, context=context, dtype=dtype, model_name=model_name)
+    p = make_plan(cfg, dict(mesh.shape), layout, kernels="pallas", **kw)
+    r = make_plan(cfg, dict(mesh.shape), layout, kernels="reference", **kw)
+    return p, r, decode_step_memory(cfg, mesh, layout, batch=batch, context=context, dtype=dtype)
 
-    kernels = "reference" if jax.default_backend() == "cpu" else "pallas"
-    p = make_plan(cfg, dict(mesh.shape), layout, batch=batch, context=context, dtype=dtype, kernels=kernels,
-                  model_name=model_name)
-    return p, decode_step_memory(cfg, mesh, layout, batch=batch, context=context, dtype=dtype)
 
-
-def format_comparison(p: Plan, xla: dict) -> str:
-    """Plan vs XLA, per device: arguments (parameters + cache + ids), temporaries, peak."""
-    arg_plan = p.param_total + p.cache_total
-    peak_plan = p.total
-    rows = [("parameters + cache (arguments)", arg_plan, xla["argument"]),
-            ("activations (temp + non-aliased outputs)", p.activation_total, xla["temp"] + xla["output"] - xla["alias"]),
-            ("peak (args + outputs - aliased + temp)", peak_plan, xla["peak"])]
-    lines = [f"{'per device':<44}{'plan':>12}{'XLA':>12}{'plan/XLA':>10}"]
-    for name, a, b in rows:
-        lines.append(f"{name:<44}{a / GB:>9.3f} GB{b / GB:>9.3f} GB{(a / b if b else float('nan')):>10.3f}")
-    lines.append(f"compile {xla['compile_seconds']:.0f} s; generated code {xla['generated_code'] / 1e6:.1f} MB")
+def format_comparison(p: Plan, r: Plan, xla: dict) -> str:
+    """Plan vs XLA, per device: arguments (parameters + cache + ids), activations, peak."""
+    rows = [("parameters + cache (arguments)", p.param_total + p.cache_total, None, xla["argument"]),
+            ("activations (temp + non-aliased outputs)", p.activation_total, r.activation_total,
+             xla["temp"] + xla["output"] - xla["alias"]),
+            ("peak (args + outputs - aliased + temp)", p.total, r.total, xla["peak"])]
+    lines = [f"{'per device':<42}{'plan':>12}{'XLA':>12}{'plan/XLA':>9}{'+ref. workspace':>17}{'/XLA':>7}"]
+    for name, a, b, x in rows:
+        ref = f"{b / GB:>14.3f} GB{b / x:>7.3f}" if b is not None else ""
+        lines.append(f"{name:<42}{a / GB:>9.3f} GB{x / GB:>9.3f} GB{a / x:>9.3f}{ref}")
+    lines.append(f"compile {xla['compile_seconds']:.0f} s")
     return "\n".join(lines)
 
 

@@ -151,14 +151,16 @@ def test_ragged_dispatch_lowers_for_tpu_and_gpu(tiny):
     from kimi_jax.moe import MoE
 
     cfg, _ = tiny
-    for platform, dev in (("tpu", AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")),
-                          ("cuda", AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))):
+    # TPU with experts over `expert`; GPU with wide EP, experts over `expert` x `model` (a two-axis exchange)
+    for platform, dev, lay in (
+            ("tpu", AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu"), "tp_ep"),
+            ("cuda", AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"), "wide_ep")):
         mesh = AbstractMesh((1, 4, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3, abstract_device=dev)
         # reference kernels: this checks the exchange, not the (tiny-shape-limited) Pallas matmuls
         run = RunConfig(dtype=jnp.bfloat16, implementation="reference",
-                        parallel=sharding.Parallel(mesh, dispatch="ragged"))
+                        parallel=sharding.Parallel(mesh, sharding.layout(lay), dispatch="ragged"))
         moe = nnx.eval_shape(lambda: MoE(cfg.moe, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-        specs = sharding.param_specs(moe, mesh)
+        specs = sharding.param_specs(moe, mesh, lay)
         graphdef, state = nnx.split(moe)
         state = nnx.from_flat_state([
             (p, v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
@@ -169,3 +171,30 @@ def test_ragged_dispatch_lowers_for_tpu_and_gpu(tiny):
         with jax.sharding.use_abstract_mesh(mesh):
             text = fn.trace(state, x).lower(lowering_platforms=(platform,)).as_text()
         assert "ragged_all_to_all" in text, platform
+
+
+def test_capacity_exchange_is_lossless_unless_capped():
+    """The CPU exchange on a one-chip axis: every (token, expert) pair comes back to its slot; with a capacity
+    below the load, the pairs past it (in expert order) come back as zeros, the rest intact."""
+    from jax.sharding import AxisType
+
+    from kimi_jax import expert_parallel as ep
+
+    mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,))
+    z = jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 3))  # token t carries value t + 1
+    idx = jnp.array([[3, 0], [1, 2], [0, 3], [2, 1]])
+    e_loc = 4
+
+    def run(cap):
+        def body(z, idx):
+            e = idx.reshape(-1)
+            local = lambda x, ids: x * (ids < e_loc)[:, None]  # an "expert" that returns its input row
+            return ep._capacity_dispatch(z, e, jnp.ones_like(e, bool), 2, e_loc, 1, ("expert",), cap, local)
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(z, idx)
+
+    full = run(8)[:, 0].reshape(4, 2)
+    assert (full == jnp.array([[1, 1], [2, 2], [3, 3], [4, 4]])).all()
+    capped = run(3)[:, 0].reshape(4, 2)  # kept: the first 3 pairs by expert id: (t0, e0), (t2, e0), (t1, e1)
+    assert (capped == jnp.array([[0, 1], [2, 0], [3, 0], [0, 0]])).all()
+    with pytest.raises(sharding.ShardingError, match="dispatch='bogus'"):
+        sharding.Parallel(mesh=sharding.abstract_mesh(1, 2, 2), dispatch="bogus")
