@@ -129,7 +129,7 @@ def valid_logits(logits, lengths):
     return np.concatenate([x[b, : lengths[b]] for b in range(len(lengths))])
 
 
-def run_cases(cases, paths, out, out_dir):
+def run_cases(cases, paths, out, out_dir, with_generate=False):
     import numpy as np
 
     import kimi_jax
@@ -176,6 +176,13 @@ def run_cases(cases, paths, out, out_dir):
             rec["golden_tokens_equal"] = bool((tokens[:2] == golden["greedy_tokens"]).all())
             if mesh_key == "mix" and "orbax" not in out:
                 out["orbax"] = orbax_check(model, mesh, layout, out_dir)
+        if model_key == "k3" and mesh_key == "ep" and with_generate:
+            # the generation engineer's generate() on the sharded model (its own caches, buckets, while_loop)
+            from kimi_jax.generate import generate
+
+            g = generate(model, [list(map(int, ids[b, : lengths[b]])) for b in range(B)], STEPS[model_key], stop=(),
+                         max_len=CACHE + 16)
+            rec["generate_tokens_equal"] = [list(map(int, t)) for t in g.tokens] == ref_tokens.tolist()
         out["cases"].append(rec)
         print(f"{model_key:12s} {mesh_key:4s} {layout:8s} {dispatch:16s} err {rec['logits_err']:.2e} "
               f"tokens {'==' if rec['tokens_equal'] else '!='} {rec['seconds']:.1f}s", file=sys.stderr, flush=True)
@@ -244,7 +251,7 @@ def main():
     if args.processes > 1:
         run_multihost(cases, paths, out)
     else:
-        run_cases(cases, paths, out, args.workdir)
+        run_cases(cases, paths, out, args.workdir, with_generate=args.cases == "slow")
     with open(args.out if args.processes == 1 else f"{args.out}.{jax.process_index()}", "w") as f:
         json.dump(out, f)
 
