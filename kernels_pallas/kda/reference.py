@@ -27,12 +27,18 @@ def _zeros_state(q, v):
 
 
 def kda_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale):
-    """One recurrent step for all sequences and heads. Returns (o_BHV, state_BHKV), all float32."""
-    s = state_BHKV * jnp.exp(g_BHK)[..., None]
-    kv = jnp.einsum("bhkv,bhk->bhv", s, k_BHK, precision=_HI)
+    """One recurrent step for all sequences and heads. Returns (o_BHV, state_BHKV), all float32.
+
+    With D = Diag(exp(g)) and S' = D S + k delta^T: (D S)^T k = S^T (D k) and S'^T q = S^T (D q) + delta (k . q),
+    so both reads use the old state and the new one is written once (the state is the whole memory traffic of a
+    decode step's recurrence: 2 reads + 1 write instead of 4 reads + 2 writes).
+    """
+    a = jnp.exp(g_BHK)
+    qs = q_BHK * scale
+    kv = jnp.einsum("bhkv,bhk->bhv", state_BHKV, k_BHK * a, precision=_HI)
     delta = (v_BHV - kv) * beta_BH[..., None]
-    s = s + k_BHK[..., :, None] * delta[..., None, :]
-    o = jnp.einsum("bhkv,bhk->bhv", s, q_BHK * scale, precision=_HI)
+    o = jnp.einsum("bhkv,bhk->bhv", state_BHKV, qs * a, precision=_HI) + delta * jnp.sum(k_BHK * qs, -1, keepdims=True)
+    s = state_BHKV * a[..., None] + k_BHK[..., :, None] * delta[..., None, :]
     return o, s
 
 
