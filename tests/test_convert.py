@@ -200,3 +200,34 @@ def test_tokenizer_and_generation_files_are_copied(tmp_path):
     out, full = config_lib.load(dst), config_lib.load(src)
     assert (out.num_layers, out.attn_types, out.ffn_types) == (2, ("kda", "kda"), ("dense", "moe"))
     assert (out.kda, out.moe, out.mlp, out.attn_res_block_size) == (full.kda, full.moe, full.mlp, full.attn_res_block_size)
+
+
+MESH = """
+import sys
+import numpy as np
+from flax import nnx
+import kimi_jax
+from kimi_jax.sharding import make_mesh
+dst, src = sys.argv[1], sys.argv[2]
+mesh = make_mesh(expert=2, model=2)
+flat = lambda m: {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+conv = flat(kimi_jax.from_pretrained(dst, dtype="float32", mesh=mesh))
+hf = flat(kimi_jax.from_pretrained(src, dtype="float32", mesh=mesh))
+assert conv.keys() == hf.keys()
+for k in conv:
+    assert conv[k].sharding == hf[k].sharding, (k, conv[k].sharding, hf[k].sharding)
+    assert np.array_equal(np.asarray(conv[k]), np.asarray(hf[k])), k
+w = conv[("layers", 1, "mlp", "experts", "w1_packed")]
+assert len(w.sharding.device_set) == 4, w.sharding
+print("ok", w.sharding.spec)
+"""
+
+
+def test_sharded_restore_on_a_mesh(k3_tiny_a, converted_f32):
+    """from_pretrained(DST, mesh=...) reads the converted checkpoint straight into the layout's shardings (4 fake CPU
+    devices): every parameter has the same sharding and value as in the sharded HF load."""
+    dst, _ = converted_f32
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run([sys.executable, "-c", MESH, dst, k3_tiny_a], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
