@@ -53,6 +53,8 @@ def add_generate_arguments(p: argparse.ArgumentParser):
 
 def add_chat_arguments(p: argparse.ArgumentParser):
     _sampling_arguments(p, 256)
+    # one cache size for the whole conversation: decode compiles once (prefill once per prompt bucket)
+    p.set_defaults(max_len=4096)
     p.add_argument("--system", help="system message")
     p.add_argument("--no-thinking", action="store_true", help="thinking mode off")
     p.add_argument("--show-thinking", action="store_true", help="print the reasoning channel as it streams")
@@ -188,6 +190,7 @@ def run_generate(args):
 def run_chat(args, stdin=None):
     import kimi_jax
     from kimi_jax import chat
+    from kimi_jax.generate import GenerationError
 
     stdin = stdin or sys.stdin
     thinking = not args.no_thinking
@@ -228,10 +231,14 @@ def run_chat(args, stdin=None):
                 sys.stdout.flush()
 
             print("kimi> ", end="", flush=True)
-            max_len = args.max_len or None
-            r = kimi_jax.generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, stop=stop, seed=args.seed, tokenizer=tok, stream=stream,
-                                  max_len=max_len)
+            try:
+                r = kimi_jax.generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, tokenizer=tok,
+                                      stream=stream, max_len=args.max_len)
+            except GenerationError as e:  # e.g. the conversation outgrew the cache: keep the session alive
+                print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
+                history.pop()
+                continue
             reply = chat.parse_reply(tok, r.tokens[0], thinking=thinking)
             print()
             if not reply.finished:

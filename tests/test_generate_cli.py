@@ -71,8 +71,11 @@ def test_text_without_tokenizer_files(k3_tiny_a, capsys):
 
 
 def test_chat_session(demo_dir, capsys):
-    args = cli.build_parser().parse_args(["chat", "--model", demo_dir, "--max-new-tokens", "4", "--no-thinking"])
-    generate_cli.run_chat(args, stdin=io.StringIO("hello\n/reset\n\nhi again\n/exit\nnever read\n"))
+    args = cli.build_parser().parse_args(["chat", "--model", demo_dir, "--max-new-tokens", "4", "--no-thinking",
+                                          "--max-len", "256"])
+    long = "word " * 300  # outgrows the 256-token cache: reported, the session goes on
+    generate_cli.run_chat(args, stdin=io.StringIO(f"hello\n/reset\n\n{long}\nhi again\n/exit\nnever read\n"))
     out, err = capsys.readouterr()
-    assert out.count("kimi> ") == 2  # two messages answered; the empty line and /reset are not
-    assert "reply cut at 4 tokens" in err  # random weights do not end their turn in 4 tokens
+    assert out.count("kimi> ") == 3  # three messages tried; the empty line and /reset are not
+    assert "the cache holds 256" in err and "/reset starts a new conversation" in err
+    assert err.count("reply cut at 4 tokens") == 2  # random weights do not end their turn in 4 tokens
