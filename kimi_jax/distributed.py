@@ -49,21 +49,6 @@ def with_parallel(run, mesh, layout="tp_ep", **kw):
     return dataclasses.replace(run, parallel=sharding.Parallel(mesh, sharding.layout(layout), **kw))
 
 
-def shard_model(model, mesh, layout="tp_ep", **kw):
-    """Put an existing model's parameters on ``mesh`` (per the layout) and switch it to expert-parallel dispatch.
-    For models already in host/device memory; loading a checkpoint should use ``from_pretrained(mesh=...)``."""
-    lay = sharding.layout(layout)
-    specs = sharding.param_specs(model, mesh, lay)
-    graphdef, state = nnx.split(model)
-    for path, var in nnx.to_flat_state(state):
-        key = ".".join(str(k) for k in path)
-        if key in specs:
-            var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, specs[key])))
-    model = nnx.merge(graphdef, state)
-    model.run = with_parallel(model.run, mesh, lay, **kw)
-    return model
-
-
 def _fake(info, sds):
     """A zero-strided stand-in of the tensor's shape (no memory) to run the name table's checks before reading."""
     dt = _INT_DTYPES.get(info.dtype, sds.dtype)

@@ -119,40 +119,39 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     lay = sharding.layout(layout)
     sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
     dt = jnp.dtype(dtype)
-    model = _abstract(cfg, dt.name)
-    specs = sharding.param_specs(model, sizes, lay)
+    model, table = _abstract(cfg, dt.name)
+    specs = sharding.param_specs(model, sizes, lay, table=table)
+    shapes = {m.prefix + n: (shape, m.dtypes[n]) for m in table for n, (_, shape) in m.arrays.items()}
     notes = []
 
     params: dict[str, int] = {}
     read: dict[str, int] = {}
     expert_local = {}  # layer prefix -> (local bytes of all local experts, local experts)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key = ".".join(str(k) for k in path)
-        sds = var.get_value()
-        b = sharding.shard_bytes(sds.shape, sds.dtype, specs[key], sizes)
+    for key, (shape, dtype) in shapes.items():
+        b = sharding.shard_bytes(shape, dtype, specs[key], sizes)
         cat = _category(key)
         params[cat] = params.get(cat, 0) + b
         if cat == "routed experts":
             layer = key.split(".experts.")[0]
             tot, _ = expert_local.get(layer, (0, 0))
-            e_loc = sharding.shard_shape(sds.shape, specs[key], sizes)[0]
+            e_loc = sharding.shard_shape(shape, specs[key], sizes)[0]
             expert_local[layer] = (tot + b, e_loc)
         elif key != "embed_tokens":
             read["weights (non-expert)"] = read.get("weights (non-expert)", 0) + b
 
     # Caches ---------------------------------------------------------------------------------------------
-    shapes = cache_shapes(cfg, batch, context, dt)
-    cspecs = sharding.cache_specs(cfg, shapes, sizes, lay)
+    cshapes = cache_shapes(cfg, batch, context, dt)
+    cspecs = sharding.cache_specs(cfg, cshapes, sizes, lay)
     cache = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
     b_loc = sharding.shard_shape((batch,), cspecs.lengths, sizes)[0]
-    for kind, entry, spec in zip(cfg.attn_types, shapes.layers, cspecs.layers):
+    for kind, entry, spec in zip(cfg.attn_types, cshapes.layers, cspecs.layers):
         for field in dataclasses.fields(entry):
             sds, sp = getattr(entry, field.name), getattr(spec, field.name)
             nbytes = sharding.shard_bytes(sds.shape, sds.dtype, sp, sizes)
             name = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv", "conv_v": "kda_conv",
                     "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}[field.name]
             cache[name] += nbytes
-    cache["lengths"] = sharding.shard_bytes(shapes.lengths.shape, shapes.lengths.dtype, cspecs.lengths, sizes)
+    cache["lengths"] = sharding.shard_bytes(cshapes.lengths.shape, cshapes.lengths.dtype, cspecs.lengths, sizes)
     rep = [a for a in sharding.replicated_over(cspecs.lengths, sizes) if a in lay.mesh_axes("batch")]
     if rep:
         notes.append(f"batch {batch} does not split over {'x'.join(rep)}: caches replicated there")
@@ -208,7 +207,8 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
 
 @functools.lru_cache(maxsize=4)
 def _abstract(cfg: ModelConfig, dtype: str):
-    return abstract_model(cfg, RunConfig(dtype=jnp.dtype(dtype)))
+    model = abstract_model(cfg, RunConfig(dtype=jnp.dtype(dtype)))
+    return model, sharding.module_table(model)
 
 
 def _exchange_rows(cfg, model, specs, sizes, lay, batch):
@@ -311,30 +311,26 @@ def format_plan(p: Plan, chips=None, reserve: float = 0.1, bandwidth: float | No
     return "\n".join(lines)
 
 
-def candidate_meshes(max_chips: int = 512):
-    """(data=1) x expert x model meshes with power-of-two sizes: the ones worth trying for one replica."""
-    out = []
-    n = 1
-    while n <= max_chips:
-        for model in (1, 2, 4, 8, 16, 32):
-            if model <= n:
-                out.append({"data": 1, "expert": n // model, "model": model})
-        n *= 2
-    return out
+def candidate_meshes(chips: int):
+    """(data=1) x expert x model meshes of ``chips`` chips, model axis a power of two up to 32."""
+    return [{"data": 1, "expert": chips // m, "model": m} for m in (1, 2, 4, 8, 16, 32) if m <= chips]
 
 
 def search(cfg: ModelConfig, layout, *, batch, context, dtype="bfloat16", kernels="pallas", chips=None,
            reserve=0.1, max_chips=512) -> dict[str, list[Plan]]:
-    """For each chip, the fitting meshes with the fewest chips (all model-axis sizes at that count)."""
-    chips = chips or list(CHIPS)
-    plans = [make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, kernels=kernels)
-             for s in candidate_meshes(max_chips)]
-    out = {}
-    for name in chips:
-        fit = [p for p in plans if p.fits(CHIPS[name], reserve)]
-        least = min((p.chips for p in fit), default=None)
-        out[name] = [p for p in fit if p.chips == least]
-    return out
+    """For each chip, the fitting meshes with the fewest chips (power-of-two counts; all model-axis sizes there)."""
+    chips = list(chips or CHIPS)
+    out: dict[str, list[Plan]] = {}
+    n = 1
+    while n <= max_chips and len(out) < len(chips):
+        plans = [make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, kernels=kernels)
+                 for s in candidate_meshes(n)]
+        for name in chips:
+            fit = [p for p in plans if p.fits(CHIPS[name], reserve)]
+            if name not in out and fit:
+                out[name] = fit
+        n *= 2
+    return {name: out.get(name, []) for name in chips}
 
 
 # -- the compiler's view -------------------------------------------------------------------------------------

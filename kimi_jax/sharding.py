@@ -245,32 +245,41 @@ def module_specs(module, sizes: Mapping[str, int], lay: Layout, prefix: str = ""
     return group_specs(_param_arrays(module), sizes, lay, _module_virtual(module), prefix)
 
 
-def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP) -> dict[str, PartitionSpec]:
-    """Partition spec of every parameter of ``model`` (real or abstract), keyed "layers.3.self_attn.q_proj"."""
+@dataclasses.dataclass(frozen=True)
+class ModuleParams:
+    """One module's parameters as the spec rules see them (computed once per model, reused for every mesh)."""
+
+    prefix: str  # "layers.3.self_attn."
+    arrays: dict  # name -> (logical axes, shape)
+    virtual: dict  # logical axis -> size (head counts)
+    dtypes: dict  # name -> dtype
+
+
+def module_table(model) -> list[ModuleParams]:
+    out = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            arrays = _param_arrays(node)
+            if arrays:
+                dtypes = {n: getattr(node, n).dtype for n in arrays}
+                out.append(ModuleParams("".join(f"{p}." for p in path), arrays, _module_virtual(node), dtypes))
+    return out
+
+
+def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP, *, table=None) -> dict[str, PartitionSpec]:
+    """Partition spec of every parameter of ``model`` (real or abstract), keyed "layers.3.self_attn.q_proj"
+    (``table``: a :func:`module_table` of the model, to skip walking it again)."""
     lay = layout(lay)
     sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
     out = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Module):
-            prefix = "".join(f"{p}." for p in path)
-            for name, spec in module_specs(node, sizes, lay, prefix).items():
-                out[prefix + name] = spec
+    for m in table if table is not None else module_table(model):
+        for name, spec in group_specs(m.arrays, sizes, lay, m.virtual, m.prefix).items():
+            out[m.prefix + name] = spec
     return out
 
 
 def param_shardings(model, mesh, lay: Layout | str = TP_EP) -> dict[str, NamedSharding]:
     return {k: NamedSharding(mesh, s) for k, s in param_specs(model, mesh, lay).items()}
-
-
-def state_shardings(state, mesh, lay: Layout | str, model) -> object:
-    """The NNX state pytree of ``model`` with each leaf replaced by its NamedSharding (for jit in/out_shardings)."""
-    specs = param_specs(model, mesh, lay)
-
-    def leaf(path, var):
-        return NamedSharding(mesh, specs.get(".".join(str(k) for k in path), PartitionSpec()))
-
-    flat = nnx.to_flat_state(state)
-    return nnx.from_flat_state([(path, var.replace(leaf(path, var))) for path, var in flat])
 
 
 # -- caches ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ K3_SIZES = dict(data=1, expert=8, model=8)
 @pytest.fixture(scope="module")
 def k3():
     cfg = C.preset("k3")
-    return cfg, abstract_model(cfg)
+    return cfg, plan._abstract(cfg, "bfloat16")[0]  # the abstract model the plan builds (cached)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,8 @@ def test_unknown_axes_and_meshes_are_named():
     with pytest.raises(sharding.ShardingError, match="unknown layout 'zz'"):
         sharding.layout("zz")
     assert sharding.parse_mesh("expert=64,model=8") == {"data": 1, "expert": 64, "model": 8}
+    with pytest.raises(sharding.ShardingError, match=r"= 2 devices, but 1 are available"):
+        sharding.make_mesh(1, 1, 2, devices=jax.devices()[:1])
 
 
 def test_k3_full_size_shard_shapes(k3):
@@ -137,6 +139,14 @@ def test_plan_cli(capsys):
     out = capsys.readouterr().out
     assert "512 chips" in out and "routed experts" in out and "MLA latent cache" in out
     assert "ms/step" in out and "NVIDIA H200" in out and "TPU v7x" in out and "TPU v5p" in out
+    # smallest fitting meshes: 1.56 TB of weights over 90% of HBM needs > 12.3 H200s, > 18.3 v5p, > 9.0 v7x chips
+    assert main(["plan", "--model", "k3", "--mesh", "data=1,expert=2,model=8", "--batch", "8", "--context", "4096",
+                 "--search", "--chips", "h200,v5p,v7x", "--prefill-chunk", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill-chunk activations" in out and "MoE dispatch rows" in out
+    smallest = {line.split()[1]: int(line.split()[2]) for line in out.split("smallest fitting meshes")[1].splitlines()
+                if line.strip().startswith(("NVIDIA", "TPU"))}
+    assert smallest == {"H200": 16, "v5p": 32, "v7x": 16}, smallest
     assert main(["plan", "--model", "k3", "--mesh", "data=1,expert=3,model=8"]) == 2  # 896 experts
     assert "does not divide the 896 routed experts" in capsys.readouterr().err
     assert main(["plan", "--model", "k3", "--mesh", "bogus"]) == 2
