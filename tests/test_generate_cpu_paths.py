@@ -36,6 +36,17 @@ def test_tiled_gmm_matches_numpy_and_ragged_dot(sizes, tile):
     np.testing.assert_allclose(got, np.asarray(ragged), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("M,sizes,capacity", [(10, [2, 0, 3, 1, 0, 2], None), (70, [30, 0, 0, 2, 0, 1], 8)])
+def test_gmm_tile_only_and_capacity_overflow(M, sizes, capacity):
+    """Few rows per expert (every row goes through the tile loop) and a small capacity (most rows overflow it)."""
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, 16)).astype(np.float32)
+    w = rng.standard_normal((6, 8, 16)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda a, b, c: moe_ref.gmm(a, b, c, tile=4, capacity=capacity))(
+        x, w, jnp.asarray(sizes, jnp.int32)))
+    np.testing.assert_allclose(got, _groups_np(x.astype(np.float64), w.astype(np.float64), sizes), atol=2e-5)
+
+
 def test_tiled_gmm_and_gather_with_mxfp4_weights():
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (4, 16, 32), dtype=np.uint8)
