@@ -179,11 +179,16 @@ class MLA(nnx.Module):
             new_cache = MLACache(_write(cache.c, lat, step.positions), _write(cache.kpe, kpe, step.positions))
         w_kvb = self.kv_b_proj[...].reshape(H, N + U, R)
         if cache is not None and step.prefix:
-            # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u.
-            q_lat = jnp.einsum("bthn,hnr->bthr", q_nope.astype(F32), w_kvb[:, :N].astype(F32), precision=run.precision)
+            # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
+            # kv_b (zero-padded q_nope; the unused nope outputs dropped): slicing W_UK / W_UV out of it would copy
+            # them every decode step, which costs more than the extra multiply-adds.
+            # (q_nope is in the run dtype already, so a run-dtype product with f32 accumulation is exact.)
+            q_pad = jnp.pad(q_nope.astype(run.dtype), [(0, 0)] * 3 + [(0, U)])
+            q_lat = jnp.einsum("bthn,hnr->bthr", q_pad, w_kvb.astype(run.dtype), precision=run.precision,
+                               preferred_element_type=F32)
             u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
                                           implementation=run.implementation)
-            o = jnp.einsum("bthr,hur->bthu", u, w_kvb[:, N:].astype(F32), precision=run.precision)
+            o = jnp.einsum("bthr,hjr->bthj", u, w_kvb.astype(F32), precision=run.precision)[..., N:]
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, N + U)
             # nope and rope parts scored separately (192 = 128 + 64 is not a power of two for Triton); the

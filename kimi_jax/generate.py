@@ -102,7 +102,11 @@ class DecodeState:
 
 def _accept(st: DecodeState, logits_BV, samp: Sampling, active_B) -> DecodeState:
     """Sample from ``logits`` for active rows and append; inactive rows keep everything."""
-    tok = sample(logits_BV, _step_keys(samp.seed, st.count), samp.temperature, samp.top_k, samp.top_p)
+    # keys are only derived when some row samples: greedy decode skips the PRNG work
+    tok = jax.lax.cond(
+        jnp.any(samp.temperature > 0),
+        lambda: sample(logits_BV, _step_keys(samp.seed, st.count), samp.temperature, samp.top_k, samp.top_p),
+        lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32))
     tok = jnp.where(active_B, tok, st.token)
     B, N = st.out.shape
     rows = jnp.arange(B)
