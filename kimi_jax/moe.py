@@ -64,15 +64,40 @@ class Experts(nnx.Module):
             return MXFP4Weight(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...])
         return getattr(self, name)[...]
 
+    def _auto_path(self, pairs: int, run: RunConfig) -> str:
+        """Decode-shaped batches gather the chosen experts' weights; prefill-shaped ones sort tokens by expert.
+        On the XLA:CPU reference path with float weights, batches in between (3/4 .. 2 pairs per expert, e.g.
+        batch-8 decode with 16 experts top-2) run every expert densely: each expert is read once, and the
+        wasted products cost less than the per-slot loop (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts)."""
+        E = self.cfg.num_experts
+        cpu_dense = (self.cfg.quant != "mxfp4" and run.parallel is None and jax.default_backend() == "cpu"
+                     and run.implementation in (None, "reference"))
+        if cpu_dense:
+            return "gather" if 4 * pairs < 3 * E else "dense" if pairs <= 2 * E else "sorted"
+        return "gather" if pairs <= E else "sorted"
+
     def __call__(self, z_NL, idx_NX, run: RunConfig):
         """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
         c = self.cfg
         N, X = idx_NX.shape
-        path = run.moe_path
-        if path == "auto":
-            path = "gather" if N * X <= c.num_experts else "sorted"
+        path = run.moe_path if run.moe_path != "auto" else self._auto_path(N * X, run)
         act = lambda a, b: glu(a.astype(run.dtype), b.astype(run.dtype), c.act, c.situ_beta, c.situ_linear_beta, run)
         kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
+        if path == "dense":
+            if c.quant == "mxfp4":
+                raise ValueError("moe_path='dense' needs float expert weights (MXFP4 experts use 'gather' or 'sorted')")
+            # every expert on every token, each expert read once; the product computed as W @ z^T (weight rows
+            # first), which XLA:CPU runs 2-3x faster than z @ W^T for a handful of rows
+            E, F, L = c.num_experts, c.expert_intermediate, c.expert_in
+            z = z_NL.astype(run.dtype)
+            up = lambda w: jax.lax.optimization_barrier(
+                jnp.einsum("fl,nl->fn", w.astype(run.dtype).reshape(E * F, L), z, preferred_element_type=F32,
+                           precision=run.precision)).reshape(E, F, N)
+            h = act(up(self.w1[...]), up(self.w3[...]))  # [E, F, N]
+            y = jax.lax.optimization_barrier(jnp.einsum(
+                "elf,enf->eln", self.w2[...].astype(run.dtype), jnp.swapaxes(h, 1, 2), preferred_element_type=F32,
+                precision=run.precision))  # [E, L, N]
+            return jnp.swapaxes(y, 1, 2)[idx_NX, jnp.arange(N)[:, None]].astype(run.dtype)  # [N, X, L]
         if path == "gather":
             zx = jnp.broadcast_to(z_NL[:, None], (N, X, z_NL.shape[-1]))
             h = act(gmm_kernels.gather_matmul(zx, self.weight("w1"), idx_NX, **kw),

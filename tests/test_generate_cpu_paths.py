@@ -87,3 +87,54 @@ def test_kda_chunk_of_one_is_the_recurrence_and_the_cpu_default():
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o4), atol=1e-5)
     np.testing.assert_allclose(np.asarray(s1), np.asarray(s4), atol=1e-5)
     assert RunConfig().kda_chunk == (1 if jax.default_backend() == "cpu" else 64)
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_expert_paths_agree_with_numpy(act):
+    """gather (per-slot loop), sorted (grouped matmul) and dense (every expert on every token) against a float64
+    numpy oracle; the automatic choice on CPU picks each in its range of (token, expert) pairs."""
+    from flax import nnx
+
+    from kimi_jax.config import MoEConfig
+    from kimi_jax.moe import Experts
+
+    cfg = MoEConfig(hidden=32, num_experts=8, top_k=2, expert_intermediate=16, num_shared=0, shared_intermediate=0,
+                    act=act, situ_beta=2.0, situ_linear_beta=3.0)
+    ex = Experts(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    w1, w3, w2 = (np.asarray(getattr(ex, n)[...], np.float64) * 20 for n in ("w1", "w3", "w2"))
+    for n, v in zip(("w1", "w3", "w2"), (w1, w3, w2)):
+        getattr(ex, n)[...] = jnp.asarray(v, jnp.float32)
+
+    def oracle(z, idx):
+        a, b = np.einsum("nl,nxfl->nxf", z, w1[idx]), np.einsum("nl,nxfl->nxf", z, w3[idx])
+        if act == "silu":
+            h = a / (1 + np.exp(-a)) * b
+        else:
+            h = 2.0 * np.tanh(a / 2.0) / (1 + np.exp(-a)) * 3.0 * np.tanh(b / 3.0)
+        return np.einsum("nxf,nxlf->nxl", h, w2[idx])
+
+    run = RunConfig(dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    for N in (1, 3, 6, 40):
+        z = rng.standard_normal((N, 32))
+        idx = np.stack([rng.choice(8, 2, replace=False) for _ in range(N)]).astype(np.int32)
+        want = oracle(z, idx)
+        for path in ("gather", "sorted", "dense"):
+            got = ex(jnp.asarray(z, jnp.float32), jnp.asarray(idx), RunConfig(dtype=jnp.float32, moe_path=path))
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max(),
+                                       err_msg=f"{path} N={N}")
+    if jax.default_backend() == "cpu":  # 8 experts: gather below 6 pairs, dense up to 16, sorted beyond
+        assert [ex._auto_path(p, run) for p in (2, 5, 6, 16, 17)] == ["gather", "gather", "dense", "dense", "sorted"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 33])
+def test_linear_skinny_form_matches_numpy(rows):
+    """``linear`` computes few-row products as (W x^T)^T on CPU: same values as the plain product."""
+    from kimi_jax.layers import linear
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((1, rows, 64)).astype(np.float32)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda a, b: linear(a, b, RunConfig(dtype=jnp.float32)))(x, w))
+    assert got.shape == (1, rows, 48)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
