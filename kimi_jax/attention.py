@@ -182,9 +182,11 @@ class MLA(nnx.Module):
             # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
             # kv_b (zero-padded q_nope; the unused nope outputs dropped): slicing W_UK / W_UV out of it would copy
             # them every decode step, which costs more than the extra multiply-adds.
-            # (q_nope is in the run dtype already, so a run-dtype product with f32 accumulation is exact.)
-            q_pad = jnp.pad(q_nope.astype(run.dtype), [(0, 0)] * 3 + [(0, U)])
-            q_lat = jnp.einsum("bthn,hnr->bthr", q_pad, w_kvb.astype(run.dtype), precision=run.precision,
+            # (q_nope is in the run dtype already, so a run-dtype product with f32 accumulation is exact; XLA:CPU
+            # has no bf16 x bf16 -> f32 batched dot, and the f32 product of the same bf16 values is identical.)
+            mm_dt = F32 if jax.default_backend() == "cpu" else run.dtype
+            q_pad = jnp.pad(q_nope.astype(mm_dt), [(0, 0)] * 3 + [(0, U)])
+            q_lat = jnp.einsum("bthn,hnr->bthr", q_pad, w_kvb.astype(mm_dt), precision=run.precision,
                                preferred_element_type=F32)
             u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
                                           implementation=run.implementation)

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax.cache import Cache, init_cache
+from kimi_jax import distributed
+from kimi_jax.cache import Cache, cache_shapes, init_cache
 from kimi_jax.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
@@ -253,6 +254,7 @@ class Generator:
         self.prompt_buckets = tuple(sorted(prompt_buckets)) if prompt_buckets else _pow2_buckets(
             min(min_prompt_bucket, self.max_len), self.max_len)
         self._caches: dict[int, Cache] = {}
+        self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
 
     # default stop ids: the chat turn terminator when the tokenizer has one, else its EOS, else the config's
     def default_stop(self) -> list[int]:
@@ -265,7 +267,15 @@ class Generator:
 
     def _cache(self, B: int) -> Cache:
         cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate
-        return cache if cache is not None else init_cache(self.cfg, B, self.max_len, self.dtype)
+        if cache is not None:
+            return cache
+        shardings = None
+        if self.parallel is not None:
+            from kimi_jax import sharding
+
+            shardings = sharding.cache_shardings(self.cfg, cache_shapes(self.cfg, B, self.max_len, self.dtype),
+                                                 self.parallel.mesh, self.parallel.layout)
+        return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings)
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
@@ -333,7 +343,7 @@ class Generator:
             sent = np.zeros((n,), np.int64)
 
             def emit(st, final=False):
-                count, out = np.asarray(st.count)[:n], np.asarray(st.out)[:n]
+                count, out = _host(st.count)[:n], _host(st.out)[:n]
                 new = [out[i, sent[i] : count[i]].tolist() for i in range(n)]
                 sent[:] = count
                 text = None
@@ -344,14 +354,14 @@ class Generator:
                     stream(new, text)
 
             emit(st)
-            while not bool(np.all(np.asarray(st.done))):
+            while not bool(np.all(_host(st.done))):
                 st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
-                emit(st, final=bool(np.all(np.asarray(st.done))))
+                emit(st, final=bool(np.all(_host(st.done))))
         st.count.block_until_ready()
         t2 = time.perf_counter()
 
-        count, out, done = np.asarray(st.count), np.asarray(st.out), np.asarray(st.done)
-        logits = np.asarray(st.logits) if record_logits else None
+        count, out, done = _host(st.count), _host(st.out), _host(st.done)
+        logits = _host(st.logits) if record_logits else None
         self._caches[B] = st.cache
         new = [out[i, : count[i]].tolist() for i in range(n)]
         reasons = ["stop" if (toks and toks[-1] in stop) else "length" for toks in new]
@@ -370,6 +380,11 @@ class Generator:
 
 _GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def _host(x) -> np.ndarray:
+    """A result on the host; arrays spread over several processes are gathered on every process."""
+    return np.asarray(x) if getattr(x, "is_fully_addressable", True) else distributed.process_allgather(x)
 
 
 def _auto_max_len(longest_prompt: int, max_new: int) -> int:

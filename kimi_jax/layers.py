@@ -80,20 +80,30 @@ def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02) ->
 # -- math helpers ----------------------------------------------------------------------------------------
 
 
-# Up to this many rows, XLA:CPU computes ``x @ w.T`` faster as ``(w @ x.T).T`` (measured: 2-3x for 2..16 rows,
-# i.e. batched decode, where its GEMM packs the whole weight for a handful of rows; equal at 1 row and >= 64).
+# Up to this many rows, XLA:CPU computes ``x @ w.T`` faster as ``(w @ x.T).T`` (measured in float32: 2-3x for
+# 2..16 rows, i.e. batched decode, where its GEMM packs the whole weight for a handful of rows; equal at 1 row and
+# >= 64). Float32 only: XLA:CPU has no standalone bf16 x bf16 -> f32 dot to run the barrier-isolated product.
 _CPU_SKINNY_ROWS = 32
+
+
+def cpu_skinny(rows: int, run: "RunConfig") -> bool:
+    return (1 < rows <= _CPU_SKINNY_ROWS and jnp.dtype(run.dtype) == F32 and run.parallel is None
+            and jax.default_backend() == "cpu")
+
+
+def w_xT(w_FD, x_ND, run: "RunConfig"):
+    """``w @ x.T`` -> ``[F, N]`` float32, kept in that orientation (the barrier stops XLA from folding a later
+    transpose back into an ``x @ w.T`` product)."""
+    y = jnp.einsum("fd,nd->fn", w_FD, x_ND, preferred_element_type=F32, precision=run.precision)
+    return jax.lax.optimization_barrier(y)
 
 
 def linear(x, w, run: RunConfig):
     """``x @ w.T`` for a checkpoint-layout weight ``w [out, in]``; f32 accumulate, output in the run dtype."""
     x, w = x.astype(run.dtype), w.astype(run.dtype)
     rows = x.size // x.shape[-1]
-    if 1 < rows <= _CPU_SKINNY_ROWS and run.parallel is None and jax.default_backend() == "cpu":
-        # the barrier keeps XLA from folding the transpose back into the original dot
-        y_T = jax.lax.optimization_barrier(jnp.einsum("fd,nd->fn", w, x.reshape(rows, -1), preferred_element_type=F32,
-                                                      precision=run.precision))
-        return y_T.T.reshape(*x.shape[:-1], w.shape[0]).astype(run.dtype)
+    if cpu_skinny(rows, run):
+        return w_xT(w, x.reshape(rows, -1), run).T.reshape(*x.shape[:-1], w.shape[0]).astype(run.dtype)
     y = jnp.einsum("...d,fd->...f", x, w, preferred_element_type=F32, precision=run.precision)
     return y.astype(run.dtype)
 

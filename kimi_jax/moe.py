@@ -16,7 +16,7 @@ import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
 from kimi_jax import expert_parallel
 from kimi_jax.config import MoEConfig
-from kimi_jax.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
+from kimi_jax.layers import F32, MLP, RunConfig, cpu_skinny, glu, linear, param, rms_norm, w_xT
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -66,12 +66,12 @@ class Experts(nnx.Module):
 
     def _auto_path(self, pairs: int, run: RunConfig) -> str:
         """Decode-shaped batches gather the chosen experts' weights; prefill-shaped ones sort tokens by expert.
-        On the XLA:CPU reference path with float weights, batches in between (3/4 .. 2 pairs per expert, e.g.
+        On the XLA:CPU reference path with float32 weights, batches in between (3/4 .. 2 pairs per expert, e.g.
         batch-8 decode with 16 experts top-2) run every expert densely: each expert is read once, and the
         wasted products cost less than the per-slot loop (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts)."""
         E = self.cfg.num_experts
-        cpu_dense = (self.cfg.quant != "mxfp4" and run.parallel is None and jax.default_backend() == "cpu"
-                     and run.implementation in (None, "reference"))
+        cpu_dense = (self.cfg.quant != "mxfp4" and jnp.dtype(run.dtype) == F32 and run.parallel is None
+                     and jax.default_backend() == "cpu" and run.implementation in (None, "reference"))
         if cpu_dense:
             return "gather" if 4 * pairs < 3 * E else "dense" if pairs <= 2 * E else "sorted"
         return "gather" if pairs <= E else "sorted"
@@ -86,18 +86,23 @@ class Experts(nnx.Module):
         if path == "dense":
             if c.quant == "mxfp4":
                 raise ValueError("moe_path='dense' needs float expert weights (MXFP4 experts use 'gather' or 'sorted')")
-            # every expert on every token, each expert read once; the product computed as W @ z^T (weight rows
-            # first), which XLA:CPU runs 2-3x faster than z @ W^T for a handful of rows
+            # every expert on every token, each expert read once; on CPU in float32 the products run weight rows
+            # first (W @ z^T), which XLA:CPU computes 2-3x faster than z @ W^T for a handful of rows
             E, F, L = c.num_experts, c.expert_intermediate, c.expert_in
             z = z_NL.astype(run.dtype)
-            up = lambda w: jax.lax.optimization_barrier(
-                jnp.einsum("fl,nl->fn", w.astype(run.dtype).reshape(E * F, L), z, preferred_element_type=F32,
-                           precision=run.precision)).reshape(E, F, N)
-            h = act(up(self.w1[...]), up(self.w3[...]))  # [E, F, N]
-            y = jax.lax.optimization_barrier(jnp.einsum(
-                "elf,enf->eln", self.w2[...].astype(run.dtype), jnp.swapaxes(h, 1, 2), preferred_element_type=F32,
-                precision=run.precision))  # [E, L, N]
-            return jnp.swapaxes(y, 1, 2)[idx_NX, jnp.arange(N)[:, None]].astype(run.dtype)  # [N, X, L]
+            if cpu_skinny(N, run):
+                up = lambda w: w_xT(w.astype(run.dtype).reshape(E * F, L), z, run).reshape(E, F, N)
+                h = act(up(self.w1[...]), up(self.w3[...]))  # [E, F, N]
+                y = jax.lax.optimization_barrier(jnp.einsum(
+                    "elf,enf->eln", self.w2[...].astype(run.dtype), jnp.swapaxes(h, 1, 2),
+                    preferred_element_type=F32, precision=run.precision))  # [E, L, N]
+                y = jnp.swapaxes(y, 1, 2)  # [E, N, L]
+            else:
+                mm = lambda spec, a, b: jnp.einsum(spec, a, b.astype(run.dtype), preferred_element_type=F32,
+                                                   precision=run.precision)
+                h = act(mm("nl,efl->enf", z, self.w1[...]), mm("nl,efl->enf", z, self.w3[...]))  # [E, N, F]
+                y = mm("enf,elf->enl", h, self.w2[...])
+            return y[idx_NX, jnp.arange(N)[:, None]].astype(run.dtype)  # [N, X, L]
         if path == "gather":
             zx = jnp.broadcast_to(z_NL[:, None], (N, X, z_NL.shape[-1]))
             h = act(gmm_kernels.gather_matmul(zx, self.weight("w1"), idx_NX, **kw),

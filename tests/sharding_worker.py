@@ -273,10 +273,16 @@ def run_multihost(cases, paths, out):
         ids, lengths = prompts(model.cfg.vocab_size, model_key == "k3")
         cs = sharding.cache_shardings(model.cfg, cache_shapes(model.cfg, B, CACHE, "float32"), mesh, layout)
         _, tokens, _ = greedy(model, ids, lengths, STEPS[model_key], cs)
+        # and the public generate() (bucketed prefill, while_loop decode, results gathered from both processes)
+        from kimi_jax.generate import generate
+
+        g = generate(model, [list(map(int, ids[b, : lengths[b]])) for b in range(B)], STEPS[model_key], stop=(),
+                     max_len=CACHE + 16)
         experts = model.layers[3].mlp.experts.w1_packed[...]
         out["cases"].append({
             "model": model_key, "mesh": mesh_key, "layout": layout, "dispatch": model.run.parallel.dispatch,
             "tokens": distributed.process_allgather(tokens).tolist(),
+            "generate_tokens": [list(map(int, t)) for t in g.tokens],
             "local_devices": sorted(d.id for d in jax.local_devices()),
             "expert_slices_here": sorted({_key(s.index)[0] for s in experts.addressable_shards}),
             "expert_shape": list(experts.shape), "load": load})

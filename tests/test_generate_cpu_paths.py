@@ -123,6 +123,12 @@ def test_expert_paths_agree_with_numpy(act):
             got = ex(jnp.asarray(z, jnp.float32), jnp.asarray(idx), RunConfig(dtype=jnp.float32, moe_path=path))
             np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max(),
                                        err_msg=f"{path} N={N}")
+    # bfloat16 runs every path too (XLA:CPU has no standalone bf16 dot with f32 output: the CPU forms must not need one)
+    z, idx = rng.standard_normal((3, 32)), np.array([[0, 1], [2, 3], [1, 7]], np.int32)
+    for path in ("gather", "sorted", "dense"):
+        got = ex(jnp.asarray(z, jnp.bfloat16), jnp.asarray(idx), RunConfig(dtype=jnp.bfloat16, moe_path=path))
+        want = oracle(z, idx)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.03 * np.abs(want).max(), err_msg=path)
     if jax.default_backend() == "cpu":  # 8 experts: gather below 6 pairs, dense up to 16, sorted beyond
         assert [ex._auto_path(p, run) for p in (2, 5, 6, 16, 17)] == ["gather", "gather", "dense", "dense", "sorted"]
 
@@ -138,3 +144,5 @@ def test_linear_skinny_form_matches_numpy(rows):
     got = np.asarray(jax.jit(lambda a, b: linear(a, b, RunConfig(dtype=jnp.float32)))(x, w))
     assert got.shape == (1, rows, 48)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    bf = np.asarray(jax.jit(lambda a, b: linear(a, b, RunConfig(dtype=jnp.bfloat16)))(x, w), np.float32)
+    np.testing.assert_allclose(bf, got, atol=0.02 * np.abs(got).max())

@@ -1,5 +1,5 @@
 """Two processes on localhost (4 CPU devices each, one 8-device mesh through jax.distributed) give the same greedy
-tokens as one process.
+tokens as one process, through the test's own greedy loop and through ``kimi_jax.generate``.
 
 The K3 fixture on data=1, expert=2, model=4: the expert axis spans the two processes, so each process reads
 only its half of the routed experts (from_pretrained(mesh=...)) and the expert exchange crosses processes (gloo).
@@ -18,6 +18,7 @@ def test_two_processes_match_one_process():
         (case,) = r["cases"]
         assert len(case["local_devices"]) == 4
         assert case["tokens"] == want, f"process {i}: {case['tokens']} != {want}"
+        assert case["generate_tokens"] == want, f"process {i}, generate(): {case['generate_tokens']} != {want}"
     # each process holds one half of the experts, a different half, and read less than the whole checkpoint
     halves = [r["cases"][0]["expert_slices_here"] for r in results]
     assert all(len(h) == 1 for h in halves) and halves[0] != halves[1], halves
