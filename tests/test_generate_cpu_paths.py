@@ -64,11 +64,12 @@ def test_tiled_gmm_and_gather_with_mxfp4_weights():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_gather_matmul_float_weights():
+@pytest.mark.parametrize("E,N", [(5, 4), (70, 6)])
+def test_gather_matmul_float_weights(E, N):
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((5, 12, 16)).astype(np.float32)
-    xs = rng.standard_normal((4, 3, 16)).astype(np.float32)
-    idx = rng.integers(0, 5, (4, 3))
+    w = rng.standard_normal((E, 12, 16)).astype(np.float32)
+    xs = rng.standard_normal((N, 3, 16)).astype(np.float32)
+    idx = rng.integers(0, E, (N, 3))
     got = np.asarray(jax.jit(moe_ref.gather_matmul)(xs, w, jnp.asarray(idx)))
     np.testing.assert_allclose(got, np.einsum("nxk,nxfk->nxf", xs, w[idx]), atol=1e-5)
 
