@@ -3,7 +3,8 @@
     python benchmarks/decode.py [--weights DIR] [--repeats 3] [--skip-hf]
 
 Builds ``../shared/bench/kimi-linear-bench.config.json`` with transformers after ``torch.manual_seed(0)`` in
-float32 and ``save_pretrained`` (once, into --weights), then measures in one run, as medians of --repeats:
+float32 and ``save_pretrained`` (once, into --weights), then measures in one run, as medians of --repeats (each
+repeat runs ours and HF back to back on the same batch, after a bandwidth sample, so all see the same machine):
 
 * decode tokens/s at batch 1 and 8: 64 new tokens after a 512-token prompt (63 decode steps; the first new
   token comes from the prefill), aggregate over the batch;
@@ -140,41 +141,50 @@ def main(argv=None):
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; jax "
           f"{jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__}")
     path = build_weights(args.weights, args.config)
-    bw = memory_bandwidth()
-    print(f"memory read bandwidth (2 threads, 1 GiB, median of 7): {bw / 1e9:.1f} GB/s")
 
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = {b: rng.integers(3, 32000, (b, PROMPT)).astype(np.int64) for b in batches}
 
-    # ours: time to first token of a fresh generator (compiles prefill), then medians
+    # ours: time to first token of a fresh generator (compiles prefill); first calls compile
     t0 = time.perf_counter()
     model = kimi_jax.from_pretrained(path, dtype="float32")
     load_s = time.perf_counter() - t0
     gen = Generator(model, max_len=PROMPT + NEW, batch_buckets=tuple(batches), prompt_buckets=(PROMPT,))
     wbytes = decode_weight_bytes(model)
-    print(f"load {load_s:.2f}s; decode weight bytes per token at batch 1: {wbytes / 1e6:.1f} MB "
-          f"(bandwidth limit {bw / wbytes:.1f} tok/s)")
+    print(f"load {load_s:.2f}s; decode weight bytes per token at batch 1: {wbytes / 1e6:.1f} MB")
     results = {}
     for b in batches:
         pre, dec, toks = ours_run(gen, prompts[b])  # first call: compiles
         if b == batches[0]:
             results["ttft_compile"] = pre
-        runs = [ours_run(gen, prompts[b]) for _ in range(args.repeats)]
-        results[("ours", b)] = runs
         results[("ours_tokens", b)] = toks
-        print(f"ours  b={b}: first call prefill {pre:.2f}s decode {dec:.2f}s (compiles); steady: prefill "
-              f"{[round(r[0], 3) for r in runs]} s, decode {[round(r[1], 3) for r in runs]} s", flush=True)
+        print(f"ours  b={b}: first call prefill {pre:.2f}s decode {dec:.2f}s (compiles)", flush=True)
+    hf = None
     if not args.skip_hf:
         from transformers import KimiLinearForCausalLM
 
         hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Interleaved repeats: a memory-bandwidth sample, then ours and HF on the same batch back to back, so both
+    # (and the bandwidth) see the same machine: on a shared 2-core machine the absolute speed drifts by tens of %.
+    bws = []
+    for r in range(args.repeats):
+        bws.append(memory_bandwidth(repeats=3))
         for b in batches:
-            runs = [hf_run(hf, prompts[b]) for _ in range(args.repeats)]
-            results[("hf", b)] = runs
-            same = np.array_equal(runs[0][2], results[("ours_tokens", b)])
-            print(f"HF    b={b}: prefill {[round(r[0], 3) for r in runs]} s, decode {[round(r[1], 3) for r in runs]} s;"
-                  f" greedy tokens identical to ours: {same}", flush=True)
+            results.setdefault(("ours", b), []).append(ours_run(gen, prompts[b]))
+            if hf is not None:
+                results.setdefault(("hf", b), []).append(hf_run(hf, prompts[b]))
+        print(f"repeat {r}: bandwidth {bws[-1] / 1e9:.1f} GB/s; " + "; ".join(
+            f"b={b} ours prefill {results[('ours', b)][-1][0]:.3f}s decode {results[('ours', b)][-1][1]:.3f}s" + (
+                f", HF prefill {results[('hf', b)][-1][0]:.3f}s decode {results[('hf', b)][-1][1]:.3f}s"
+                if hf is not None else "") for b in batches), flush=True)
+    for b in batches:
+        if hf is not None:
+            same = all(np.array_equal(run[2], results[("ours_tokens", b)]) for run in results[("hf", b)])
+            print(f"b={b}: HF greedy tokens identical to ours: {same}")
+    bw = statistics.median(bws)
+    print(f"memory read bandwidth (2 threads reading 1 GiB; median over the repeats): {bw / 1e9:.1f} GB/s "
+          f"(bandwidth limit at batch 1: {bw / wbytes:.1f} tok/s)")
 
     med = lambda runs, i: statistics.median(r[i] for r in runs)
     print()
@@ -195,6 +205,10 @@ def main(argv=None):
         achieved = wbytes / step
         print(f"| decode b=1 weight stream (GB/s) | {achieved / 1e9:.1f} | measured read bandwidth "
               f"{bw / 1e9:.1f} | {achieved / bw:.0%} |")
+    if hf is not None:
+        paired = lambda b, i: statistics.median(h[i] / o[i] for h, o in zip(results[("hf", b)], results[("ours", b)]))
+        print("paired ratios (median over repeats of HF time / our time, same repeat): " + "; ".join(
+            f"decode b={b} {paired(b, 1):.2f}x" for b in batches) + f"; prefill b={b0} {paired(b0, 0):.2f}x")
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     return 0
