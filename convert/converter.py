@@ -337,8 +337,8 @@ def convert_checkpoint(src, dst, **kw) -> Summary:
 
 
 def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
-                       overwrite: bool = False, verify: bool = False, progress: bool = True,
-                       batch_bytes: int = BATCH_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
+             overwrite: bool = False, verify: bool = False, progress: bool = True,
+             batch_bytes: int = BATCH_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
     """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
 
     ``dtype``: parameter dtype ("bfloat16" | "float32"; tensors the release keeps in float32 stay float32, MXFP4

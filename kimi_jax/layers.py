@@ -86,9 +86,13 @@ def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02) ->
 _CPU_SKINNY_ROWS = 32
 
 
+def cpu_float32(run: "RunConfig") -> bool:
+    """A single-device float32 run on XLA:CPU: where the CPU-specific product forms below apply."""
+    return jnp.dtype(run.dtype) == F32 and run.parallel is None and jax.default_backend() == "cpu"
+
+
 def cpu_skinny(rows: int, run: "RunConfig") -> bool:
-    return (1 < rows <= _CPU_SKINNY_ROWS and jnp.dtype(run.dtype) == F32 and run.parallel is None
-            and jax.default_backend() == "cpu")
+    return 1 < rows <= _CPU_SKINNY_ROWS and cpu_float32(run)
 
 
 def w_xT(w_FD, x_ND, run: "RunConfig"):

@@ -16,7 +16,7 @@ import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
 from kimi_jax import expert_parallel
 from kimi_jax.config import MoEConfig
-from kimi_jax.layers import F32, MLP, RunConfig, cpu_skinny, glu, linear, param, rms_norm, w_xT
+from kimi_jax.layers import F32, MLP, RunConfig, cpu_float32, cpu_skinny, glu, linear, param, rms_norm, w_xT
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -70,8 +70,7 @@ class Experts(nnx.Module):
         batch-8 decode with 16 experts top-2) run every expert densely: each expert is read once, and the
         wasted products cost less than the per-slot loop (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts)."""
         E = self.cfg.num_experts
-        cpu_dense = (self.cfg.quant != "mxfp4" and jnp.dtype(run.dtype) == F32 and run.parallel is None
-                     and jax.default_backend() == "cpu" and run.implementation in (None, "reference"))
+        cpu_dense = self.cfg.quant != "mxfp4" and cpu_float32(run) and run.implementation in (None, "reference")
         if cpu_dense:
             return "gather" if 4 * pairs < 3 * E else "dense" if pairs <= 2 * E else "sorted"
         return "gather" if pairs <= E else "sorted"

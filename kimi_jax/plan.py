@@ -172,13 +172,18 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     blocks = cfg.num_layers // cfg.attn_res_block_size + 2 if cfg.attn_res else 2
     act["residual stream + AttnRes blocks"] = b_loc * D * blocks * 4
     if expert_local:
-        rows, f_loc = _exchange_rows(cfg, model, specs, sizes, lay, batch)
+        w1, e_loc, f_loc = _local_experts(model, specs, sizes)
+        rows = _exchange_rows(cfg, specs[w1], e_loc, sizes, lay, batch)
         L = cfg.moe.expert_in
         act["expert exchange (lossless)"] = rows * (L * (2 * dt.itemsize + 4) + 2 * f_loc * dt.itemsize)
     if kernels == "reference":
         work = {}
         if expert_local:
-            work["workspace: expert dequant (ref.)"] = _expert_workspace(cfg, model, specs, sizes, lay, batch, dt)
+            # one weight decoded to dense, its transposed copy, and a dense product of every received row with
+            # every local expert before the selection: an upper estimate of the jnp reference grouped matmul as
+            # XLA:CPU compiled it at full size (at small shapes XLA:CPU loops over experts instead)
+            work["workspace: expert dequant (ref.)"] = (
+                2 * e_loc * f_loc * L + rows * e_loc * max(f_loc, L)) * dt.itemsize
         if cfg.mla is not None and "mla" in cfg.attn_types:
             # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for
             # the value read; the rope key part once.
@@ -211,27 +216,20 @@ def _abstract(cfg: ModelConfig, dtype: str):
     return model, sharding.module_table(model)
 
 
-def _exchange_rows(cfg, model, specs, sizes, lay, batch):
-    """Rows a chip receives in one decode step's expert exchange (lossless buffers), and its local expert width."""
-    moe = cfg.moe
+def _local_experts(model, specs, sizes):
+    """The first routed-expert gate weight's path, and the experts and expert width one chip holds of it."""
     w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
     e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
-    ep = _spec_axes(specs[w1][0])
+    return w1, e_loc, f_loc
+
+
+def _exchange_rows(cfg, w1_spec, e_loc, sizes, lay, batch):
+    """Rows a chip receives in one decode step's expert exchange (lossless buffers)."""
+    ep = _spec_axes(w1_spec[0])
     n_ep = math.prod(sizes[a] for a in ep)
     tok_axes = [a for a in lay.mesh_axes("batch") if sizes[a] > 1] + [a for a in ep if a not in lay.mesh_axes("batch")]
     n_loc = -(-batch // math.prod(sizes[a] for a in tok_axes))
-    return (n_ep * n_loc * min(moe.top_k, e_loc) if n_ep > 1 else n_loc * moe.top_k), f_loc
-
-
-def _expert_workspace(cfg, model, specs, sizes, lay, batch, dt):
-    """Upper estimate for the jnp reference grouped matmul on one layer's local experts, as XLA:CPU compiled it at
-    full size: one weight decoded to dense, its transposed copy, and a dense product of every received row with
-    every local expert before the selection. (At small shapes XLA:CPU instead loops over experts.)"""
-    moe = cfg.moe
-    w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
-    e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
-    rows, _ = _exchange_rows(cfg, model, specs, sizes, lay, batch)
-    return (2 * e_loc * f_loc * moe.expert_in + rows * e_loc * max(f_loc, moe.expert_in)) * dt.itemsize
+    return n_ep * n_loc * min(cfg.moe.top_k, e_loc) if n_ep > 1 else n_loc * cfg.moe.top_k
 
 
 def _allowed_heads(h, sizes, lay):
@@ -252,8 +250,7 @@ def _prefill_activations(cfg, sizes, lay, specs, model, b_loc, T, dt):
                                                                    if cfg.attn_res else 0))}
     if cfg.moe is not None:
         moe = cfg.moe
-        w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
-        e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
+        w1, e_loc, f_loc = _local_experts(model, specs, sizes)
         ep = math.prod(sizes[a] for a in _spec_axes(specs[w1][0]))
         n_loc = -(-N // max(1, ep))
         rows = ep * n_loc * min(moe.top_k, e_loc)  # lossless receive buffer
