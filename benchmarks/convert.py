@@ -1,15 +1,18 @@
 """Conversion throughput and peak memory on a >= 1 GB multi-shard synthetic K3 checkpoint, next to a plain file copy
 of the same shard bytes measured in the same run.
 
-    python benchmarks/convert.py [--workdir DIR] [--keep] [--repeat 2]
+    python benchmarks/convert.py [--workdir DIR] [--keep] [--repeat 4]
 
 Steps: write a K3-layout checkpoint (release key names, MXFP4 experts, F32 where the release has F32; bigger hidden
-size and expert count than the tiny default) into DIR/src; then, --repeat times, alternately `cp` the shard files to
-DIR/copy (once plain, once followed by fsync of every copied file) and run `kimi-jax convert` (in a fresh process,
-so its peak RSS is its own) to DIR/dst. All read the source from the page cache (the copy runs first and warms it);
-each timed section starts after a `sync`. The conversion's Orbax saves fsync their data files before each commit,
-so `cp+fsync` is the like-for-like baseline; plain `cp` (data left in the page cache) is shown too. Reports bytes, seconds, MB/s, the ratio convert/copy, and peak RSS against the bound
-2 x (largest output array) + 1 GiB. The machine's load average is printed: other users' work skews both numbers.
+size and expert count than the tiny default) into DIR/src; then, --repeat times, `cp` the shard files to DIR/copy
+(once plain, once followed by fsync of every copied file) and run `kimi-jax convert` (in a fresh process, so its peak
+RSS is its own) to DIR/dst, alternating the order from one repeat to the next. All read the source from the page
+cache (it is read once first); each timed section starts after a `sync`. The conversion syncs DST's filesystem
+before it declares the checkpoint complete, so `cp+fsync` is the like-for-like baseline; plain `cp` (data left in
+the page cache) is shown too. Reports bytes, seconds, MB/s, medians, the ratio convert / copy within each repeat and
+its median, and peak RSS against the bound 2 x (largest output array) + 1 GiB. The machine's write speed swings by
+up to 10x from minute to minute on shared virtual machines (it depends on whether the kernel hands out memory the
+host must first fault in), hence the interleaving and the per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,8 +71,8 @@ def child_cpu() -> float:
 
 
 def timed_copy(src, dst, durable: bool) -> tuple[int, float, float]:
-    """`cp` of the shard files; with ``durable`` also fsync each copy (the conversion's Orbax saves fsync their data
-    files before committing, so this is the like-for-like baseline)."""
+    """`cp` of the shard files; with ``durable`` also fsync each copy (the conversion syncs its output before it
+    finishes, so this is the like-for-like baseline)."""
     if os.path.exists(dst):
         shutil.rmtree(dst)
     os.makedirs(dst)
@@ -86,6 +90,8 @@ def timed_copy(src, dst, durable: bool) -> tuple[int, float, float]:
 
 
 def timed_convert(src, dst) -> dict:
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
     os.sync()
     c = child_cpu()
     r = subprocess.run([sys.executable, "-c", CONVERT, src, dst], cwd=ROOT, capture_output=True, text=True)
@@ -104,10 +110,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", help="where to write (default: a temporary directory, removed afterwards)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=4)
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="kimi_jax_convert_bench_")
-    src, copy, dst = (os.path.join(work, n) for n in ("src", "copy", "dst"))
+    src, copy_dir, dst = (os.path.join(work, n) for n in ("src", "copy", "dst"))
     try:
         if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
             from convert.synthetic import write_checkpoint
@@ -118,14 +124,23 @@ def main():
         total = sum(os.path.getsize(os.path.join(src, f)) for f in shard_files(src))
         print(f"source: {len(shard_files(src))} shards, {total / 1e9:.2f} GB; load average before: "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+        for f in shard_files(src):  # the source in the page cache for everyone
+            with open(os.path.join(src, f), "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
         copies, durable, convs = [], [], []
-        for i in range(args.repeat):
-            n, dt, cpu = timed_copy(src, copy, durable=False)
+
+        def copy(i):
+            n, dt, cpu = timed_copy(src, copy_dir, durable=False)
             copies.append(n / dt)
             print(f"  run {i}: cp       {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s, CPU {cpu:.1f} s")
-            n, dt, cpu = timed_copy(src, copy, durable=True)
+
+        def copy_fsync(i):
+            n, dt, cpu = timed_copy(src, copy_dir, durable=True)
             durable.append(n / dt)
             print(f"  run {i}: cp+fsync {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s, CPU {cpu:.1f} s (cp)")
+
+        def conv(i):
             r = timed_convert(src, dst)
             convs.append(r["bytes_in"] / r["seconds"])
             print(f"  run {i}: convert  {r['bytes_in'] / 1e9:.2f} GB in {r['seconds']:6.2f} s = "
@@ -133,15 +148,30 @@ def main():
                   f"setup {r['setup']:.1f} s, streaming {r['stream']:.1f} s = {r['bytes_in'] / r['stream'] / 1e6:.0f} MB/s; "
                   f"peak RSS {r['peak_rss'] / 2**20:.0f} MiB (after imports {r['rss_after_imports'] / 2**20:.0f} MiB); "
                   f"process wall {r['wall']:.1f} s, CPU {r['cpu']:.1f} s (incl. Python/JAX start-up)")
+            return r
+
+        peak = 0
+        for i in range(args.repeat):
+            order = (copy, copy_fsync, conv) if i % 2 == 0 else (conv, copy_fsync, copy)
+            for step in order:
+                r = step(i)
+                if r is not None:
+                    peak = max(peak, r["peak_rss"])
         big = largest_output_array(dst)
         bound = 2 * big + 2**30
-        best_copy, best_durable, best_conv = max(copies), max(durable), max(convs)
-        peak = r["peak_rss"]
+        med = statistics.median
+        paired = [c / d for c, d in zip(convs, durable)]
+        paired_plain = [c / d for c, d in zip(convs, copies)]
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        print(f"RESULT (best of {args.repeat}) convert {best_conv / 1e6:.0f} MB/s; cp {best_copy / 1e6:.0f} MB/s -> "
-              f"ratio {best_conv / best_copy:.2f}; cp+fsync {best_durable / 1e6:.0f} MB/s -> ratio "
-              f"{best_conv / best_durable:.2f}; peak RSS {peak / 2**20:.0f} MiB, bound "
-              f"2 x {big / 2**20:.0f} MiB + 1024 MiB = {bound / 2**20:.0f} MiB -> {'within' if peak < bound else 'OVER'}")
+        print(f"per-repeat ratio convert / cp+fsync: {' '.join(f'{x:.2f}' for x in paired)}; "
+              f"convert / cp: {' '.join(f'{x:.2f}' for x in paired_plain)}")
+        print(f"RESULT (median of {args.repeat}) convert {med(convs) / 1e6:.0f} MB/s; cp+fsync "
+              f"{med(durable) / 1e6:.0f} MB/s -> ratio {med(convs) / med(durable):.2f} (median per-repeat ratio "
+              f"{med(paired):.2f}); cp {med(copies) / 1e6:.0f} MB/s -> ratio {med(convs) / med(copies):.2f} "
+              f"(median per-repeat {med(paired_plain):.2f}); best convert {max(convs) / 1e6:.0f}, best cp+fsync "
+              f"{max(durable) / 1e6:.0f}, best cp {max(copies) / 1e6:.0f} MB/s; peak RSS {peak / 2**20:.0f} MiB, "
+              f"bound 2 x {big / 2**20:.0f} MiB + 1024 MiB = {bound / 2**20:.0f} MiB -> "
+              f"{'within' if peak < bound else 'OVER'}")
     finally:
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

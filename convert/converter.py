@@ -10,15 +10,21 @@ Order of work:
      straight from the shard files (``readinto`` when no transform is needed, so the bytes are copied once) and
      handed to JAX on the CPU device without a copy; a batch of arrays (at most one large one) becomes one Orbax
      partial save. Peak memory is about one output array plus the batch limit, far under 2x the largest + 1 GB.
-  4. config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then write
-     ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
+     The saves are not fsynced one by one (the kernel writes them back while the next batches are read); DST's
+     filesystem is synced every ``sync_bytes`` and the state file then records those saves as durable.
+  4. Sync, config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then
+     write ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
 
-Resuming reads which parameters earlier partial saves committed (convert.orbax_io.saved_paths) and skips them.
+Resuming reads which parameters earlier partial saves committed (convert.orbax_io.committed_saves) and skips them.
+A killed process leaves its unsynced saves intact in the page cache, so all of them count. The state file holds the
+machine's boot id: when it differs at resume (the machine went down, and unsynced data with it), only the saves
+recorded as durable are kept and the others are deleted and redone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -46,6 +52,7 @@ AUX_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "token
              "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
              "generation_config.json")
 BATCH_BYTES = 256 << 20  # parameters saved together; a larger parameter is saved alone
+SYNC_BYTES = 4 << 30  # DST's filesystem is synced (and the saves so far recorded as durable) after this many bytes
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _ROUTER = ("mlp.gate", "mlp.e_score_correction_bias")  # sliced to the first --experts rows
@@ -338,14 +345,16 @@ def convert_checkpoint(src, dst, **kw) -> Summary:
 
 def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
              overwrite: bool = False, verify: bool = False, progress: bool = True,
-             batch_bytes: int = BATCH_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
+             batch_bytes: int = BATCH_BYTES, sync_bytes: int = SYNC_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
     """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
 
     ``dtype``: parameter dtype ("bfloat16" | "float32"; tensors the release keeps in float32 stay float32, MXFP4
     experts stay uint8). ``layers`` / ``experts``: keep the first N layers / routed experts (router rows and
     correction bias sliced to match); config.json is rewritten. ``overwrite``: replace whatever DST holds.
     ``verify``: reread every stored array and compare it bit for bit with its source. ``batch_bytes``: parameters
-    saved together per Orbax partial save (a larger parameter is saved alone). ``on_event(event, n)``: called with
+    saved together per Orbax partial save (a larger parameter is saved alone). ``sync_bytes``: partial saves are
+    not fsynced one by one; DST's filesystem is synced after this many bytes and before finalizing, and the state
+    file records which saves are durable. ``on_event(event, n)``: called with
     ("saved", n) after the n-th partial save of this run, ("finalize", 0) before the Orbax checkpoint is finalized and
     ("marker", 0) before the completion marker is written (tests kill the process there).
     """
@@ -381,15 +390,46 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
              "dtype": dtype, "layers": layers, "experts": experts}
     resumed = _claim_dst(dst, src, state, overwrite)
     params_dir = os.path.join(dst, orbax_io.PARAMS)
+    boot = orbax_io.boot_id()
+    synced = boot is None  # without a boot id a crash cannot be told from a kill: every save is fsynced
+    durable: list[str] = []  # batch ids of partial saves known to be on disk
+    unsynced: list[str] = []  # committed partial saves whose data may still be only in the page cache
     done = set()
     if resumed is not None and (resumed.get("phase") == "finalize" or os.path.isdir(params_dir)):
-        done = set(targets)  # every batch was saved before the interrupted run began finalizing
+        done = set(targets)  # every batch was saved (and synced) before the interrupted run began finalizing
     elif resumed is not None:
-        done = orbax_io.saved_paths(dst)
+        durable = list(resumed.get("durable", []))
+        if resumed.get("boot_id") is None:  # that run fsynced every save
+            durable = [i for _, ids, _ in orbax_io.committed_saves(dst) for i in ids]
+        elif resumed["boot_id"] != boot:
+            # The machine restarted (or a sync failed) after those saves: the page cache that held the unsynced
+            # ones is gone, so only saves synced before are trusted; the others are deleted and redone.
+            orbax_io.drop_saves(dst, set(durable))
+        saves = orbax_io.committed_saves(dst)
+        known = set(durable)
+        unsynced = [i for _, ids, _ in saves for i in ids if i not in known]
+        done = {p for _, _, paths in saves for p in paths}
         stray = sorted(done - set(targets))
         if stray:
             raise ConvertError(f"DST {dst}: the unfinished conversion holds parameters {stray[:3]} this model does not "
                                "have; pass --overwrite")
+    state.update(boot_id=boot, durable=durable)
+    state_file = os.path.join(dst, orbax_io.STATE)
+    if done != set(targets):
+        _write_json(state_file, state)
+
+    def make_durable():
+        """Sync DST's filesystem, then record every save so far as durable."""
+        try:
+            orbax_io.sync_filesystem(dst)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # a resumed run must not trust the unsynced saves
+                _write_json(state_file, dict(state, boot_id="sync-failed"))
+            raise ConvertError(f"DST {dst}: writing the converted data to disk failed ({e}); rerun to resume "
+                               "(saves made since the last successful sync are redone)") from e
+        durable.extend(unsynced)
+        unsynced.clear()
+        _write_json(state_file, state)
 
     # 3. Convert.
     todo = [j for j in jobs if j.target not in done]
@@ -423,7 +463,7 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
                 bar.update(job.nbytes)
         return out
 
-    written = 0
+    written = since_sync = 0
     t_stream = time.perf_counter()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kimi-jax-convert-read")
     try:
@@ -431,8 +471,15 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
         for i in range(len(batches)):
             arrays = nxt.result()
             nxt = pool.submit(read_batch, i + 1) if i + 1 < len(batches) else None
-            orbax_io.save_batch(dst, arrays, f"{time.time_ns()}-{i}")
+            batch_id = f"{time.time_ns()}-{i}"
+            orbax_io.save_batch(dst, arrays, batch_id, synced=synced)
             written += len(arrays)
+            if not synced:
+                unsynced.append(batch_id)
+                since_sync += sum(j.nbytes for j in batches[i])
+                if since_sync >= sync_bytes:
+                    make_durable()
+                    since_sync = 0
             for a in arrays.values():
                 a.delete()  # its slab is refilled two batches from now
             del arrays
@@ -458,7 +505,9 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
         if os.path.isfile(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
     if not os.path.isdir(params_dir):
-        _write_json(os.path.join(dst, orbax_io.STATE), dict(state, phase="finalize"))
+        if not synced:
+            make_durable()
+        _write_json(state_file, dict(state, phase="finalize"))
         event("finalize", 0)
         try:
             orbax_io.finalize(dst)

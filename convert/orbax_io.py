@@ -17,8 +17,11 @@ shardings straight to Orbax, so each process reads only its own slices.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -89,23 +92,83 @@ def read_marker(path) -> dict:
 # -- writing (used by the converter) -----------------------------------------------------------------------------
 
 
-def save_batch(dst: str, arrays: dict, batch_id: str):
+def boot_id() -> str | None:
+    """This boot of the machine (Linux), or None where the system does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _unsynced_writes():
+    """TensorStore writes without an fsync per file while the block runs.
+
+    Orbax builds each save's TensorStore context from module-level defaults and has no option for ``file_io_sync``,
+    so the defaults are patched for the block and restored after it. Where that module is not as expected (another
+    Orbax version), the saves stay synced: slower, never less durable."""
+    try:
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+        defaults = [tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT]
+        assert all(isinstance(d, dict) for d in defaults)
+    except (ImportError, AttributeError, AssertionError):
+        yield False
+        return
+    before = [d.get("file_io_sync", _ABSENT) for d in defaults]
+    for d in defaults:
+        d["file_io_sync"] = False
+    try:
+        yield True
+    finally:
+        for d, b in zip(defaults, before):
+            if b is _ABSENT:
+                d.pop("file_io_sync", None)
+            else:
+                d["file_io_sync"] = b
+
+
+_ABSENT = object()
+
+
+def save_batch(dst: str, arrays: dict, batch_id: str, *, synced: bool = True):
     """One Orbax partial save of ``arrays`` (flat path -> array) into DST/params.partial_save, recording the paths
-    in the save's custom metadata so a resumed conversion knows what is already on disk."""
-    with context():
+    in the save's custom metadata so a resumed conversion knows what is already on disk.
+
+    ``synced=False``: the data files are not fsynced (Orbax still commits the save by renaming its directory); the
+    caller makes them durable later with :func:`sync_filesystem` and keeps a ledger of which saves are durable."""
+    with context(), (_unsynced_writes() if not synced else contextlib.nullcontext()):
         ocp().partial.save(os.path.join(dst, PARAMS), arrays, custom_metadata={SAVED_KEY: {batch_id: sorted(arrays)}})
 
 
-def saved_paths(dst: str) -> set[str]:
-    """Parameter paths committed by earlier partial saves of an unfinished conversion.
+def sync_filesystem(path: str):
+    """Write every dirty page of the filesystem holding ``path`` to its disk (``syncfs``; ``sync`` where there is no
+    syncfs). Raises OSError when the kernel reports a write error."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).syncfs
+        except (OSError, AttributeError):
+            os.sync()
+            return
+        if fn(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def committed_saves(dst: str) -> list[tuple[str, list[str], list[str]]]:
+    """The committed partial saves of an unfinished conversion: (directory, batch ids, parameter paths) each.
 
     Each committed partial save is a ``*.pending_*`` directory of the session with the ``_CHECKPOINT_METADATA`` Orbax
-    writes (including our custom metadata); an interrupted save never got renamed into one, so it is not counted
+    writes (including our custom metadata); an interrupted save never got renamed into one, so it is not listed
     (Orbax clears its leftover temporary directory on the next save)."""
     session = os.path.join(dst, PARTIAL)
     if not os.path.isdir(session):
-        return set()
-    done: set[str] = set()
+        return []
+    saves = []
     for entry in sorted(os.listdir(session)):
         if ".pending_" not in entry:
             continue
@@ -114,12 +177,27 @@ def saved_paths(dst: str) -> set[str]:
             with open(meta_file) as f:
                 custom = json.load(f).get("custom_metadata") or {}
             batches = custom[SAVED_KEY]
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            ids, paths = list(batches), [p for v in batches.values() for p in v]
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
             raise CheckpointError(f"{meta_file}: cannot tell which parameters this partial save holds ({e!r}); "
                                   "convert again with --overwrite") from None
-        for paths in batches.values():
-            done.update(paths)
-    return done
+        saves.append((os.path.join(session, entry), ids, paths))
+    return saves
+
+
+def saved_paths(dst: str) -> set[str]:
+    """Parameter paths committed by earlier partial saves of an unfinished conversion."""
+    return {p for _, _, paths in committed_saves(dst) for p in paths}
+
+
+def drop_saves(dst: str, keep_ids: set[str]) -> int:
+    """Delete committed partial saves holding a batch not in ``keep_ids``; returns how many were deleted."""
+    dropped = 0
+    for path, ids, _ in committed_saves(dst):
+        if not set(ids) <= keep_ids:
+            shutil.rmtree(path)
+            dropped += 1
+    return dropped
 
 
 def finalize(dst: str):

@@ -130,7 +130,8 @@ event, at = sys.argv[3], int(sys.argv[4])
 def hook(name, n):
     if name == event and n == at:
         os.kill(os.getpid(), signal.SIGKILL)
-convert_checkpoint(sys.argv[1], sys.argv[2], dtype="float32", progress=False, batch_bytes=200_000, on_event=hook)
+convert_checkpoint(sys.argv[1], sys.argv[2], dtype="float32", progress=False, batch_bytes=200_000,
+                   sync_bytes=int(sys.argv[5]) if len(sys.argv) > 5 else 4 << 30, on_event=hook)
 raise SystemExit("the hook should have killed this process")
 """
 
@@ -152,11 +153,82 @@ def test_kill_and_resume(k3_tiny_a, converted_f32, tmp_path, event, at):
     else:
         assert summary.skipped == 282 and summary.params == 0
     assert sorted(os.listdir(dst)) == ["config.json", "kimi_jax_checkpoint.json", "params"]
+    assert_equals_reference(dst, converted_f32)
+
+
+def assert_equals_reference(dst, converted_f32):
     ref_dst, _ = converted_f32
     full = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in orbax_io.stored(ref_dst).items()}
     assert orbax_io.stored(dst).keys() == full.keys()
     a, b = orbax_io.restore(ref_dst, full), orbax_io.restore(dst, full)
     assert_same_params({k: np.asarray(v) for k, v in a.items()}, {k: np.asarray(v) for k, v in b.items()}, "resumed")
+
+
+@pytest.mark.parametrize("rebooted", [False, True])
+def test_resume_trusts_unsynced_saves_only_within_the_same_boot(k3_tiny_a, converted_f32, tmp_path, rebooted):
+    """Partial saves are not fsynced one by one; the filesystem is synced every `sync_bytes` and the state file
+    records which saves are durable. Killed after 7 saves with syncs along the way: resumed in the same boot every
+    committed save is kept (the page cache still holds them); after a restart (another boot id in the state file)
+    only the saves recorded as durable are kept and the rest are redone. Both give the uninterrupted result."""
+    dst = tmp_path / "killed"
+    r = subprocess.run([sys.executable, "-c", KILLER, k3_tiny_a, str(dst), "saved", "7", "700000"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -9, r.stderr[-2000:]
+    with open(dst / orbax_io.STATE) as f:
+        state = json.load(f)
+    saves = orbax_io.committed_saves(dst)
+    assert state["boot_id"] == orbax_io.boot_id() and len(saves) == 7
+    durable = set(state["durable"])
+    committed_ids = [i for _, ids, _ in saves for i in ids]
+    assert 0 < len(durable) < 7 and durable < set(committed_ids)
+    kept = saves
+    if rebooted:
+        state["boot_id"] = "another-boot"
+        with open(dst / orbax_io.STATE, "w") as f:
+            json.dump(state, f)
+        kept = [s for s in saves if set(s[1]) <= durable]
+    summary = convert_checkpoint(k3_tiny_a, dst, dtype="float32", progress=False, batch_bytes=200_000)
+    assert summary.skipped == sum(len(paths) for _, _, paths in kept) and summary.params == 282 - summary.skipped
+    assert_equals_reference(dst, converted_f32)
+
+
+def test_failed_sync_is_an_error_and_its_saves_are_redone(k3_tiny_a, converted_f32, tmp_path, monkeypatch):
+    """A write error reported by the sync stops the conversion with a clear error; the rerun does not trust the saves
+    made since the last successful sync."""
+    dst = tmp_path / "eio"
+    calls = []
+
+    def failing_sync(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error", path)
+
+    monkeypatch.setattr(orbax_io, "sync_filesystem", failing_sync)
+    with pytest.raises(ConvertError, match="writing the converted data to disk failed.*Input/output error.*rerun"):
+        convert_checkpoint(k3_tiny_a, dst, dtype="float32", progress=False, batch_bytes=200_000, sync_bytes=700_000)
+    monkeypatch.undo()
+    with open(dst / orbax_io.STATE) as f:
+        state = json.load(f)
+    assert state["boot_id"] == "sync-failed" and state["durable"]
+    durable = set(state["durable"])
+    kept = [s for s in orbax_io.committed_saves(dst) if set(s[1]) <= durable]
+    assert len(kept) < len(orbax_io.committed_saves(dst))
+    summary = convert_checkpoint(k3_tiny_a, dst, dtype="float32", progress=False, batch_bytes=200_000)
+    assert summary.skipped == sum(len(paths) for _, _, paths in kept)
+    assert_equals_reference(dst, converted_f32)
+
+
+def test_saves_are_unsynced_only_inside_the_block():
+    """The TensorStore context Orbax builds has file_io_sync off only while an unsynced save runs."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+    def sync_setting():
+        return tsu.get_ts_context(use_ocdbt=True).spec.to_json().get("file_io_sync", True)
+
+    assert sync_setting() is True
+    with orbax_io._unsynced_writes() as active:
+        assert active and sync_setting() is False
+    assert sync_setting() is True
 
 
 def test_resume_with_other_options_is_refused(k3_tiny_a, tmp_path):
