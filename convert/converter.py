@@ -345,7 +345,8 @@ def convert_checkpoint(src, dst, **kw) -> Summary:
 
 def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
              overwrite: bool = False, verify: bool = False, progress: bool = True,
-             batch_bytes: int = BATCH_BYTES, sync_bytes: int = SYNC_BYTES, on_event: Callable[[str, int], None] | None = None) -> Summary:
+             batch_bytes: int = BATCH_BYTES, sync_bytes: int = SYNC_BYTES,
+             on_event: Callable[[str, int], None] | None = None) -> Summary:
     """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
 
     ``dtype``: parameter dtype ("bfloat16" | "float32"; tensors the release keeps in float32 stay float32, MXFP4
@@ -354,9 +355,9 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     ``verify``: reread every stored array and compare it bit for bit with its source. ``batch_bytes``: parameters
     saved together per Orbax partial save (a larger parameter is saved alone). ``sync_bytes``: partial saves are
     not fsynced one by one; DST's filesystem is synced after this many bytes and before finalizing, and the state
-    file records which saves are durable. ``on_event(event, n)``: called with
-    ("saved", n) after the n-th partial save of this run, ("finalize", 0) before the Orbax checkpoint is finalized and
-    ("marker", 0) before the completion marker is written (tests kill the process there).
+    file records which saves are durable. ``on_event(event, n)``: called with ("saved", n) after the n-th partial
+    save of this run, ("finalize", 0) before the Orbax checkpoint is finalized and ("marker", 0) before the
+    completion marker is written (tests kill the process there).
     """
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)

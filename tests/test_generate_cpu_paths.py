@@ -1,6 +1,8 @@
 """The CPU fast paths generation relies on, against independent float64 numpy products and the slow forms
 they replace: tiled grouped matmul (vs lax.ragged_dot), slot-loop expert gather, KDA prefill as the recurrence."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,12 +67,14 @@ def test_tiled_gmm_and_gather_with_mxfp4_weights():
 
 
 @pytest.mark.parametrize("E,N", [(5, 4), (70, 6)])
-def test_gather_matmul_float_weights(E, N):
+@pytest.mark.parametrize("unroll_slots", [0, 16])  # the slot loop, and slots written out (up to 16)
+def test_gather_matmul_float_weights(E, N, unroll_slots):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((E, 12, 16)).astype(np.float32)
     xs = rng.standard_normal((N, 3, 16)).astype(np.float32)
     idx = rng.integers(0, E, (N, 3))
-    got = np.asarray(jax.jit(moe_ref.gather_matmul)(xs, w, jnp.asarray(idx)))
+    got = np.asarray(jax.jit(functools.partial(moe_ref.gather_matmul, unroll_slots=unroll_slots))(
+        xs, w, jnp.asarray(idx)))
     np.testing.assert_allclose(got, np.einsum("nxk,nxfk->nxf", xs, w[idx]), atol=1e-5)
 
 

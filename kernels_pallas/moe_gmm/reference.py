@@ -71,20 +71,23 @@ def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, tile=32, capacity=Non
     return _tile_loop(out, xp, w_ENK, starts + take, sizes - take, tile, dt)[:M]
 
 
-def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None):
+def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, unroll_slots=16):
     """Decode-shaped expert matmul: token n's slot x uses expert ``idx[n, x]``. Returns ``[N, X, N_out]`` f32.
 
     Only the chosen experts' weights are read (and, for MXFP4, decoded): at small batch this is the
-    bandwidth-optimal form. A loop over the N*X slots reads each expert weight in place; gathering the
-    weights into one ``[N, X, N_out, K]`` array first would copy them (2x slower on XLA:CPU).
+    bandwidth-optimal form. Each of the N*X slots is one matrix-vector product with its expert's weight; gathering
+    the weights into one ``[N, X, N_out, K]`` array first would copy them (2x slower on XLA:CPU). Up to
+    ``unroll_slots`` slots are written out as independent products, which XLA:CPU may run concurrently and without
+    loop bookkeeping (batch-1 decode of the benchmark model, in-process A/B of 9 runs each: median 30.3 vs 31.2 ms
+    per step; one profiled run 27.9 vs 31.8); more slots run in a loop, so the program stays small.
     """
     dt = compute_dtype or x_NXK.dtype
     N, X, K = x_NXK.shape
     xs = x_NXK.reshape(N * X, K).astype(dt)
     ids = idx_NX.reshape(N * X)
-
-    def body(s, out):
-        return out.at[s].set(jnp.dot(_expert(w_ENK, ids[s], dt), xs[s], preferred_element_type=_F32))
-
-    out = jax.lax.fori_loop(0, N * X, body, jnp.zeros((N * X, w_ENK.shape[1]), _F32))
+    product = lambda s: jnp.dot(_expert(w_ENK, ids[s], dt), xs[s], preferred_element_type=_F32)
+    if N * X <= unroll_slots:
+        return jnp.stack([product(s) for s in range(N * X)]).reshape(N, X, -1)
+    out = jax.lax.fori_loop(0, N * X, lambda s, out: out.at[s].set(product(s)),
+                            jnp.zeros((N * X, w_ENK.shape[1]), _F32))
     return out.reshape(N, X, -1)
