@@ -10,9 +10,9 @@ RSS is its own) to DIR/dst, alternating the order from one repeat to the next. A
 cache (it is read once first); each timed section starts after a `sync`. The conversion syncs DST's filesystem
 before it declares the checkpoint complete, so `cp+fsync` is the like-for-like baseline; plain `cp` (data left in
 the page cache) is shown too. Reports bytes, seconds, MB/s, medians, the ratio convert / copy within each repeat and
-its median, and peak RSS against the bound 2 x (largest output array) + 1 GiB. The machine's write speed swings by
-up to 10x from minute to minute on shared virtual machines (it depends on whether the kernel hands out memory the
-host must first fault in), hence the interleaving and the per-repeat ratios.
+its median, and peak RSS against the bound 2 x (largest output array) + 1 GiB. Write speed from process memory
+swung by up to 10x from minute to minute on the shared virtual machine this was written on, hence the interleaving
+and the per-repeat ratios.
 """
 
 from __future__ import annotations

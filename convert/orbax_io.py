@@ -112,8 +112,9 @@ def _unsynced_writes():
         from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
         defaults = [tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT]
-        assert all(isinstance(d, dict) for d in defaults)
-    except (ImportError, AttributeError, AssertionError):
+    except (ImportError, AttributeError):
+        defaults = None
+    if defaults is None or not all(isinstance(d, dict) for d in defaults):
         yield False
         return
     before = [d.get("file_io_sync", _ABSENT) for d in defaults]
@@ -183,11 +184,6 @@ def committed_saves(dst: str) -> list[tuple[str, list[str], list[str]]]:
                                   "convert again with --overwrite") from None
         saves.append((os.path.join(session, entry), ids, paths))
     return saves
-
-
-def saved_paths(dst: str) -> set[str]:
-    """Parameter paths committed by earlier partial saves of an unfinished conversion."""
-    return {p for _, _, paths in committed_saves(dst) for p in paths}
 
 
 def drop_saves(dst: str, keep_ids: set[str]) -> int:
