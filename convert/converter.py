@@ -399,14 +399,14 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     if resumed is not None and (resumed.get("phase") == "finalize" or os.path.isdir(params_dir)):
         done = set(targets)  # every batch was saved (and synced) before the interrupted run began finalizing
     elif resumed is not None:
+        saves = orbax_io.committed_saves(dst)
         durable = list(resumed.get("durable", []))
         if resumed.get("boot_id") is None:  # that run fsynced every save
-            durable = [i for _, ids, _ in orbax_io.committed_saves(dst) for i in ids]
+            durable = [i for _, ids, _ in saves for i in ids]
         elif resumed["boot_id"] != boot:
             # The machine restarted (or a sync failed) after those saves: the page cache that held the unsynced
             # ones is gone, so only saves synced before are trusted; the others are deleted and redone.
-            orbax_io.drop_saves(dst, set(durable))
-        saves = orbax_io.committed_saves(dst)
+            saves = orbax_io.drop_saves(saves, set(durable))
         known = set(durable)
         unsynced = [i for _, ids, _ in saves for i in ids if i not in known]
         done = {p for _, _, paths in saves for p in paths}

@@ -101,6 +101,9 @@ def boot_id() -> str | None:
         return None
 
 
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def _unsynced_writes():
     """TensorStore writes without an fsync per file while the block runs.
@@ -128,9 +131,6 @@ def _unsynced_writes():
                 d.pop("file_io_sync", None)
             else:
                 d["file_io_sync"] = b
-
-
-_ABSENT = object()
 
 
 def save_batch(dst: str, arrays: dict, batch_id: str, *, synced: bool = True):
@@ -186,14 +186,16 @@ def committed_saves(dst: str) -> list[tuple[str, list[str], list[str]]]:
     return saves
 
 
-def drop_saves(dst: str, keep_ids: set[str]) -> int:
-    """Delete committed partial saves holding a batch not in ``keep_ids``; returns how many were deleted."""
-    dropped = 0
-    for path, ids, _ in committed_saves(dst):
-        if not set(ids) <= keep_ids:
-            shutil.rmtree(path)
-            dropped += 1
-    return dropped
+def drop_saves(saves: list, keep_ids: set[str]) -> list:
+    """Delete those of ``saves`` (from :func:`committed_saves`) that hold a batch not in ``keep_ids``; returns the
+    others."""
+    kept = []
+    for save in saves:
+        if set(save[1]) <= keep_ids:
+            kept.append(save)
+        else:
+            shutil.rmtree(save[0])
+    return kept
 
 
 def finalize(dst: str):
