@@ -2,6 +2,10 @@ import os
 
 import pytest
 
+# The CLI commands run in-process here: keep them off the user's persistent compilation cache (and keep JAX's
+# process-wide cache setting untouched); tests/test_generate_cli.py exercises the cache in subprocesses.
+os.environ["KIMI_JAX_COMPILE_CACHE"] = "off"
+
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 K3_TINY_A = os.path.join(SHARED, "fixtures", "k3-tiny-a")
 

@@ -79,3 +79,63 @@ def test_chat_session(demo_dir, capsys):
     assert out.count("kimi> ") == 3  # three messages tried; the empty line and /reset are not
     assert "the cache holds 256" in err and "/reset starts a new conversation" in err
     assert err.count("reply cut at 4 tokens") == 2  # random weights do not end their turn in 4 tokens
+
+
+def test_compile_cache_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", str(tmp_path / "c"))
+    assert generate_cli.default_compile_cache() == str(tmp_path / "c")
+    for off in ("off", "0", ""):
+        monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", off)
+        assert generate_cli.default_compile_cache() is None
+    monkeypatch.delenv("KIMI_JAX_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert generate_cli.default_compile_cache() == str(tmp_path / "xdg" / "kimi-jax" / "xla")
+
+
+def test_compile_cache_flags(tmp_path, capsys):
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    args = cli.build_parser().parse_args(["demo", "--no-compile-cache"])
+    generate_cli._setup_compile_cache(args)  # nothing enabled, nothing created
+    assert jax.config.jax_compilation_cache_dir == before
+    # a directory the user named that cannot be made: a clear error before any work
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["demo", "--compile-cache", str(blocker / "xla")]) == 2
+    assert f"--compile-cache {blocker / 'xla'}" in capsys.readouterr().err
+    assert jax.config.jax_compilation_cache_dir == before
+    with pytest.raises(SystemExit):  # one or the other
+        cli.build_parser().parse_args(["demo", "--no-compile-cache", "--compile-cache", str(tmp_path)])
+
+
+_COUNT_HITS = """
+import sys, jax
+from jax import monitoring
+hits = []
+monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
+from kimi_jax import cli
+code = cli.main(sys.argv[1:])
+print("CACHE_HITS", len(hits), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_compile_cache_reused_by_the_next_run(tmp_path):
+    """Two fresh processes running the demo: the first fills the cache, the second loads its programs."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if k != "KIMI_JAX_COMPILE_CACHE"}
+    env["KIMI_JAX_COMPILE_CACHE"] = str(cache)  # the default location, as a user sets it
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hits = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _COUNT_HITS, "demo", "--max-new-tokens", "3"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        hits.append(int(r.stderr.rsplit("CACHE_HITS", 1)[1].split()[0]))
+        assert cache.is_dir() and os.listdir(cache)  # entries written by the first run
+    assert hits[0] == 0
+    assert hits[1] >= 2  # at least the prefill and the decode program
