@@ -9,8 +9,11 @@ size and expert count than the tiny default) into DIR/src; then, --repeat times,
 RSS is its own) to DIR/dst, alternating the order from one repeat to the next. All read the source from the page
 cache (it is read once first); each timed section starts after a `sync`. The conversion syncs DST's filesystem
 before it declares the checkpoint complete, so `cp+fsync` is the like-for-like baseline; plain `cp` (data left in
-the page cache) is shown too. Reports bytes, seconds, MB/s, medians, the ratio convert / copy within each repeat and
-its median, and peak RSS against the bound 2 x (largest output array) + 1 GiB. Write speed from process memory
+the page cache) is shown too. A third baseline, `py copy` (a fresh Python process reading each shard into one reused
+64 MiB buffer and writing it out, then fsync; DIR/pycopy), moves the same bytes through process memory as any
+converter must, where `cp` never does (it asks the kernel to copy file to file with copy_file_range). Reports bytes,
+seconds, MB/s, medians, the ratios convert / copy within each repeat and their medians, and peak RSS against the
+bound 2 x (largest output array) + 1 GiB. Write speed from process memory
 swung by up to 10x from minute to minute on the shared virtual machine this was written on, hence the interleaving
 and the per-repeat ratios.
 """
@@ -60,6 +63,27 @@ print(json.dumps(dict(seconds=s.seconds, bytes_in=s.bytes_in, bytes_out=s.bytes_
                       setup=s.setup_seconds, stream=s.stream_seconds)))
 """
 
+PYCOPY = """
+import json, os, sys, time
+src, dst, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+buf = bytearray(64 << 20)
+view = memoryview(buf)
+t0 = time.perf_counter()
+total = 0
+for name in names:
+    fi = os.open(os.path.join(src, name), os.O_RDONLY)
+    fo = os.open(os.path.join(dst, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    while n := os.readv(fi, [view]):
+        done = 0
+        while done < n:
+            done += os.write(fo, view[done:n])
+        total += n
+    os.fsync(fo)
+    os.close(fi)
+    os.close(fo)
+print(json.dumps(dict(bytes=total, seconds=time.perf_counter() - t0)))
+"""
+
 
 def shard_files(src):
     return sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
@@ -89,6 +113,19 @@ def timed_copy(src, dst, durable: bool) -> tuple[int, float, float]:
     return sum(os.path.getsize(f) for f in files), time.perf_counter() - t, cpu
 
 
+def timed_pycopy(src, dst) -> tuple[int, float]:
+    """The shard files copied through a Python process's memory (read into one buffer, write, fsync each file)."""
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    os.makedirs(dst)
+    os.sync()
+    r = subprocess.run([sys.executable, "-c", PYCOPY, src, dst, *shard_files(src)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"py copy failed:\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return out["bytes"], out["seconds"]
+
+
 def timed_convert(src, dst) -> dict:
     if os.path.exists(dst):
         shutil.rmtree(dst)
@@ -113,7 +150,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=4)
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="kimi_jax_convert_bench_")
-    src, copy_dir, dst = (os.path.join(work, n) for n in ("src", "copy", "dst"))
+    src, copy_dir, py_dir, dst = (os.path.join(work, n) for n in ("src", "copy", "pycopy", "dst"))
     try:
         if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
             from convert.synthetic import write_checkpoint
@@ -128,7 +165,7 @@ def main():
             with open(os.path.join(src, f), "rb") as fh:
                 while fh.read(64 << 20):
                     pass
-        copies, durable, convs = [], [], []
+        copies, durable, pycopies, convs = [], [], [], []
 
         def copy(i):
             n, dt, cpu = timed_copy(src, copy_dir, durable=False)
@@ -139,6 +176,12 @@ def main():
             n, dt, cpu = timed_copy(src, copy_dir, durable=True)
             durable.append(n / dt)
             print(f"  run {i}: cp+fsync {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s, CPU {cpu:.1f} s (cp)")
+
+        def pycopy(i):
+            n, dt = timed_pycopy(src, py_dir)
+            pycopies.append(n / dt)
+            print(f"  run {i}: py copy  {n / 1e9:.2f} GB in {dt:6.2f} s = {n / dt / 1e6:7.0f} MB/s (through process "
+                  f"memory, fsync)")
 
         def conv(i):
             r = timed_convert(src, dst)
@@ -152,7 +195,7 @@ def main():
 
         peak = 0
         for i in range(args.repeat):
-            order = (copy, copy_fsync, conv) if i % 2 == 0 else (conv, copy_fsync, copy)
+            order = (copy, copy_fsync, pycopy, conv) if i % 2 == 0 else (conv, pycopy, copy_fsync, copy)
             for step in order:
                 r = step(i)
                 if r is not None:
@@ -162,13 +205,16 @@ def main():
         med = statistics.median
         paired = [c / d for c, d in zip(convs, durable)]
         paired_plain = [c / d for c, d in zip(convs, copies)]
+        paired_py = [c / d for c, d in zip(convs, pycopies)]
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"per-repeat ratio convert / cp+fsync: {' '.join(f'{x:.2f}' for x in paired)}; "
-              f"convert / cp: {' '.join(f'{x:.2f}' for x in paired_plain)}")
+              f"convert / cp: {' '.join(f'{x:.2f}' for x in paired_plain)}; "
+              f"convert / py copy: {' '.join(f'{x:.2f}' for x in paired_py)}")
         print(f"RESULT (median of {args.repeat}) convert {med(convs) / 1e6:.0f} MB/s; cp+fsync "
               f"{med(durable) / 1e6:.0f} MB/s -> ratio {med(convs) / med(durable):.2f} (median per-repeat ratio "
               f"{med(paired):.2f}); cp {med(copies) / 1e6:.0f} MB/s -> ratio {med(convs) / med(copies):.2f} "
-              f"(median per-repeat {med(paired_plain):.2f}); best convert {max(convs) / 1e6:.0f}, best cp+fsync "
+              f"(median per-repeat {med(paired_plain):.2f}); py copy {med(pycopies) / 1e6:.0f} MB/s -> ratio "
+              f"{med(convs) / med(pycopies):.2f} (median per-repeat {med(paired_py):.2f}); best convert {max(convs) / 1e6:.0f}, best cp+fsync "
               f"{max(durable) / 1e6:.0f}, best cp {max(copies) / 1e6:.0f} MB/s; peak RSS {peak / 2**20:.0f} MiB, "
               f"bound 2 x {big / 2**20:.0f} MiB + 1024 MiB = {bound / 2**20:.0f} MiB -> "
               f"{'within' if peak < bound else 'OVER'}")
