@@ -11,7 +11,8 @@ Order of work:
      handed to JAX on the CPU device without a copy; a batch of arrays (at most one large one) becomes one Orbax
      partial save. Peak memory is about one output array plus the batch limit, far under 2x the largest + 1 GB.
      The saves are not fsynced one by one (the kernel writes them back while the next batches are read); DST's
-     filesystem is synced every ``sync_bytes`` and the state file then records those saves as durable.
+     filesystem is synced every ``sync_bytes`` and the state file then records those saves as durable, and their
+     pages are dropped from the page cache (the output is not read back; the cache stays bounded).
   4. Sync, config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then
      write ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
 
@@ -52,7 +53,9 @@ AUX_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "token
              "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
              "generation_config.json")
 BATCH_BYTES = 256 << 20  # parameters saved together; a larger parameter is saved alone
-SYNC_BYTES = 4 << 30  # DST's filesystem is synced (and the saves so far recorded as durable) after this many bytes
+# DST's filesystem is synced after this many bytes: the saves so far are then recorded as durable and dropped from
+# the page cache (a conversion does not read its output back; see orbax_io.drop_cached)
+SYNC_BYTES = 512 << 20
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _ROUTER = ("mlp.gate", "mlp.e_score_correction_bias")  # sliced to the first --experts rows
@@ -419,8 +422,10 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     if done != set(targets):
         _write_json(state_file, state)
 
+    dropped: set[str] = set()  # save directories already dropped from the page cache
+
     def make_durable():
-        """Sync DST's filesystem, then record every save so far as durable."""
+        """Sync DST's filesystem, record every save so far as durable, drop them from the page cache."""
         try:
             orbax_io.sync_filesystem(dst)
         except OSError as e:
@@ -431,6 +436,7 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
         durable.extend(unsynced)
         unsynced.clear()
         _write_json(state_file, state)
+        orbax_io.drop_cached(dst, dropped)
 
     # 3. Convert.
     todo = [j for j in jobs if j.target not in done]

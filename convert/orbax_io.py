@@ -160,6 +160,43 @@ def sync_filesystem(path: str):
         os.close(fd)
 
 
+def drop_cached(dst: str, seen: set[str]) -> int:
+    """Drop the data of DST's committed partial saves from the page cache (``posix_fadvise(DONTNEED)`` on each of
+    their files); call it after a successful :func:`sync_filesystem`, so the pages are clean and nothing is lost.
+    ``seen``: the save directories already dropped (updated here), so each sync looks at the new saves only.
+    Returns the bytes advised. A no-op where the OS has no ``posix_fadvise``.
+
+    Why: a conversion writes the whole model once and does not read it back, so keeping it cached only pushes other
+    data out; and the kernel fills new writes fastest into pages it just freed (on the 2-core VM this was built on,
+    a Python copy loop syncing and dropping every 512 MiB ran 2x faster than one that kept its output cached)."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    session = os.path.join(dst, PARTIAL)
+    try:
+        entries = os.listdir(session)
+    except OSError:
+        return 0
+    advised = 0
+    for entry in entries:
+        if ".pending_" not in entry or entry in seen:
+            continue
+        seen.add(entry)
+        for root, _, files in os.walk(os.path.join(session, entry)):
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    advised += os.fstat(fd).st_size
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+    return advised
+
+
 def committed_saves(dst: str) -> list[tuple[str, list[str], list[str]]]:
     """The committed partial saves of an unfinished conversion: (directory, batch ids, parameter paths) each.
 
