@@ -13,9 +13,8 @@ the page cache) is shown too. A third baseline, `py copy` (a fresh Python proces
 64 MiB buffer and writing it out, then fsync; DIR/pycopy), moves the same bytes through process memory as any
 converter must, where `cp` never does (it asks the kernel to copy file to file with copy_file_range). Reports bytes,
 seconds, MB/s, medians, the ratios convert / copy within each repeat and their medians, and peak RSS against the
-bound 2 x (largest output array) + 1 GiB. Write speed from process memory
-swung by up to 10x from minute to minute on the shared virtual machine this was written on, hence the interleaving
-and the per-repeat ratios.
+bound 2 x (largest output array) + 1 GiB. Write speed from process memory swung by up to 10x from minute to minute
+on the shared virtual machine this was written on, hence the interleaving and the per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -214,8 +213,9 @@ def main():
               f"{med(durable) / 1e6:.0f} MB/s -> ratio {med(convs) / med(durable):.2f} (median per-repeat ratio "
               f"{med(paired):.2f}); cp {med(copies) / 1e6:.0f} MB/s -> ratio {med(convs) / med(copies):.2f} "
               f"(median per-repeat {med(paired_plain):.2f}); py copy {med(pycopies) / 1e6:.0f} MB/s -> ratio "
-              f"{med(convs) / med(pycopies):.2f} (median per-repeat {med(paired_py):.2f}); best convert {max(convs) / 1e6:.0f}, best cp+fsync "
-              f"{max(durable) / 1e6:.0f}, best cp {max(copies) / 1e6:.0f} MB/s; peak RSS {peak / 2**20:.0f} MiB, "
+              f"{med(convs) / med(pycopies):.2f} (median per-repeat {med(paired_py):.2f}); best convert "
+              f"{max(convs) / 1e6:.0f}, best cp+fsync {max(durable) / 1e6:.0f}, best cp {max(copies) / 1e6:.0f} MB/s; "
+              f"peak RSS {peak / 2**20:.0f} MiB, "
               f"bound 2 x {big / 2**20:.0f} MiB + 1024 MiB = {bound / 2**20:.0f} MiB -> "
               f"{'within' if peak < bound else 'OVER'}")
     finally:
