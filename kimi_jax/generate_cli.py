@@ -32,7 +32,7 @@ def default_compile_cache() -> str | None:
 def enable_compile_cache(directory: str, *, explicit: bool) -> bool:
     """Turn on JAX's persistent compilation cache in ``directory`` for this process, so a later run of the same
     model shapes loads its prefill and decode programs instead of compiling them again (the embedded demo:
-    first request 13-17 s on a fresh cache, 5 s on the next run). JAX keys every entry by the program, the
+    first request 13-19 s on a fresh cache, 5 s on the next run). JAX keys every entry by the program, the
     compile options, the JAX/XLA version and the device kind, and keeps only programs that took at least
     ``jax_persistent_cache_min_compile_time_secs`` (default 1 s) to compile.
 
