@@ -93,14 +93,28 @@ def child_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _clear(dst, make: bool = True):
+    """Remove the previous output of a timed step (its pages freed before the timer), then flush dirty data."""
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    if make:
+        os.makedirs(dst)
+    os.sync()
+
+
+def _run_script(script: str, args: list, what: str) -> dict:
+    """Run ``script`` in a fresh Python process from the repository root; returns the JSON of its last stdout line."""
+    r = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def timed_copy(src, dst, durable: bool) -> tuple[int, float, float]:
     """`cp` of the shard files; with ``durable`` also fsync each copy (the conversion syncs its output before it
     finishes, so this is the like-for-like baseline)."""
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.makedirs(dst)
+    _clear(dst)
     files = [os.path.join(src, f) for f in shard_files(src)]
-    os.sync()
     t, c = time.perf_counter(), child_cpu()
     subprocess.run(["cp", "--reflink=never", *files, dst], check=True)
     cpu = child_cpu() - c
@@ -114,26 +128,15 @@ def timed_copy(src, dst, durable: bool) -> tuple[int, float, float]:
 
 def timed_pycopy(src, dst) -> tuple[int, float]:
     """The shard files copied through a Python process's memory (read into one buffer, write, fsync each file)."""
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.makedirs(dst)
-    os.sync()
-    r = subprocess.run([sys.executable, "-c", PYCOPY, src, dst, *shard_files(src)], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"py copy failed:\n{r.stderr[-3000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    _clear(dst)
+    out = _run_script(PYCOPY, [src, dst, *shard_files(src)], "py copy")
     return out["bytes"], out["seconds"]
 
 
 def timed_convert(src, dst) -> dict:
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.sync()
+    _clear(dst, make=False)
     c = child_cpu()
-    r = subprocess.run([sys.executable, "-c", CONVERT, src, dst], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"conversion failed:\n{r.stderr[-3000:]}")
-    return dict(json.loads(r.stdout.strip().splitlines()[-1]), cpu=child_cpu() - c)
+    return dict(_run_script(CONVERT, [src, dst], "conversion"), cpu=child_cpu() - c)
 
 
 def largest_output_array(dst) -> int:

@@ -160,6 +160,14 @@ def sync_filesystem(path: str):
         os.close(fd)
 
 
+def _save_dirs(dst: str) -> list[str]:
+    """Names of the committed partial-save directories (``*.pending_*``) in DST's session, sorted."""
+    session = os.path.join(dst, PARTIAL)
+    if not os.path.isdir(session):
+        return []
+    return sorted(e for e in os.listdir(session) if ".pending_" in e)
+
+
 def drop_cached(dst: str, seen: set[str]) -> int:
     """Drop the data of DST's committed partial saves from the page cache (``posix_fadvise(DONTNEED)`` on each of
     their files); call it after a successful :func:`sync_filesystem`, so the pages are clean and nothing is lost.
@@ -171,17 +179,12 @@ def drop_cached(dst: str, seen: set[str]) -> int:
     a Python copy loop syncing and dropping every 512 MiB ran 2x faster than one that kept its output cached)."""
     if not hasattr(os, "posix_fadvise"):
         return 0
-    session = os.path.join(dst, PARTIAL)
-    try:
-        entries = os.listdir(session)
-    except OSError:
-        return 0
     advised = 0
-    for entry in entries:
-        if ".pending_" not in entry or entry in seen:
+    for entry in _save_dirs(dst):
+        if entry in seen:
             continue
         seen.add(entry)
-        for root, _, files in os.walk(os.path.join(session, entry)):
+        for root, _, files in os.walk(os.path.join(dst, PARTIAL, entry)):
             for name in files:
                 try:
                     fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -204,12 +207,8 @@ def committed_saves(dst: str) -> list[tuple[str, list[str], list[str]]]:
     writes (including our custom metadata); an interrupted save never got renamed into one, so it is not listed
     (Orbax clears its leftover temporary directory on the next save)."""
     session = os.path.join(dst, PARTIAL)
-    if not os.path.isdir(session):
-        return []
     saves = []
-    for entry in sorted(os.listdir(session)):
-        if ".pending_" not in entry:
-            continue
+    for entry in _save_dirs(dst):
         meta_file = os.path.join(session, entry, "_CHECKPOINT_METADATA")
         try:
             with open(meta_file) as f:

@@ -61,12 +61,11 @@ def _compile_cache_arguments(p: argparse.ArgumentParser):
 
 
 def _setup_compile_cache(args):
-    if getattr(args, "no_compile_cache", False):
+    if args.no_compile_cache:
         return
-    explicit = getattr(args, "compile_cache", None)
-    directory = explicit or default_compile_cache()
+    directory = args.compile_cache or default_compile_cache()
     if directory:
-        enable_compile_cache(directory, explicit=bool(explicit))
+        enable_compile_cache(directory, explicit=bool(args.compile_cache))
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
