@@ -151,3 +151,21 @@ def test_linear_skinny_form_matches_numpy(rows):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
     bf = np.asarray(jax.jit(lambda a, b: linear(a, b, RunConfig(dtype=jnp.bfloat16)))(x, w), np.float32)
     np.testing.assert_allclose(bf, got, atol=0.02 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (8, 1), (2, 3), (3, 40)])  # (B, T): one row, skinny rows, many rows
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_mla_per_head_products_match_numpy(rows, transpose_w):
+    """The absorbed-MLA per-head products (heads-first skinny form on CPU float32, einsum otherwise)."""
+    from kimi_jax.attention import _per_head_product
+
+    B, T = rows
+    rng = np.random.default_rng(B * 100 + T)
+    x = rng.standard_normal((B, T, 4, 24)).astype(np.float32)
+    w = rng.standard_normal((4, 24, 40) if not transpose_w else (4, 40, 24)).astype(np.float32) / 5
+    run = RunConfig(dtype=jnp.float32)
+    got = np.asarray(jax.jit(lambda a, b: _per_head_product(a, b, run, transpose_w=transpose_w))(x, w))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want = np.einsum("bthi,hoi->btho" if transpose_w else "bthi,hio->btho", x64, w64)
+    assert got.shape == (B, T, 4, 40)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
