@@ -153,13 +153,14 @@ def _per_head_product(x_BTHI, w_HIO, run: RunConfig, *, transpose_w: bool):
     if not cpu_skinny(B * T, run):
         spec = "bthi,hoi->btho" if transpose_w else "bthi,hio->btho"
         return jnp.einsum(spec, x_BTHI, w_HIO, precision=run.precision, preferred_element_type=F32)
-    x_HNI = jnp.moveaxis(x_BTHI.reshape(B * T, H, -1), 1, 0)
+    x_NHI = x_BTHI.reshape(B * T, H, -1)
     if transpose_w:
-        x_HIN = jnp.transpose(x_BTHI.reshape(B * T, H, -1), (1, 2, 0))
+        x_HIN = jnp.transpose(x_NHI, (1, 2, 0))
         y_HON = jnp.einsum("hoi,hin->hon", w_HIO, x_HIN, precision=run.precision, preferred_element_type=F32)
         y_HNO = jnp.swapaxes(jax.lax.optimization_barrier(y_HON), 1, 2)
     else:
-        y_HNO = jnp.einsum("hni,hio->hno", x_HNI, w_HIO, precision=run.precision, preferred_element_type=F32)
+        y_HNO = jnp.einsum("hni,hio->hno", jnp.moveaxis(x_NHI, 1, 0), w_HIO, precision=run.precision,
+                           preferred_element_type=F32)
     return jnp.moveaxis(y_HNO, 0, 1).reshape(B, T, H, -1)
 
 
