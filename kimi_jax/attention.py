@@ -33,6 +33,8 @@ def _write(cache_BS, new_BT, positions_BT):
     """Scatter this call's rows into a static cache at their positions (rows past the end are dropped)."""
     b = jnp.arange(cache_BS.shape[0])[:, None]
     out = cache_BS.at[b, positions_BT].set(new_BT.astype(cache_BS.dtype), mode="drop")
+    # Written once, in place: without the barrier XLA:CPU fused a copy of the scatter into each consumer (the
+    # loop carry and the attention read), copying the whole cache several times per decode step.
     return jax.lax.optimization_barrier(out)
 
 
