@@ -66,13 +66,17 @@ class Experts(nnx.Module):
 
     def _auto_path(self, pairs: int, run: RunConfig) -> str:
         """Decode-shaped batches gather the chosen experts' weights; prefill-shaped ones sort tokens by expert.
-        On the XLA:CPU reference path with float32 weights, batches in between (3/4 .. 2 pairs per expert, e.g.
-        batch-8 decode with 16 experts top-2) run every expert densely: each expert is read once, and the
-        wasted products cost less than the per-slot loop (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts)."""
+        On XLA:CPU with float32 weights, batches in between run every expert densely: each expert is read once,
+        and the wasted products cost less than the per-slot loop. With the plain-jnp gather (which copies each
+        chosen expert) that starts at 3/4 pairs per expert (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts);
+        with the native gather kernel (``kernels_pallas/moe_gmm/native.cc``), past one pair per expert (batch-8
+        decode of the benchmark model, 16 pairs / 16 experts: 69 vs 79 ms per step gathered vs dense)."""
         E = self.cfg.num_experts
         cpu_dense = self.cfg.quant != "mxfp4" and cpu_float32(run) and run.implementation in (None, "reference")
         if cpu_dense:
-            return "gather" if 4 * pairs < 3 * E else "dense" if pairs <= 2 * E else "sorted"
+            native = run.implementation is None and gmm_kernels.native_gather_ready()
+            gather = pairs <= E if native else 4 * pairs < 3 * E
+            return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
         return "gather" if pairs <= E else "sorted"
 
     def __call__(self, z_NL, idx_NX, run: RunConfig):

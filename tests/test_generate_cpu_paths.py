@@ -134,8 +134,12 @@ def test_expert_paths_agree_with_numpy(act):
         got = ex(jnp.asarray(z, jnp.bfloat16), jnp.asarray(idx), RunConfig(dtype=jnp.bfloat16, moe_path=path))
         want = oracle(z, idx)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.03 * np.abs(want).max(), err_msg=path)
-    if jax.default_backend() == "cpu":  # 8 experts: gather below 6 pairs, dense up to 16, sorted beyond
-        assert [ex._auto_path(p, run) for p in (2, 5, 6, 16, 17)] == ["gather", "gather", "dense", "dense", "sorted"]
+    if jax.default_backend() == "cpu":  # 8 experts: gather below 6 pairs (to 8 with the native kernel), dense up
+        # to 16, sorted beyond
+        ref = RunConfig(dtype=jnp.float32, implementation="reference")
+        assert [ex._auto_path(p, ref) for p in (2, 5, 6, 16, 17)] == ["gather", "gather", "dense", "dense", "sorted"]
+        assert [ex._auto_path(p, run) for p in (2, 6, 8, 9, 16, 17)] == \
+            ["gather", "gather", "gather", "dense", "dense", "sorted"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 32, 33])

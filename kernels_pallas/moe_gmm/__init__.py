@@ -3,12 +3,19 @@
 ``gmm(x [M, K], w [E, N, K], group_sizes [E])`` for expert-sorted rows (prefill-shaped) and
 ``gather_matmul(x [N, X, K], w [E, N_out, K], idx [N, X])`` for few tokens (decode-shaped). Both return float32.
 ``w`` is a float array or a :class:`kernels_pallas.mxfp4.MXFP4Weight` (kept packed; the kernels decode per tile).
+
+``gather_matmul`` has a third implementation, ``"cpu_native"`` (``native.cc``): on XLA:CPU with float32 weights it
+reads the chosen experts in place, where the reference copies each one out of the stacked array first (batch-1
+decode of the benchmark model spends a sixth of its step on those copies). It is the automatic choice there when it
+builds (``kernels_pallas/_native.py``); ``implementation="reference"`` keeps the plain-jnp path.
 """
 
 from __future__ import annotations
 
-from kernels_pallas._dispatch import INTERPRET, PALLAS, pallas_platform, resolve
-from kernels_pallas.moe_gmm import pallas, reference
+from kernels_pallas import _native
+from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, KernelUnavailable, pallas_platform, resolve, \
+    target_platform
+from kernels_pallas.moe_gmm import native, pallas, reference
 
 _GMM = {"reference": reference.gmm, PALLAS: pallas.gmm, INTERPRET: pallas.gmm}
 _GATHER = {"reference": reference.gather_matmul, PALLAS: pallas.gather_matmul, INTERPRET: pallas.gather_matmul}
@@ -26,6 +33,21 @@ def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None):
     return _GMM[impl](x, w, group_sizes, compute_dtype=compute_dtype, **_kernel_kw(impl))
 
 
+def native_gather_ready() -> bool:
+    """Whether the automatic choice of :func:`gather_matmul` for float32 operands is the native kernel here (on
+    CPU, built, not turned off). Builds it on first use."""
+    return target_platform() == "cpu" and _native.try_target(native.SOURCE, native.SYMBOL) is not None
+
+
 def gather_matmul(x, w, idx, *, compute_dtype=None, implementation=None):
+    if implementation == NATIVE:
+        if target_platform() != "cpu":
+            raise KernelUnavailable(f"moe_gather_matmul: implementation={NATIVE!r} runs on CPU only, "
+                                    f"not on {target_platform()!r}")
+        return native.gather_matmul(x, w, idx, compute_dtype=compute_dtype)
+    if implementation is None and target_platform() == "cpu" and native.unsupported(x, w, compute_dtype) is None:
+        target = _native.try_target(native.SOURCE, native.SYMBOL)
+        if target is not None:
+            return native.gather_matmul(x, w, idx, compute_dtype=compute_dtype, target=target)
     impl = resolve("moe_gather_matmul", implementation, _GATHER, accelerated=(PALLAS,))
     return _GATHER[impl](x, w, idx, compute_dtype=compute_dtype, **_kernel_kw(impl))
