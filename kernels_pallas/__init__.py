@@ -9,6 +9,9 @@ plus Pallas kernels behind the same signature, chosen with ``implementation=``:
 Packages: ``attention`` (causal flash attention for GQA and MLA prefill and decode over a static cache),
 ``mla_decode`` (absorbed MLA over the latent cache), ``kda`` (chunked prefill, recurrent decode), ``moe_gmm``
 (grouped and gathered expert matmuls, bf16/f32 or MXFP4 decoded in-kernel).
+
+The gathered expert matmul also has a C++ kernel for XLA:CPU (``implementation="cpu_native"``, the automatic
+choice on CPU for float32 weights; ``_native.py`` builds it on first use).
 """
 
 from kernels_pallas._dispatch import KernelUnavailable, resolve  # noqa: F401

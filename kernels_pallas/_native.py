@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 
 import jax
+import jaxlib
 
 from kernels_pallas._dispatch import KernelUnavailable
 
@@ -85,7 +86,7 @@ def _build(source: Path) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"cannot run the C++ compiler {cxx!r}: {e}") from e
     key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), version.encode(), " ".join(flags).encode(), jax.lib.__version__.encode(), _cpu_id(),
+        source.read_bytes(), version.encode(), " ".join(flags).encode(), jaxlib.__version__.encode(), _cpu_id(),
     ])).hexdigest()[:20]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
