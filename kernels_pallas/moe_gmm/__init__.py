@@ -6,7 +6,7 @@
 
 ``gather_matmul`` has a third implementation, ``"cpu_native"`` (``native.cc``): on XLA:CPU with float32 weights it
 reads the chosen experts in place, where the reference copies each one out of the stacked array first (batch-1
-decode of the benchmark model spends a sixth of its step on those copies). It is the automatic choice there when it
+decode of the benchmark model spent about a fifth of its step on those copies). It is the automatic choice there when it
 builds (``kernels_pallas/_native.py``); ``implementation="reference"`` keeps the plain-jnp path.
 """
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -108,6 +109,7 @@ ffi::Error GatherMatvec(ffi::ThreadPool pool, F32Matrix x, F32Stack w, Ids ids, 
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state, work] { work(*state); });
   work(*state);
   while (state->finished.load(std::memory_order_acquire) < parts) {
+    std::this_thread::yield();  // a helper descheduled mid-part gets this core back
   }
   return ffi::Error::Success();
 }
@@ -115,4 +117,9 @@ ffi::Error GatherMatvec(ffi::ThreadPool pool, F32Matrix x, F32Stack w, Ids ids, 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiGatherMatvecF32, GatherMatvec,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32Matrix>().Arg<F32Stack>().Arg<Ids>().Ret<F32Matrix>());
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Matrix>()
+                                  .Arg<F32Stack>()
+                                  .Arg<Ids>()
+                                  .Ret<F32Matrix>());
