@@ -45,9 +45,7 @@ def gather_matmul(x, w, idx, *, compute_dtype=None, implementation=None):
             raise KernelUnavailable(f"moe_gather_matmul: implementation={NATIVE!r} runs on CPU only, "
                                     f"not on {target_platform()!r}")
         return native.gather_matmul(x, w, idx, compute_dtype=compute_dtype)
-    if implementation is None and target_platform() == "cpu" and native.unsupported(x, w, compute_dtype) is None:
-        target = _native.try_target(native.SOURCE, native.SYMBOL)
-        if target is not None:
-            return native.gather_matmul(x, w, idx, compute_dtype=compute_dtype, target=target)
+    if implementation is None and native.unsupported(x, w, compute_dtype) is None and native_gather_ready():
+        return native.gather_matmul(x, w, idx, compute_dtype=compute_dtype)
     impl = resolve("moe_gather_matmul", implementation, _GATHER, accelerated=(PALLAS,))
     return _GATHER[impl](x, w, idx, compute_dtype=compute_dtype, **_kernel_kw(impl))

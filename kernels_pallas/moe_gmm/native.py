@@ -29,13 +29,13 @@ def unsupported(x_NXK, w_ENK, compute_dtype) -> str | None:
     return None
 
 
-def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, target=None):
-    """``out[n, x] = w[idx[n, x]] @ x[n, x]`` -> ``[N, X, N_out]`` float32. ``target``: the registered FFI
-    target, when the caller already built it (else it is built here, raising if it cannot be)."""
+def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None):
+    """``out[n, x] = w[idx[n, x]] @ x[n, x]`` -> ``[N, X, N_out]`` float32. Builds the kernel on first use; raises
+    :class:`~kernels_pallas._native.NativeUnavailable` when it cannot run these operands or cannot be built."""
     why = unsupported(x_NXK, w_ENK, compute_dtype)
     if why is not None:
         raise _native.NativeUnavailable(f"moe gather_matmul: {why}")
-    target = target or _native.target(SOURCE, SYMBOL)
+    target = _native.target(SOURCE, SYMBOL)
     N, X, K = x_NXK.shape
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((N * X, w_ENK.shape[1]), _F32))(
         x_NXK.reshape(N * X, K).astype(_F32), w_ENK, idx_NX.reshape(N * X).astype(jnp.int32))
