@@ -10,8 +10,9 @@ Packages: ``attention`` (causal flash attention for GQA and MLA prefill and deco
 ``mla_decode`` (absorbed MLA over the latent cache), ``kda`` (chunked prefill, recurrent decode), ``moe_gmm``
 (grouped and gathered expert matmuls, bf16/f32 or MXFP4 decoded in-kernel).
 
-The gathered expert matmul also has a C++ kernel for XLA:CPU (``implementation="cpu_native"``, the automatic
-choice on CPU for float32 weights; ``_native.py`` builds it on first use).
+For decode on XLA:CPU, ``matvec`` runs several few-row float32 products (plain weights or chosen experts read in
+place) as one C++ kernel call (``implementation="cpu_native"``, the automatic choice there; ``_native.py`` builds
+it on first use); the gathered expert matmul takes it too.
 """
 
 from kernels_pallas._dispatch import KernelUnavailable, resolve  # noqa: F401

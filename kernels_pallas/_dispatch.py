@@ -9,8 +9,9 @@ Names every kernel package understands:
 * ``"pallas_interpret"``: the same Pallas kernel source run by Pallas's HLO interpreter
   (``interpret=True``), with the GPU (Triton) block choices. This is how CPU tests exercise kernel code.
 
-One op also has ``"cpu_native"``, a C++ kernel for XLA:CPU (``kernels_pallas/_native.py``): the MoE decode matmul
-(``moe_gmm.gather_matmul``), chosen automatically on CPU when it applies and builds.
+Two ops also take ``"cpu_native"``, a C++ kernel for XLA:CPU (``kernels_pallas/_native.py``): the grouped decode
+products (``matvec.group``) and the MoE decode matmul (``moe_gmm.gather_matmul``, which runs on it), chosen
+automatically on CPU when they apply and it builds.
 
 The target platform is the one being traced for: the platform of an abstract mesh's device when one is set
 (``jax.sharding.use_abstract_mesh``, which is how CI lowers for TPU/CUDA on a CPU machine), else
@@ -23,7 +24,7 @@ import jax
 
 PALLAS = "pallas"
 INTERPRET = "pallas_interpret"
-NATIVE = "cpu_native"  # a C++ kernel for XLA:CPU; only ops that have one (moe_gmm.gather_matmul) take it
+NATIVE = "cpu_native"  # a C++ kernel for XLA:CPU; only ops that have one (matvec, moe_gmm.gather_matmul) take it
 
 
 class KernelUnavailable(RuntimeError):

@@ -1,9 +1,9 @@
 """Native CPU kernels: small C++ sources built on first use and called from XLA as FFI custom calls.
 
-XLA:CPU has no product that reads a dynamically chosen slice of an array in place: a decode step's expert matmul
-first copies the chosen expert's weights out of the stacked ``[E, N, K]`` array, then multiplies the copy
-(``kernels_pallas/moe_gmm/reference.py``). A few lines of C++ read the slice where it lies. The sources sit next to
-their op (``<op>/native.cc``), written against XLA's FFI headers, which ship with jaxlib
+A decode step on XLA:CPU is a chain of few-row products, each streaming its weight once; XLA runs them one by one
+(the small ones at about half the memory rate of the large ones) and first copies a chosen expert out of its
+stacked ``[E, N, K]`` array. A few lines of C++ stream several products as one piece of work and read chosen
+experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``), written against XLA's FFI headers, which ship with jaxlib
 (``jax.ffi.include_dir()``); they are compiled with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``/
 ``clang++``) for this CPU, once per source, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native``
 (``~/.cache/kimi-jax/native``), and loaded from there afterwards.

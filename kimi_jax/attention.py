@@ -19,7 +19,7 @@ import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
 from kimi_jax.cache import KDACache, KVCache, MLACache
 from kimi_jax.config import GQAConfig, KDAConfig, MLAConfig
-from kimi_jax.layers import F32, RunConfig, cpu_skinny, linear, param, rms_norm
+from kimi_jax.layers import F32, RunConfig, cpu_skinny, linear, linear_group, param, rms_norm
 
 
 class Step(NamedTuple):
@@ -95,23 +95,30 @@ class KDA(nnx.Module):
         heads = lambda a: a.reshape(B, T, H, K)
         zero_tail = jnp.zeros((B, c.conv_size - 1, c.proj), run.dtype)
         tails = (cache.conv_q, cache.conv_k, cache.conv_v) if (cache is not None and step.prefix) else (zero_tail,) * 3
+        # every product of the layer input at once (one native call in CPU decode), then the low-rank second halves
+        gate_w = (self.g_proj,) if c.full_rank_gate else (self.g_a_proj,)
+        ws = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, *gate_w, self.b_proj)
+        xq, xk, xv, f_a, gate, b = linear_group([(x_BTD, w[...]) for w in ws], run)
+        if c.full_rank_gate:
+            (f,) = linear_group([(f_a, self.f_b_proj[...])], run)
+        else:
+            f, gate = linear_group([(f_a, self.f_b_proj[...]), (gate, self.g_b_proj[...])], run)
         qkv, new_tails = [], []
-        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
-                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
-            out, new_tail = _short_conv(linear(x_BTD, proj[...], run), tail, conv[...], step.lengths)
+        for out, conv, tail in zip((xq, xk, xv), (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
+            out, new_tail = _short_conv(out, tail, conv[...], step.lengths)
             qkv.append(heads(out.astype(run.dtype)))
             new_tails.append(new_tail)
         q, k, v = qkv
 
         # Per-channel log decay g <= 0 (float32), two forms selected by the config.
-        z = heads(linear(linear(x_BTD, self.f_a_proj[...], run), self.f_b_proj[...], run)).astype(F32)
+        z = heads(f).astype(F32)
         z = z + self.dt_bias[...].astype(F32).reshape(H, K)
         a = jnp.exp(self.A_log[...].astype(F32))[:, None]  # [H, 1]
         if c.gate_lower_bound is not None:
             g = c.gate_lower_bound * jax.nn.sigmoid(a * z)  # K3: bounded in (lb, 0)
         else:
             g = -a * jax.nn.softplus(z)  # Kimi Linear
-        beta = jax.nn.sigmoid(linear(x_BTD, self.b_proj[...], run).astype(F32))
+        beta = jax.nn.sigmoid(b.astype(F32))
         g = jnp.where(step.valid[..., None, None], g, 0.0)
         beta = jnp.where(step.valid[..., None], beta, 0.0)
 
@@ -128,10 +135,6 @@ class KDA(nnx.Module):
                                                implementation=run.implementation)
         o = o.astype(run.dtype)
 
-        if c.full_rank_gate:
-            gate = linear(x_BTD, self.g_proj[...], run)
-        else:
-            gate = linear(linear(x_BTD, self.g_a_proj[...], run), self.g_b_proj[...], run)
         # FusedRMSNormGated(activation="sigmoid"): per-head RMSNorm x f32 weight x sigmoid(gate), f32 math.
         o32 = o.astype(F32)
         o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)
@@ -188,14 +191,13 @@ class MLA(nnx.Module):
         c = self.cfg
         B, T, _ = x_BTD.shape
         H, N, O, U, R = c.num_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_dim, c.kv_lora_rank
-        if c.q_lora_rank is None:
-            q = linear(x_BTD, self.q_proj[...], run)
-        else:
-            qa = rms_norm(linear(x_BTD, self.q_a_proj[...], run), self.q_a_layernorm[...], c.lora_norm_eps, run)
-            q = linear(qa, self.q_b_proj[...], run)
+        ws = (self.q_proj if c.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa,
+              *((self.g_proj,) if c.output_gate else ()))
+        q, ckv, *gate = linear_group([(x_BTD, w[...]) for w in ws], run)
+        if c.q_lora_rank is not None:
+            q = linear(rms_norm(q, self.q_a_layernorm[...], c.lora_norm_eps, run), self.q_b_proj[...], run)
         q = q.reshape(B, T, H, N + O)
         q_nope, q_pe = q[..., :N], q[..., N:]
-        ckv = linear(x_BTD, self.kv_a_proj_with_mqa[...], run)
         lat = rms_norm(ckv[..., :R], self.kv_a_layernorm[...], c.lora_norm_eps, run)  # [B, T, R]
         kpe = ckv[..., R:]  # [B, T, O]: NoPE, used as produced
 
@@ -223,7 +225,7 @@ class MLA(nnx.Module):
                                        k_pe=kpe, implementation=run.implementation)
         o = o.astype(run.dtype).reshape(B, T, H * U)
         if c.output_gate:
-            o = (o * jax.nn.sigmoid(linear(x_BTD, self.g_proj[...], run))).astype(run.dtype)
+            o = (o * jax.nn.sigmoid(gate[0])).astype(run.dtype)
         return linear(o, self.o_proj[...], run), new_cache
 
 
@@ -269,9 +271,10 @@ class GQA(nnx.Module):
         c = self.cfg
         B, T, _ = x_BTD.shape
         inv = rope_frequencies(c)
-        q = apply_rope(linear(x_BTD, self.q_proj[...], run).reshape(B, T, c.num_heads, c.head_dim), step.positions, inv)
-        k = apply_rope(linear(x_BTD, self.k_proj[...], run).reshape(B, T, c.num_kv_heads, c.head_dim), step.positions, inv)
-        v = linear(x_BTD, self.v_proj[...], run).reshape(B, T, c.num_kv_heads, c.head_dim)
+        q, k, v = linear_group([(x_BTD, w[...]) for w in (self.q_proj, self.k_proj, self.v_proj)], run)
+        q = apply_rope(q.reshape(B, T, c.num_heads, c.head_dim), step.positions, inv)
+        k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), step.positions, inv)
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(_write(cache.k, k, step.positions), _write(cache.v, v, step.positions))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas import matvec
 from kimi_jax.config import MLPConfig
 
 F32 = jnp.float32
@@ -95,6 +96,17 @@ def cpu_skinny(rows: int, run: "RunConfig") -> bool:
     return 1 < rows <= _CPU_SKINNY_ROWS and cpu_float32(run)
 
 
+# Up to this many rows, float32 products on XLA:CPU run through the grouped native kernel (kernels_pallas.matvec)
+# where the model has several products to run at once: decode at batch 1.
+_NATIVE_ROWS = 1
+
+
+def native_products(rows: int, run: "RunConfig") -> bool:
+    """Whether products of ``rows`` rows run as grouped native calls: decode-shaped, float32, one CPU device, the
+    automatic kernel choice, and the native kernel builds here."""
+    return rows <= _NATIVE_ROWS and cpu_float32(run) and run.implementation is None and matvec.native_ready()
+
+
 def w_xT(w_FD, x_ND, run: "RunConfig"):
     """``w @ x.T`` -> ``[F, N]`` float32, kept in that orientation (the barrier stops XLA from folding a later
     transpose back into an ``x @ w.T`` product)."""
@@ -110,6 +122,17 @@ def linear(x, w, run: RunConfig):
         return w_xT(w, x.reshape(rows, -1), run).T.reshape(*x.shape[:-1], w.shape[0]).astype(run.dtype)
     y = jnp.einsum("...d,fd->...f", x, w, preferred_element_type=F32, precision=run.precision)
     return y.astype(run.dtype)
+
+
+def linear_group(pairs, run: RunConfig) -> list:
+    """``[linear(x, w, run) for x, w in pairs]``. In decode on XLA:CPU (:func:`native_products`) one native call
+    streams all the weights: launched one by one, XLA:CPU's products of 0.5-1 MB ran at half the rate of the large
+    ones (``kernels_pallas/matvec``)."""
+    rows = {x.size // x.shape[-1] for x, _ in pairs}
+    if len(rows) == 1 and native_products(next(iter(rows)), run):
+        outs = matvec.group([(x.reshape(-1, x.shape[-1]).astype(F32), w.astype(F32), None) for x, w in pairs])
+        return [y.reshape(*x.shape[:-1], -1).astype(run.dtype) for y, (x, _) in zip(outs, pairs)]
+    return [linear(x, w, run) for x, w in pairs]
 
 
 def rms_norm(x, w, eps, run: RunConfig):
@@ -147,8 +170,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x, run: RunConfig):
         c = self.cfg
-        h = glu(linear(x, self.gate_proj[...], run), linear(x, self.up_proj[...], run), c.act, c.situ_beta,
-                c.situ_linear_beta, run)
+        gate, up = linear_group([(x, self.gate_proj[...]), (x, self.up_proj[...])], run)
+        h = glu(gate, up, c.act, c.situ_beta, c.situ_linear_beta, run)
         return linear(h, self.down_proj[...], run)
 
 

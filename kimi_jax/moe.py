@@ -13,10 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels_pallas.moe_gmm as gmm_kernels
+from kernels_pallas import matvec
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
 from kimi_jax import expert_parallel
 from kimi_jax.config import MoEConfig
-from kimi_jax.layers import F32, MLP, RunConfig, cpu_float32, cpu_skinny, glu, linear, param, rms_norm, w_xT
+from kimi_jax.layers import F32, MLP, RunConfig, cpu_float32, cpu_skinny, glu, linear, native_products, param, \
+    rms_norm, w_xT
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -69,7 +71,7 @@ class Experts(nnx.Module):
         On XLA:CPU with float32 weights, batches in between run every expert densely: each expert is read once,
         and the wasted products cost less than the per-slot loop. With the plain-jnp gather (which copies each
         chosen expert) that starts at 3/4 pairs per expert (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts);
-        with the native gather kernel (``kernels_pallas/moe_gmm/native.cc``), past one pair per expert (batch-8
+        with the native gather kernel (``kernels_pallas/matvec/native.cc``), past one pair per expert (batch-8
         decode of the benchmark model, 16 pairs / 16 experts: 69 vs 79 ms per step gathered vs dense)."""
         E = self.cfg.num_experts
         cpu_dense = self.cfg.quant != "mxfp4" and cpu_float32(run) and run.implementation in (None, "reference")
@@ -79,12 +81,19 @@ class Experts(nnx.Module):
             return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
         return "gather" if pairs <= E else "sorted"
 
+    def path(self, pairs: int, run: RunConfig) -> str:
+        return run.moe_path if run.moe_path != "auto" else self._auto_path(pairs, run)
+
+    def act(self, a, b, run: RunConfig):
+        c = self.cfg
+        return glu(a.astype(run.dtype), b.astype(run.dtype), c.act, c.situ_beta, c.situ_linear_beta, run)
+
     def __call__(self, z_NL, idx_NX, run: RunConfig):
         """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
         c = self.cfg
         N, X = idx_NX.shape
-        path = run.moe_path if run.moe_path != "auto" else self._auto_path(N * X, run)
-        act = lambda a, b: glu(a.astype(run.dtype), b.astype(run.dtype), c.act, c.situ_beta, c.situ_linear_beta, run)
+        path = self.path(N * X, run)
+        act = lambda a, b: self.act(a, b, run)
         kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
         if path == "dense":
             if c.quant == "mxfp4":
@@ -144,8 +153,11 @@ class MoE(nnx.Module):
         x = x_BTD.reshape(B * T, D)
         idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
         z = linear(x, self.routed_expert_down_proj[...], run) if c.latent is not None else x.astype(run.dtype)
+        shared = None
         if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/expert_parallel.py)
             out = expert_parallel.routed_experts(self.experts, z, idx, run)
+        elif self._native_decode(idx, run):
+            out, shared = self._native_experts(x, z, idx, run)
         else:
             out = self.experts(z, idx, run)  # [N, X, L]
         u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
@@ -154,5 +166,31 @@ class MoE(nnx.Module):
                 u = rms_norm(u, self.routed_expert_norm[...], c.norm_eps, run)
             u = linear(u, self.routed_expert_up_proj[...], run)
         if c.num_shared:
-            u = (u + self.shared_experts(x, run)).astype(run.dtype)
+            shared = self.shared_experts(x, run) if shared is None else shared
+            u = (u + shared).astype(run.dtype)
         return u.reshape(B, T, D), (idx.reshape(B, T, -1), w.reshape(B, T, -1))
+
+    def _native_decode(self, idx_NX, run: RunConfig) -> bool:
+        """Decode on XLA:CPU with float32 experts that are gathered: routed and shared experts run together."""
+        N, X = idx_NX.shape
+        return self.cfg.quant != "mxfp4" and native_products(N, run) and self.experts.path(N * X, run) == "gather"
+
+    def _native_experts(self, x_ND, z_NL, idx_NX, run: RunConfig):
+        """The chosen experts and the shared experts as two grouped native calls (up projections, then down
+        projections; ``kernels_pallas/matvec``). Returns (routed ``[N, X, L]``, shared ``[N, D]`` or None)."""
+        N, X = idx_NX.shape
+        ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
+        ids = idx_NX.reshape(N * X)
+        zx = jnp.broadcast_to(z_NL.astype(F32)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
+        items = [(zx, ex.weight("w1"), ids), (zx, ex.weight("w3"), ids)]
+        if sh is not None:
+            xs = x_ND.astype(F32)
+            items += [(xs, sh.gate_proj[...].astype(F32), None), (xs, sh.up_proj[...].astype(F32), None)]
+        up = matvec.group(items)
+        items = [(ex.act(up[0], up[1], run).astype(F32), ex.weight("w2"), ids)]
+        if sh is not None:
+            hs = glu(up[2], up[3], sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)
+            items.append((hs.astype(F32), sh.down_proj[...].astype(F32), None))
+        down = matvec.group(items)
+        routed = down[0].reshape(N, X, -1).astype(run.dtype)
+        return routed, (down[1].astype(run.dtype) if sh is not None else None)

@@ -1,5 +1,6 @@
-"""The native CPU kernel (``kernels_pallas/moe_gmm/native.cc``) against float64 numpy, the automatic choice that
-picks it, and what happens when it cannot run: turned off, unsupported operands, a compiler that fails."""
+"""The native CPU kernel (``kernels_pallas/matvec/native.cc``) against float64 numpy, the automatic choices that
+pick it (expert gather, grouped decode products in the model), and what happens when it cannot run: turned off,
+unsupported operands, a compiler that fails."""
 
 import os
 import subprocess
@@ -13,8 +14,9 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import kernels_pallas.moe_gmm as moe_api
-from kernels_pallas import KernelUnavailable, _native
-from kernels_pallas.moe_gmm import native
+import kimi_jax
+from kernels_pallas import KernelUnavailable, _native, matvec
+from kernels_pallas.matvec import native
 from kernels_pallas.mxfp4 import MXFP4Weight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,8 +86,9 @@ def test_expert_id_out_of_range_is_an_error():
     rng = np.random.default_rng(2)
     x, w, idx = _case(rng, 1, 2, 64, 32, 4)
     idx[0, 1] = 4
-    with pytest.raises(Exception, match="expert id out of range"):
-        jax.block_until_ready(jax.jit(lambda a, b, c: native.gather_matmul(a, b, c))(x, w, idx))
+    with pytest.raises(Exception, match="item 0: expert id out of range"):
+        jax.block_until_ready(jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c, implementation="cpu_native"))(
+            x, w, idx))
 
 
 def test_failed_build_falls_back_with_a_warning_and_raises_when_asked(tmp_path):
@@ -123,3 +126,104 @@ def test_failed_build_falls_back_with_a_warning_and_raises_when_asked(tmp_path):
     assert "using the plain-jnp reference instead" in proc.stdout
     assert "RAISED: building native.cc with false failed" in proc.stdout, proc.stdout
     assert not list(tmp_path.glob("kimi-jax/native/*.so"))
+
+
+# -- grouped products (matvec.group) -----------------------------------------------------------------------
+
+
+def _items(rng, S):
+    """Plain weights and expert stacks of several shapes, K and N past the vector and row tails."""
+    plain = [(S, 1024, 1024), (S, 100, 1000), (S, 8, 1024), (S, 1, 3)]
+    stacked = [(2 * S, 256, 1024, 16), (2 * S, 33, 70, 5)]
+    items = [(rng.standard_normal((s, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32), None)
+             for s, n, k in plain]
+    items += [(rng.standard_normal((s, k)).astype(np.float32), rng.standard_normal((e, n, k)).astype(np.float32),
+               rng.integers(0, e, (s,)).astype(np.int32)) for s, n, k, e in stacked]
+    return items
+
+
+def _want(x, w, ids):
+    w64 = w.astype(np.float64)
+    if ids is None:
+        return x.astype(np.float64) @ w64.T
+    return np.einsum("sk,snk->sn", x.astype(np.float64), w64[ids])
+
+
+def _group_fn(structure, **kw):
+    """A jitted ``matvec.group`` over flat operands (None ids stay static)."""
+    def f(*ops):
+        it = iter(ops)
+        return matvec.group([(next(it), next(it), next(it) if has_ids else None) for has_ids in structure], **kw)
+    return jax.jit(f)
+
+
+def _flat(items):
+    return [a for x, w, ids in items for a in ((x, w) if ids is None else (x, w, ids))]
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_group_matches_numpy(S):
+    """Every item of one call, plain and stacked, against float64 numpy; the automatic choice lowers all of them to
+    a single native call, and the reference agrees."""
+    rng = np.random.default_rng(S)
+    items = _items(rng, S)
+    structure = [ids is not None for _, _, ids in items]
+    f = _group_fn(structure)
+    hlo = f.lower(*_flat(items)).as_text()
+    assert hlo.count(f"kimi_jax_{native.SYMBOL}") == 1, "one native call for the whole group"
+    got = [np.asarray(g) for g in f(*_flat(items))]
+    ref = [np.asarray(g) for g in _group_fn(structure, implementation="reference")(*_flat(items))]
+    assert f"kimi_jax_{native.SYMBOL}" not in _group_fn(structure, implementation="reference").lower(
+        *_flat(items)).as_text()
+    for (x, w, ids), g, r in zip(items, got, ref):
+        want = _want(x, w, ids)
+        assert g.shape == want.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, want, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
+        np.testing.assert_allclose(g, r, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
+
+
+def test_group_errors():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    stack = rng.standard_normal((4, 32, 64)).astype(np.float32)
+    f = _group_fn([False, True], implementation="cpu_native")
+    with pytest.raises(Exception, match="item 1: expert id out of range"):
+        jax.block_until_ready(f(x, w, x, stack, np.array([4], np.int32)))
+    with pytest.raises(Exception, match="item 1: expert id out of range"):
+        jax.block_until_ready(f(x, w, x, stack, np.array([-1], np.int32)))
+    with pytest.raises(KernelUnavailable, match="bfloat16"):
+        _group_fn([False], implementation="cpu_native").lower(x, w.astype(jnp.bfloat16))
+    with pytest.raises(KernelUnavailable, match="unknown implementation 'pallas'"):
+        _group_fn([False], implementation="pallas").lower(x, w)
+    # bfloat16 items under the automatic choice: the reference, no native call
+    assert "kimi_jax_" not in _group_fn([False]).lower(x, w.astype(jnp.bfloat16)).as_text()
+
+
+def test_model_decode_groups_products(hf_kimi_linear):
+    """A batch-1 decode step of the HF Kimi Linear tiny model (KDA, MLA, dense MLP, MoE with a shared expert) on CPU
+    in float32 runs its products as grouped native calls; its logits equal the reference path's, step by step."""
+    from flax import nnx
+
+    from kimi_jax.cache import init_cache
+
+    path, _ = hf_kimi_linear
+    ids = np.random.default_rng(0).integers(3, 200, (1, 9)).astype(np.int32)
+    logits, hlos = {}, {}
+    for impl in (None, "reference"):
+        m = kimi_jax.from_pretrained(path, dtype="float32", implementation=impl)
+        prefill = nnx.jit(lambda mod, x, c: mod(x, cache=c))
+        step = nnx.jit(lambda mod, x, c: mod(x, cache=c, prefix=True))
+        out = prefill(m, jnp.asarray(ids[:, :5]), init_cache(m.cfg, 1, 16, jnp.float32))
+        hlos[impl] = step.lower(m, jnp.asarray(ids[:, 5:6]), out.cache).as_text()
+        steps = []
+        for j in range(5, 9):
+            out = step(m, jnp.asarray(ids[:, j : j + 1]), out.cache)
+            steps.append(np.asarray(out.logits[:, 0]))
+        logits[impl] = np.stack(steps)
+    # tests/hf_models.py: KDA x3 (layer-input products, then the low-rank second halves), MLA (q, kv_a), a dense
+    # MLP (gate, up), MoE x3 (chosen experts' and shared expert's up projections, then their down projections)
+    assert hlos[None].count(f"kimi_jax_{native.SYMBOL}") == 2 * 3 + 1 + 1 + 2 * 3
+    assert f"kimi_jax_{native.SYMBOL}" not in hlos["reference"]
+    np.testing.assert_allclose(logits[None], logits["reference"], atol=2e-5, rtol=0)
+

@@ -1,0 +1,44 @@
+"""The grouped decode products as one native XLA:CPU call (``native.cc``), float32 operands only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import _native
+from kernels_pallas.mxfp4 import MXFP4Weight
+
+SOURCE = Path(__file__).with_name("native.cc")
+SYMBOL = "KimiMatvecGroupF32"
+_F32 = jnp.float32
+
+
+def unsupported(items) -> str | None:
+    """Why this kernel cannot run these items, or None when it can."""
+    for x, w, ids in items:
+        if isinstance(w, MXFP4Weight):
+            return "MXFP4 weights (the native kernel takes float32 weights)"
+        if jnp.dtype(w.dtype) != _F32 or jnp.dtype(x.dtype) != _F32:
+            return f"{jnp.dtype(w.dtype).name} weights / {jnp.dtype(x.dtype).name} inputs (the native kernel runs float32)"
+        if x.ndim != 2 or w.ndim != (2 if ids is None else 3):
+            return f"shapes x {x.shape}, w {w.shape}{'' if ids is None else ' with ids'} (x [S, K] with w [N, K], " \
+                   f"or w [E, N, K] with ids [S])"
+    return None
+
+
+def group(items):
+    """One native call for all items; raises :class:`~kernels_pallas._native.NativeUnavailable` when it cannot run
+    these operands or cannot be built."""
+    why = unsupported(items)
+    if why is not None:
+        raise _native.NativeUnavailable(f"matvec: {why}")
+    target = _native.target(SOURCE, SYMBOL)
+    operands, shapes = [], []
+    for x, w, ids in items:
+        S = x.shape[0]
+        ids = jnp.zeros((S,), jnp.int32) if ids is None else ids.astype(jnp.int32)
+        operands += [x, w[None] if w.ndim == 2 else w, ids]
+        shapes.append(jax.ShapeDtypeStruct((S, w.shape[-2]), _F32))
+    return list(jax.ffi.ffi_call(target, shapes)(*operands))
