@@ -17,6 +17,7 @@ from flax import nnx
 import kernels_pallas.attention as attn_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
+from kernels_pallas._dispatch import target_platform
 from kimi_jax.cache import KDACache, KVCache, MLACache
 from kimi_jax.config import GQAConfig, KDAConfig, MLAConfig
 from kimi_jax.layers import F32, RunConfig, cpu_skinny, linear, linear_group, param, rms_norm
@@ -128,11 +129,15 @@ class KDA(nnx.Module):
             # The reference's chunked path stores normalised q/k in the activation dtype (no-op in float32).
             q, k = q.astype(run.dtype).astype(F32), k.astype(run.dtype).astype(F32)
         state = cache.state if (cache is not None and step.prefix) else None
+        # the native CPU recurrence has no sharding rule: a sharded run on CPU keeps the plain-jnp one
+        impl = run.implementation
+        if impl is None and run.parallel is not None and target_platform() == "cpu":
+            impl = "reference"
         if decode:
-            o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, implementation=run.implementation)
+            o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, implementation=impl)
         else:
             o, state = kda_kernels.kda_prefill(q, k, v, g, beta, state, scale=K**-0.5, chunk_size=run.kda_chunk,
-                                               implementation=run.implementation)
+                                               implementation=impl)
         o = o.astype(run.dtype)
 
         # FusedRMSNormGated(activation="sigmoid"): per-head RMSNorm x f32 weight x sigmoid(gate), f32 math.

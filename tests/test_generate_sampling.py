@@ -8,7 +8,7 @@ import pytest
 
 from kimi_jax import cache as cache_lib
 from kimi_jax import config as C
-from kimi_jax.generate import sample
+from kimi_jax.generate import argmax, sample
 
 N = 20000  # draws per case: a 4.5-sigma band on each probability is about +-0.016
 
@@ -59,6 +59,23 @@ def test_greedy_rows_and_mixed_batch():
     toks = _sample(logits, keys, jnp.asarray([0.0, 0.0, 1.0]), jnp.zeros(3, jnp.int32), jnp.ones(3))
     # ties go to the first index (as torch.argmax); the sampled row with one dominant logit takes it
     assert np.asarray(toks).tolist() == [1, 0, 2]
+
+
+def test_argmax_equals_numpy_argmax():
+    """Greedy decoding's argmax (two plain reductions) against numpy's: random rows, ties (first index), NaN (the
+    first NaN, as numpy and jnp.argmax), rows of -inf, a maximum at the last index."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 32000)).astype(np.float32)
+    x[1, [5, 900, 31999]] = 40.0
+    x[2, [17, 3]] = np.nan
+    x[2, 0] = 99.0
+    x[3] = -np.inf
+    x[4, 31999] = 12.0
+    x[5, :] = 0.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    assert got.tolist() == np.argmax(x, -1).tolist() == np.asarray(jnp.argmax(x, -1)).tolist()
+    assert got[1] == 5 and got[2] == 3 and got[3] == 0 and got[4] == 31999 and got[5] == 0
 
 
 def test_k3_cache_bytes_match_the_spec_arithmetic():

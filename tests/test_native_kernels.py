@@ -202,19 +202,21 @@ def test_group_errors():
 
 def test_model_decode_groups_products(hf_kimi_linear):
     """A batch-1 decode step of the HF Kimi Linear tiny model (KDA, MLA, dense MLP, MoE with a shared expert) on CPU
-    in float32 runs its products as grouped native calls; its logits equal the reference path's, step by step."""
+    in float32 runs its products as grouped native calls and its KDA recurrence natively; prefill and decode logits
+    equal the reference path's, step by step."""
     from flax import nnx
 
     from kimi_jax.cache import init_cache
 
     path, _ = hf_kimi_linear
     ids = np.random.default_rng(0).integers(3, 200, (1, 9)).astype(np.int32)
-    logits, hlos = {}, {}
+    logits, prefilled, hlos = {}, {}, {}
     for impl in (None, "reference"):
         m = kimi_jax.from_pretrained(path, dtype="float32", implementation=impl)
         prefill = nnx.jit(lambda mod, x, c: mod(x, cache=c))
         step = nnx.jit(lambda mod, x, c: mod(x, cache=c, prefix=True))
         out = prefill(m, jnp.asarray(ids[:, :5]), init_cache(m.cfg, 1, 16, jnp.float32))
+        prefilled[impl] = np.asarray(out.logits)
         hlos[impl] = step.lower(m, jnp.asarray(ids[:, 5:6]), out.cache).as_text()
         steps = []
         for j in range(5, 9):
@@ -224,6 +226,87 @@ def test_model_decode_groups_products(hf_kimi_linear):
     # tests/hf_models.py: KDA x3 (layer-input products, then the low-rank second halves), MLA (q, kv_a), a dense
     # MLP (gate, up), MoE x3 (chosen experts' and shared expert's up projections, then their down projections)
     assert hlos[None].count(f"kimi_jax_{native.SYMBOL}") == 2 * 3 + 1 + 1 + 2 * 3
-    assert f"kimi_jax_{native.SYMBOL}" not in hlos["reference"]
+    assert hlos[None].count("kimi_jax_KimiKdaRecurrentF32") == 3  # and the KDA recurrence of each KDA layer
+    assert "kimi_jax_" not in hlos["reference"]
+    np.testing.assert_allclose(prefilled[None], prefilled["reference"], atol=2e-5, rtol=0)
     np.testing.assert_allclose(logits[None], logits["reference"], atol=2e-5, rtol=0)
 
+
+
+# -- KDA recurrence (kernels_pallas/kda/native.cc) ------------------------------------------------------------
+
+
+def _kda_numpy(q, k, v, g, beta, s0, scale):
+    """S <- (I - b k k^T) diag(a) S + b k v^T, o = S^T (scale q), per sequence and head, in float64."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    S = np.asarray(s0, np.float64).copy()
+    o = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                kt, a, bt = k[b, t, h], np.exp(g[b, t, h]), beta[b, t, h]
+                S[b, h] = (np.eye(K) - bt * np.outer(kt, kt)) @ np.diag(a) @ S[b, h] + bt * np.outer(kt, v[b, t, h])
+                o[b, t, h] = S[b, h].T @ (scale * q[b, t, h])
+    return o, S
+
+
+def _kda_case(B, T, H, K, V, seed=0):
+    rng = np.random.default_rng(seed)
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+    q, k = unit(rng.standard_normal((B, T, H, K))), unit(rng.standard_normal((B, T, H, K)))
+    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    g = (-3.0 * rng.uniform(0, 1, (B, T, H, K))).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    s0 = (0.3 * rng.standard_normal((B, H, K, V))).astype(np.float32)
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("B,T,H,K,V", [
+    (1, 1, 8, 128, 128),  # the benchmark model's decode step: whole rows, two threads
+    (2, 23, 3, 128, 128),  # prefill: 64-column blocks copied out and back, blocks shared by the threads
+    (1, 9, 2, 20, 70),  # a 64-column block, then 6 columns past the last vector
+    (3, 1, 1, 5, 24),  # one vector and 8 columns; a single part (one thread)
+])
+def test_kda_recurrence_matches_numpy(B, T, H, K, V):
+    import kernels_pallas.kda as kda
+
+    q, k, v, g, beta, s0 = _kda_case(B, T, H, K, V)
+    scale = K**-0.5
+    want_o, want_s = _kda_numpy(q, k, v, g, beta, s0, scale)
+    f = jax.jit(lambda *a: kda.kda_decode(*a, scale=scale, implementation="cpu_native"))
+    assert "kimi_jax_KimiKdaRecurrentF32" in f.lower(q, k, v, g, beta, s0).as_text()
+    o, s = (np.asarray(x) for x in f(q, k, v, g, beta, s0))
+    np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(s, want_s, atol=2e-5, rtol=0)
+    # prefill from a zero state, with inert right padding (g = 0, beta = 0 leave the state as it is)
+    pad = lambda x, fill: np.concatenate([x, np.full((B, 3, *x.shape[2:]), fill, x.dtype)], 1)
+    args = (pad(q, 0.5), pad(k, 0.5), pad(v, 1.0), pad(g, 0.0), pad(beta, 0.0))
+    o0, s0_out = jax.jit(lambda *a: kda.kda_prefill(*a, scale=scale, chunk_size=1, implementation="cpu_native"))(*args)
+    want_o0, want_s0 = _kda_numpy(q, k, v, g, beta, np.zeros_like(s0), scale)
+    np.testing.assert_allclose(np.asarray(o0)[:, :T], want_o0, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(s0_out), want_s0, atol=2e-5, rtol=0)
+
+
+def test_kda_automatic_choice(monkeypatch):
+    """On CPU the recurrence is native for decode and for prefill with chunk_size=1; the chunked form, the
+    reference, native kernels turned off and lowering for a TPU keep the plain-jnp forms; asking for the native
+    kernel off CPU raises."""
+    import kernels_pallas.kda as kda
+
+    args = _kda_case(1, 4, 2, 16, 16)
+    target = "kimi_jax_KimiKdaRecurrentF32"
+    lower = lambda fn, **kw: jax.jit(lambda *a: fn(*a, scale=0.25, **kw)).lower(*args).as_text()
+    assert target in lower(kda.kda_decode)
+    assert target in lower(kda.kda_prefill, chunk_size=1)
+    assert target not in lower(kda.kda_prefill, chunk_size=64)
+    assert target not in lower(kda.kda_decode, implementation="reference")
+    with monkeypatch.context() as m:
+        m.setenv(_native.ENV, "off")
+        assert target not in lower(kda.kda_decode)
+        with pytest.raises(KernelUnavailable, match="turned off"):
+            lower(kda.kda_decode, implementation="cpu_native")
+    tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=tpu)):
+        with pytest.raises(KernelUnavailable, match="runs on CPU only, not on 'tpu'"):
+            jax.jit(lambda *a: kda.kda_decode(*a, scale=0.25, implementation="cpu_native")).trace(*args)

@@ -1,0 +1,243 @@
+// KDA recurrence for XLA:CPU, float32: the token-by-token form of kernels_pallas/kda/reference.py (kda_recurrent).
+//
+// q, k, a [B, T, H, K], v [B, T, H, V], beta, kq [B, T, H], state [B, H, K, V] -> o [B, T, H, V], new state
+// [B, H, K, V] (written over the input state: XLA aliases the two). a = exp(g) and kq = k . (scale q) come from
+// XLA, computed as the reference computes them. Per head and token:
+//
+//   r_k = S^T (a * k),  r_q = S^T (a * scale * q)
+//   delta = beta (v - r_k);  o = r_q + kq delta
+//   S <- diag(a) S + k delta^T
+//
+// Column j of S only ever meets column j: r_k[j], r_q[j], delta[j], o[j] and S[:, j] depend on no other column. So
+// with several tokens (prefill) the state is cut into blocks of 64 columns (32 KB at K = 128: a core's L1 cache
+// holds one), each block runs all T tokens on its own, and the blocks of every (sequence, head) are shared between
+// the threads. Token t's update and
+// token t + 1's reads share one pass over the block. XLA:CPU runs the same step as a few fused loops per layer and
+// token, each over the whole [B, H, K, V] state. Summation over k runs in order k = 0, 1, ..., per column.
+// Built and registered by kernels_pallas/_native.py.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using F32x4 = ffi::Buffer<ffi::F32, 4>;
+using F32x3 = ffi::Buffer<ffi::F32, 3>;
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 4 * kLanes;  // columns per block
+// kLanes floats as one value (GCC/Clang vector extension), as in kernels_pallas/matvec/native.cc.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes Load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+// One pass over columns of the state, row by row: token t's update (S <- diag(a) S + k delta^T) and/or token
+// t + 1's reads (rk = S^T ak, rq = S^T aq, taken from the updated rows).
+struct Pass {
+  const float *a, *k, *delta;  // update
+  const float *ak, *aq;        // reads
+  float *rk, *rq;
+};
+
+// Columns [j0, j0 + NB * kLanes): delta and the read accumulators stay in registers.
+template <int NB, bool kUpdate, bool kRead>
+void Columns(float* __restrict s, int64_t K, int64_t V, int64_t j0, const Pass& p) {
+  const float* __restrict a = p.a;
+  const float* __restrict k = p.k;
+  const float* __restrict ak = p.ak;
+  const float* __restrict aq = p.aq;
+  Lanes d[NB], acc_k[NB] = {}, acc_q[NB] = {};
+  if (kUpdate) {
+    for (int b = 0; b < NB; ++b) d[b] = Load(p.delta + j0 + b * kLanes);
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = s + i * V + j0;
+    const float ai = kUpdate ? a[i] : 0.0f, ki = kUpdate ? k[i] : 0.0f;
+    const float aki = kRead ? ak[i] : 0.0f, aqi = kRead ? aq[i] : 0.0f;
+    for (int b = 0; b < NB; ++b) {
+      Lanes x = Load(row + b * kLanes);
+      if (kUpdate) {
+        x = x * ai + ki * d[b];
+        Store(row + b * kLanes, x);
+      }
+      if (kRead) {
+        acc_k[b] += x * aki;
+        acc_q[b] += x * aqi;
+      }
+    }
+  }
+  if (kRead) {
+    for (int b = 0; b < NB; ++b) {
+      Store(p.rk + j0 + b * kLanes, acc_k[b]);
+      Store(p.rq + j0 + b * kLanes, acc_q[b]);
+    }
+  }
+}
+
+template <bool kUpdate, bool kRead>
+void Run(float* s, int64_t K, int64_t V, int64_t j0, int64_t j1, const Pass& p) {
+  int64_t j = j0;
+  for (; j + 2 * kBlock <= j1; j += 2 * kBlock) Columns<2 * kBlock / kLanes, kUpdate, kRead>(s, K, V, j, p);
+  for (; j + kBlock <= j1; j += kBlock) Columns<kBlock / kLanes, kUpdate, kRead>(s, K, V, j, p);
+  for (; j + kLanes <= j1; j += kLanes) Columns<1, kUpdate, kRead>(s, K, V, j, p);
+  for (; j < j1; ++j) {  // columns past the last full vector
+    float acc_k = 0.0f, acc_q = 0.0f;
+    for (int64_t i = 0; i < K; ++i) {
+      float& x = s[i * V + j];
+      if (kUpdate) x = x * p.a[i] + p.k[i] * p.delta[j];
+      if (kRead) {
+        acc_k += x * p.ak[i];
+        acc_q += x * p.aq[i];
+      }
+    }
+    if (kRead) p.rk[j] = acc_k, p.rq[j] = acc_q;
+  }
+}
+
+struct Problem {
+  const float *q, *k, *v, *a, *beta, *kq;
+  float *state, *o;
+  int64_t B, T, H, K, V;
+  float scale;
+
+  // Columns per part: with several tokens, blocks that stay in the L1 cache for all of them; a single token (decode)
+  // streams each head's state from memory twice (read, then update), whole rows at a time.
+  int64_t Width() const { return T > 1 ? std::min(V, kBlock) : V; }
+  int64_t Blocks() const { return (V + Width() - 1) / Width(); }
+  int64_t Scratch() const { return 2 * K + 3 * Width() + (T > 1 ? K * Width() : 0); }
+
+  // All T tokens of sequence b, head h, on the columns of block c. With several tokens the block is copied into a
+  // contiguous buffer first: in place, its rows sit V floats apart and fill only a part of the L1 cache's sets.
+  void Part(int64_t b, int64_t h, int64_t c, float* buf) const {
+    const int64_t j0 = c * Width(), w = std::min(V, j0 + Width()) - j0;
+    float* s = state + (b * H + h) * K * V + j0;
+    float *ak = buf, *aq = buf + K, *rk = buf + 2 * K, *rq = rk + Width(), *delta = rq + Width();
+    float* blk = s;
+    int64_t ld = V;
+    if (T > 1) {
+      blk = delta + Width(), ld = w;
+      for (int64_t i = 0; i < K; ++i) std::copy_n(s + i * V, w, blk + i * w);
+    }
+    auto row = [&](int64_t t) { return (b * T + t) * H + h; };
+    auto prepare = [&](int64_t t) {  // ak = a k_t, aq = a scale q_t
+      const float *qt = q + row(t) * K, *kt = k + row(t) * K, *at = a + row(t) * K;
+      for (int64_t i = 0; i < K; ++i) {
+        ak[i] = kt[i] * at[i];
+        aq[i] = (qt[i] * scale) * at[i];
+      }
+    };
+    // A token's inputs sit H rows apart: further than the hardware prefetcher looks ahead.
+    auto prefetch = [&](int64_t t) {
+      if (t >= T) return;
+      const int64_t r = row(t);
+      for (int64_t i = 0; i < K; i += 64 / sizeof(float)) {
+        __builtin_prefetch(q + r * K + i), __builtin_prefetch(k + r * K + i), __builtin_prefetch(a + r * K + i);
+      }
+      for (int64_t j = 0; j < w; j += 64 / sizeof(float)) __builtin_prefetch(v + r * V + j0 + j);
+    };
+    prefetch(1);
+    prepare(0);
+    Run<false, true>(blk, K, ld, 0, w, Pass{nullptr, nullptr, nullptr, ak, aq, rk, rq});
+    for (int64_t t = 0; t < T; ++t) {
+      prefetch(t + 2);
+      const int64_t r = row(t);
+      const float *vt = v + r * V + j0, bt = beta[r], kqt = kq[r];
+      float* ot = o + r * V + j0;
+      for (int64_t j = 0; j < w; ++j) {
+        delta[j] = (vt[j] - rk[j]) * bt;
+        ot[j] = rq[j] + delta[j] * kqt;
+      }
+      const Pass update{a + r * K, k + r * K, delta, ak, aq, rk, rq};
+      if (t + 1 < T) {
+        prepare(t + 1);
+        Run<true, true>(blk, K, ld, 0, w, update);
+      } else {
+        Run<true, false>(blk, K, ld, 0, w, update);
+      }
+    }
+    if (blk != s) {
+      for (int64_t i = 0; i < K; ++i) std::copy_n(blk + i * w, w, s + i * V);
+    }
+  }
+};
+
+ffi::Error KdaRecurrent(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, F32x4 a, F32x3 beta, F32x3 kq,
+                        F32x4 state, float scale, ffi::Result<F32x4> o, ffi::Result<F32x4> state_out) {
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  const int64_t B = qd[0], T = qd[1], H = qd[2], K = qd[3], V = vd[3];
+  auto is = [](auto dims, std::initializer_list<int64_t> want) {
+    return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
+  };
+  if (!is(k.dimensions(), {B, T, H, K}) || !is(a.dimensions(), {B, T, H, K}) || !is(vd, {B, T, H, V}) ||
+      !is(beta.dimensions(), {B, T, H}) || !is(kq.dimensions(), {B, T, H}) || !is(state.dimensions(), {B, H, K, V}) ||
+      !is(o->dimensions(), {B, T, H, V}) || !is(state_out->dimensions(), {B, H, K, V})) {
+    return ffi::Error::InvalidArgument("kda recurrent: shapes must be q, k, a [B, T, H, K], v [B, T, H, V], "
+                                       "beta, kq [B, T, H], state [B, H, K, V]");
+  }
+  float* s = state_out->typed_data();
+  if (s != state.typed_data()) std::copy_n(state.typed_data(), B * H * K * V, s);  // XLA did not alias them
+  if (T == 0) return ffi::Error::Success();
+  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), a.typed_data(), beta.typed_data(),
+                  kq.typed_data(), s, o->typed_data(), B, T, H, K, V, scale};
+  const int64_t blocks = p.Blocks(), parts = B * H * blocks, scratch = p.Scratch();
+  auto run = [&p, blocks](int64_t i, float* buf) { p.Part(i / blocks / p.H, i / blocks % p.H, i % blocks, buf); };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, parts - 1);
+  if (helpers <= 0) {
+    std::vector<float> buf(scratch);
+    for (int64_t i = 0; i < parts; ++i) run(i, buf.data());
+    return ffi::Error::Success();
+  }
+  // As in kernels_pallas/matvec/native.cc: parts claimed from a counter by this thread and by helpers on XLA's pool;
+  // this thread waits only for parts in progress, and a helper that starts after every part was claimed touches
+  // nothing but the shared counters (`p` and `run` live until every claimed part is finished).
+  struct Shared {
+    explicit Shared(int64_t n) : parts(n) {}
+    const int64_t parts;
+    std::atomic<int64_t> next{0}, finished{0};
+  };
+  auto shared = std::make_shared<Shared>(parts);
+  auto* body = &run;
+  auto work = [body, scratch](Shared& sh) {
+    std::vector<float> buf;
+    for (int64_t i; (i = sh.next.fetch_add(1)) < sh.parts;) {
+      buf.resize(scratch);
+      (*body)(i, buf.data());
+      sh.finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared, work] { work(*shared); });
+  work(*shared);
+  while (shared->finished.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiKdaRecurrentF32, KdaRecurrent,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x4>()  // q
+                                  .Arg<F32x4>()  // k
+                                  .Arg<F32x4>()  // v
+                                  .Arg<F32x4>()  // a = exp(g)
+                                  .Arg<F32x3>()  // beta
+                                  .Arg<F32x3>()  // kq = k . (scale q)
+                                  .Arg<F32x4>()  // state
+                                  .Attr<float>("scale")
+                                  .Ret<F32x4>()   // o
+                                  .Ret<F32x4>());  // new state
