@@ -12,8 +12,8 @@
 // from one counter, so the stream never stops between items.
 //
 // Each dot product keeps kLanes partial sums in vector registers, and kRows weight rows share every load of x.
-// Summation order: lane j sums the products at k = j, j + kLanes, ...; the lanes are added last, then the tail
-// k >= K - K % kLanes. The order does not depend on kRows, the parts or the threads.
+// Summation order: lane j sums the products at k = j, j + kLanes, ...; the lanes are then added as a pairwise tree,
+// then the tail k >= K - K % kLanes in order. The order does not depend on kRows, the parts or the threads.
 
 #include <algorithm>
 #include <atomic>
@@ -50,6 +50,52 @@ inline Lanes Load(const float* p) {
   return v;
 }
 
+// The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds,
+// where lane-by-lane scalar adds cost as much as the products on rows of 128-256 floats).
+template <int N>
+inline float TreeSum(const float* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    typedef float Part __attribute__((vector_size(N / 2 * sizeof(float))));
+    Part lo, hi;
+    std::memcpy(&lo, v, sizeof lo);
+    std::memcpy(&hi, v + N / 2, sizeof hi);
+    const Part s = lo + hi;
+    float out[N / 2];
+    std::memcpy(out, &s, sizeof s);
+    return TreeSum<N / 2>(out);
+  }
+}
+
+#if defined(__clang__)
+#define KIMI_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KIMI_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, Ints{__VA_ARGS__})
+#endif
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// TreeSum of eight accumulators at once (kLanes == 16): the same additions, lane i + lane i + 8, then + 4, + 2,
+// + 1, done on vectors that hold two, four, then eight rows' partial sums.
+inline void TreeSum8(const Lanes* a, float* y) {
+  Lanes u[4], v[2];
+  for (int p = 0; p < 4; ++p) {
+    const Lanes x = a[2 * p], z = a[2 * p + 1];
+    u[p] = KIMI_SHUFFLE(x, z, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           KIMI_SHUFFLE(x, z, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int p = 0; p < 2; ++p) {
+    const Lanes x = u[2 * p], z = u[2 * p + 1];
+    v[p] = KIMI_SHUFFLE(x, z, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           KIMI_SHUFFLE(x, z, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  const Lanes w = KIMI_SHUFFLE(v[0], v[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                  KIMI_SHUFFLE(v[0], v[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const Lanes t = KIMI_SHUFFLE(w, w, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+                  KIMI_SHUFFLE(w, w, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+  std::memcpy(y, &t, 8 * sizeof(float));
+}
+
 // y[r] = w[r, :] . x for r < R (rows K apart); the R accumulators stay in registers.
 template <int R>
 inline void DotRows(const float* w, const float* x, float* y, int64_t K) {
@@ -59,9 +105,18 @@ inline void DotRows(const float* w, const float* x, float* y, int64_t K) {
     const Lanes xk = Load(x + k);
     for (int r = 0; r < R; ++r) acc[r] += Load(w + r * K + k) * xk;
   }
+  float sums[R];
+  if constexpr (R == 8 && kLanes == 16) {
+    TreeSum8(acc, sums);
+  } else {
+    for (int r = 0; r < R; ++r) {
+      float lanes[kLanes];
+      std::memcpy(lanes, &acc[r], sizeof lanes);
+      sums[r] = TreeSum<kLanes>(lanes);
+    }
+  }
   for (int r = 0; r < R; ++r) {
-    float s = 0.0f;
-    for (int j = 0; j < kLanes; ++j) s += acc[r][j];
+    float s = sums[r];
     for (int64_t t = k; t < K; ++t) s += w[r * K + t] * x[t];
     y[r] = s;
   }
