@@ -43,7 +43,7 @@ def native_gather_ready() -> bool:
 
 
 def _native_item(x, w, idx, compute_dtype):
-    """The (x, w, ids) item of the native grouped product, or None with the reason it cannot run."""
+    """(the (x, w, ids) item of the native grouped product, why it cannot run or None)."""
     if jnp.dtype(compute_dtype or x.dtype) != jnp.float32:
         return None, f"{jnp.dtype(compute_dtype or x.dtype).name} compute (the native kernel runs float32)"
     item = (x.reshape(-1, x.shape[-1]).astype(jnp.float32), w, idx.reshape(-1))
@@ -51,8 +51,8 @@ def _native_item(x, w, idx, compute_dtype):
 
 
 def gather_matmul(x, w, idx, *, compute_dtype=None, implementation=None):
-    if implementation in (None, NATIVE):
-        if implementation == NATIVE and target_platform() != "cpu":
+    if implementation == NATIVE or (implementation is None and target_platform() == "cpu"):
+        if target_platform() != "cpu":
             raise KernelUnavailable(f"moe_gather_matmul: implementation={NATIVE!r} runs on CPU only, "
                                     f"not on {target_platform()!r}")
         item, why = _native_item(x, w, idx, compute_dtype)
