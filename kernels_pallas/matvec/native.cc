@@ -50,8 +50,8 @@ inline Lanes Load(const float* p) {
   return v;
 }
 
-// The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds,
-// where lane-by-lane scalar adds cost as much as the products on rows of 128-256 floats).
+// The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds;
+// adding the lanes one by one took about a tenth of the time of a product over rows of 128-256 floats).
 template <int N>
 inline float TreeSum(const float* v) {
   if constexpr (N == 1) {
