@@ -3,11 +3,10 @@
 A decode step on XLA:CPU is a chain of few-row products, each streaming its weight once; XLA runs them one by one
 (the small ones at about half the memory rate of the large ones) and first copies a chosen expert out of its
 stacked ``[E, N, K]`` array. A few lines of C++ stream several products as one piece of work and read chosen
-experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``), written
-against XLA's FFI headers, which ship with jaxlib (``jax.ffi.include_dir()``), and the shared headers beside this
-file (``native_parts.h``: the work split over XLA's thread pool); they are compiled with the machine's C++ compiler
-(``$CXX``, else ``c++``/``g++``/``clang++``) for this CPU, once per source (with the shared headers), compiler, jaxlib
-and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native`` (``~/.cache/kimi-jax/native``), and loaded from there afterwards.
+experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``), written against XLA's FFI headers, which ship with jaxlib
+(``jax.ffi.include_dir()``); they are compiled with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``/
+``clang++``) for this CPU, once per source, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native``
+(``~/.cache/kimi-jax/native``), and loaded from there afterwards.
 
 ``KIMI_JAX_NATIVE=off`` turns them off: the automatic choice is then the plain-jnp reference, and asking for a
 native kernel explicitly raises. When the build fails (no compiler, say), the automatic choice logs why once and
@@ -31,11 +30,10 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from kernels_pallas._dispatch import NATIVE, KernelUnavailable, target_platform
+from kernels_pallas._dispatch import KernelUnavailable
 
 log = logging.getLogger(__name__)
 
-_HEADERS = Path(__file__).parent
 ENV = "KIMI_JAX_NATIVE"  # "off" / "0" / "false" disables the native kernels
 _registered: set[str] = set()
 _lock = threading.Lock()
@@ -82,17 +80,13 @@ def _cpu_id() -> bytes:
 
 def _build(source: Path) -> Path:
     cxx = _compiler()
-    # sources include XLA's FFI headers and the shared headers beside this file (native_parts.h)
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", *_arch_flags(), "-I", jax.ffi.include_dir(),
-             "-I", str(_HEADERS)]
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", *_arch_flags(), "-I", jax.ffi.include_dir()]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"cannot run the C++ compiler {cxx!r}: {e}") from e
-    headers = [h.read_bytes() for h in sorted(_HEADERS.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), *headers, version.encode(), " ".join(flags).encode(), jaxlib.__version__.encode(),
-        _cpu_id(),
+        source.read_bytes(), version.encode(), " ".join(flags).encode(), jaxlib.__version__.encode(), _cpu_id(),
     ])).hexdigest()[:20]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
@@ -158,15 +152,3 @@ def try_target(source: Path, symbol: str) -> str | None:
         if enabled():
             _warn_once(str(e))
         return None
-
-
-def ready(source: Path, symbol: str) -> bool:
-    """Whether an op's automatic choice can take this kernel: tracing for CPU, native kernels on, and it builds
-    (on first use)."""
-    return target_platform() == "cpu" and try_target(source, symbol) is not None
-
-
-def require_cpu(op: str) -> None:
-    """An explicit ``implementation="cpu_native"`` traced for another platform raises :class:`KernelUnavailable`."""
-    if target_platform() != "cpu":
-        raise KernelUnavailable(f"{op}: implementation={NATIVE!r} runs on CPU only, not on {target_platform()!r}")

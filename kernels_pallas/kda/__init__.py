@@ -15,7 +15,8 @@ choice for decode and for prefill with ``chunk_size=1`` (the CPU default) when i
 from __future__ import annotations
 
 from kernels_pallas import _native
-from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, pallas_platform, resolve
+from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, KernelUnavailable, pallas_platform, resolve, \
+    target_platform
 from kernels_pallas.kda import native, pallas, reference
 
 _PREFILL = {"reference": reference.kda_chunked, "recurrent": reference.kda_recurrent, PALLAS: pallas.kda_chunked,
@@ -30,13 +31,14 @@ def _kernel_kw(impl):
 
 def native_ready() -> bool:
     """Whether the automatic choice of the recurrence is the native kernel here (on CPU, built, not turned off)."""
-    return _native.ready(native.SOURCE, native.SYMBOL)
+    return target_platform() == "cpu" and _native.try_target(native.SOURCE, native.SYMBOL) is not None
 
 
 def _use_native(op, implementation, automatic: bool) -> bool:
     """Run the native recurrence? Explicitly asked (raises off CPU), or the automatic choice where it applies."""
     if implementation == NATIVE:
-        _native.require_cpu(op)
+        if target_platform() != "cpu":
+            raise KernelUnavailable(f"{op}: implementation={NATIVE!r} runs on CPU only, not on {target_platform()!r}")
         return True
     return implementation is None and automatic and native_ready()
 

@@ -17,11 +17,13 @@
 // Built and registered by kernels_pallas/_native.py.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <vector>
 
-#include "native_parts.h"  // kernels_pallas/native_parts.h: the parts split over XLA's CPU thread pool
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -192,12 +194,35 @@ ffi::Error KdaRecurrent(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, F32x4 a
   if (T == 0) return ffi::Error::Success();
   const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), a.typed_data(), beta.typed_data(),
                   kq.typed_data(), s, o->typed_data(), B, T, H, K, V, scale};
-  const int64_t blocks = p.Blocks(), scratch = p.Scratch();
-  kimi_jax::ForEachPart(pool, B * H * blocks, [&p, blocks, scratch](int64_t i) {
-    thread_local std::vector<float> buf;  // one scratch buffer per thread, kept between parts and calls
-    if (static_cast<int64_t>(buf.size()) < scratch) buf.resize(scratch);
-    p.Part(i / blocks / p.H, i / blocks % p.H, i % blocks, buf.data());
-  });
+  const int64_t blocks = p.Blocks(), parts = B * H * blocks, scratch = p.Scratch();
+  auto run = [&p, blocks](int64_t i, float* buf) { p.Part(i / blocks / p.H, i / blocks % p.H, i % blocks, buf); };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, parts - 1);
+  if (helpers <= 0) {
+    std::vector<float> buf(scratch);
+    for (int64_t i = 0; i < parts; ++i) run(i, buf.data());
+    return ffi::Error::Success();
+  }
+  // As in kernels_pallas/matvec/native.cc: parts claimed from a counter by this thread and by helpers on XLA's pool;
+  // this thread waits only for parts in progress, and a helper that starts after every part was claimed touches
+  // nothing but the shared counters (`p` and `run` live until every claimed part is finished).
+  struct Shared {
+    explicit Shared(int64_t n) : parts(n) {}
+    const int64_t parts;
+    std::atomic<int64_t> next{0}, finished{0};
+  };
+  auto shared = std::make_shared<Shared>(parts);
+  auto* body = &run;
+  auto work = [body, scratch](Shared& sh) {
+    std::vector<float> buf;
+    for (int64_t i; (i = sh.next.fetch_add(1)) < sh.parts;) {
+      buf.resize(scratch);
+      (*body)(i, buf.data());
+      sh.finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared, work] { work(*shared); });
+  work(*shared);
+  while (shared->finished.load(std::memory_order_acquire) < parts) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

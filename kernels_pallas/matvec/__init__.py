@@ -15,14 +15,14 @@ builds; elsewhere (and with ``implementation="reference"``) the items run one by
 from __future__ import annotations
 
 from kernels_pallas import _native
-from kernels_pallas._dispatch import NATIVE, KernelUnavailable
+from kernels_pallas._dispatch import NATIVE, KernelUnavailable, target_platform
 from kernels_pallas.matvec import native, reference
 
 
 def native_ready() -> bool:
     """Whether the automatic choice for float32 items is the native kernel here (on CPU, built, not turned off).
     Builds it on first use."""
-    return _native.ready(native.SOURCE, native.SYMBOL)
+    return target_platform() == "cpu" and _native.try_target(native.SOURCE, native.SYMBOL) is not None
 
 
 def group(items, *, implementation=None, precision=None):
@@ -34,7 +34,8 @@ def group(items, *, implementation=None, precision=None):
     """
     items = [(x, w, ids) for x, w, ids in items]
     if implementation == NATIVE:
-        _native.require_cpu("matvec")
+        if target_platform() != "cpu":
+            raise KernelUnavailable(f"matvec: implementation={NATIVE!r} runs on CPU only, not on {target_platform()!r}")
         return native.group(items)
     if implementation is None and native.unsupported(items) is None and native_ready():
         return native.group(items)

@@ -9,19 +9,21 @@
 // At a handful of rows a product streams its weight once, so its speed is memory bandwidth. Launched one by one,
 // XLA:CPU's products of 0.5-1 MB reach about half the rate of the large ones (each starts a cold stream and wakes
 // the thread pool); here all the items of a call are cut into parts of about kPartBytes that the threads claim
-// from one counter (kimi_jax::ForEachPart), so the stream never stops between items.
+// from one counter, so the stream never stops between items.
 //
 // Each dot product keeps kLanes partial sums in vector registers, and kRows weight rows share every load of x.
 // Summation order: lane j sums the products at k = j, j + kLanes, ...; the lanes are then added as a pairwise tree,
 // then the tail k >= K - K % kLanes in order. The order does not depend on kRows, the parts or the threads.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
-#include "native_parts.h"  // kernels_pallas/native_parts.h: the parts split over XLA's CPU thread pool
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -185,8 +187,36 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
       if (n1 > n0) parts.push_back(Part{&it, n0, n1});
     }
   }
-  kimi_jax::ForEachPart(pool, static_cast<int64_t>(parts.size()),
-                        [&parts](int64_t i) { parts[i].item->Rows(parts[i].n0, parts[i].n1); });
+  const int64_t total = static_cast<int64_t>(parts.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
+  if (helpers <= 0) {
+    for (const Part& p : parts) p.item->Rows(p.n0, p.n1);
+    return ffi::Error::Success();
+  }
+  // XLA:CPU runs a step's ops one after another, so the pool's threads are mostly idle here. Parts are claimed
+  // from a shared counter by this thread and by helpers scheduled on the pool; this thread never waits for a helper
+  // to start (a pool may run a task scheduled from one of its own threads late), only for parts already being
+  // computed. The counters are shared with the helpers, which may start after this call has returned: a helper that
+  // starts after every part was claimed touches nothing else, and one that claims a part does so while this thread
+  // still waits below, so `parts` and `items` are alive.
+  struct State {
+    explicit State(int64_t n) : parts(n) {}
+    const int64_t parts;
+    std::atomic<int64_t> next{0}, finished{0};
+  };
+  auto state = std::make_shared<State>(total);
+  const Part* list = parts.data();
+  auto work = [list](State& st) {
+    for (int64_t p; (p = st.next.fetch_add(1)) < st.parts;) {
+      list[p].item->Rows(list[p].n0, list[p].n1);
+      st.finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state, work] { work(*state); });
+  work(*state);
+  while (state->finished.load(std::memory_order_acquire) < total) {
+    std::this_thread::yield();  // a helper descheduled mid-part gets this core back
+  }
   return ffi::Error::Success();
 }
 

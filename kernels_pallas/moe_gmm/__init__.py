@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import _native, matvec
+from kernels_pallas import matvec
 from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, KernelUnavailable, pallas_platform, resolve, \
     target_platform
 from kernels_pallas.matvec import native
@@ -52,7 +52,9 @@ def _native_item(x, w, idx, compute_dtype):
 
 def gather_matmul(x, w, idx, *, compute_dtype=None, implementation=None):
     if implementation == NATIVE or (implementation is None and target_platform() == "cpu"):
-        _native.require_cpu("moe_gather_matmul")
+        if target_platform() != "cpu":
+            raise KernelUnavailable(f"moe_gather_matmul: implementation={NATIVE!r} runs on CPU only, "
+                                    f"not on {target_platform()!r}")
         item, why = _native_item(x, w, idx, compute_dtype)
         if implementation == NATIVE and why is not None:
             raise KernelUnavailable(f"moe_gather_matmul: {why}")
