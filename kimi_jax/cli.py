@@ -32,9 +32,14 @@ def _cmd_make_tiny(args):
 
 
 def _cmd_plan(args):
+    from kimi_jax.aot import CompilerMissing
     from kimi_jax.plan import run_cli
 
-    run_cli(args)
+    try:
+        return run_cli(args)
+    except CompilerMissing as e:  # --compile without the aot extra: an install step, not a bug
+        print(f"kimi-jax plan: error: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hbm-bandwidth", type=float, default=None, help="bytes/s for an extra roofline line")
     pl.add_argument("--chips", default=None, help="comma list of h100,h200,b200,v5p,v6e,v7x (default: all)")
     pl.add_argument("--reserve", type=float, default=0.1, help="HBM fraction kept free for the runtime")
-    pl.add_argument("--prefill-chunk", type=int, default=0, help="also estimate activations of a prefill chunk")
+    pl.add_argument("--prefill-chunk", type=int, default=None,
+                    help="also estimate activations of a prefill chunk of this many tokens (with --compile: "
+                         "the chunk compiled, default 512)")
     pl.add_argument("--search", action="store_true", help="list, per chip, the smallest meshes that fit")
+    pl.add_argument("--compile", metavar="TARGET", default=None,
+                    help="also compile a decode step and a prefill chunk for a real target, deviceless: "
+                         "tpu:TOPOLOGY (tpu:v5e:2x2, tpu:v5p:4x4x4, tpu:tpu7x:4x4x2) or gpu:NAME:SxHxD "
+                         "(gpu:h200:1x2x8: slices x hosts x GPUs); --mesh must use all its devices; exit status 0 "
+                         "only when both compile and fit (needs the aot extra)")
+    pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
+    pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=_cmd_plan)
     return p
 
@@ -84,11 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        rc = args.func(args)
     except (ValueError, FileNotFoundError) as e:  # config / checkpoint / input errors: one clear line
         print(f"kimi-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return rc if isinstance(rc, int) else 0  # commands that decide an exit status return it (plan --compile)
 
 
 if __name__ == "__main__":

@@ -335,15 +335,53 @@ def search(cfg: ModelConfig, layout, *, batch, context, dtype="bfloat16", kernel
 
 def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
                        implementation: str | None = None) -> dict:
-    """Lower and compile one decode step (abstract parameters and cache: nothing is allocated) on ``mesh``; return
-    XLA's per-device memory analysis in bytes and the compile time."""
+    """XLA's per-device memory analysis (bytes) and compile time of one compiled decode step on ``mesh``."""
+    return compile_step(cfg, mesh, layout, batch=batch, context=context, dtype=dtype, implementation=implementation)
+
+
+def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int = 1,
+                 dtype="bfloat16", implementation: str | None = None) -> dict:
+    """Lower and compile one step on ``mesh`` with abstract sharded parameters and cache (nothing is allocated).
+
+    ``tokens == 1``: a decode step (``[batch, 1]`` ids after the cached prefix). ``tokens > 1``: a fresh prefill
+    chunk of ``[batch, tokens]`` ids into the static cache (``prefix=False``, last position's logits), as
+    :mod:`kimi_jax.generate` runs it. ``mesh`` may hold CPU devices or a deviceless TPU / GPU topology's
+    (:mod:`kimi_jax.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
+    Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device
+    and ``compile_seconds``.
+    """
     import time
 
+    import jax
+
+    graphdef, state, ids, cache, out_shardings = _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context,
+                                                                       jnp.dtype(dtype), implementation)
+
+    def step(state, ids, cache):
+        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
+        return out.logits, out.cache
+
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
+        # keep_unused: a deployed model holds every weight (layer 0's AttnRes mix, which has no block to mix, too)
+        lowered = jax.jit(step, donate_argnums=(2,), out_shardings=out_shardings,
+                          keep_unused=True).lower(state, ids, cache)
+        compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp", "generated_code")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["compile_seconds"] = seconds
+    return out
+
+
+def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation):
+    """(graphdef, parameters, ids [batch, tokens], cache, (logits, cache) shardings), all abstract and sharded
+    by :mod:`kimi_jax.sharding` on ``mesh``."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     lay = sharding.layout(layout)
-    dt = jnp.dtype(dtype)
     run = RunConfig(dtype=dt, implementation=implementation, parallel=sharding.Parallel(mesh, lay))
     model = abstract_model(cfg, run)
     graphdef, state = nnx.split(model)
@@ -359,26 +397,11 @@ def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, co
     shapes = cache_shapes(cfg, batch, context, dt)
     cshard = sharding.cache_shardings(cfg, shapes, mesh, lay)
     cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, cshard)
-    bspec = sharding.batch_spec((batch, 1), mesh, lay)
-    ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(mesh, bspec))
+    bspec = sharding.batch_spec((batch, tokens), mesh, lay)
+    ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=NamedSharding(mesh, bspec))
     head = "lm_head" if "lm_head" in specs else "embed_tokens"
     logits_sharding = NamedSharding(mesh, PartitionSpec(bspec[0], None, specs[head][0]))
-
-    def step(state, ids, cache):
-        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=True)
-        return out.logits, out.cache
-
-    t0 = time.perf_counter()
-    # keep_unused: a deployed model holds every weight (layer 0's AttnRes mix, which has no block to mix, too)
-    lowered = jax.jit(step, donate_argnums=(2,), out_shardings=(logits_sharding, cshard),
-                      keep_unused=True).lower(state, ids, cache)
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp", "generated_code")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    out["compile_seconds"] = seconds
-    return out
+    return graphdef, state, ids, cache, (logits_sharding, cshard)
 
 
 def compare_with_compiler(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
@@ -405,11 +428,20 @@ def format_comparison(p: Plan, r: Plan, xla: dict) -> str:
     return "\n".join(lines)
 
 
-def run_cli(args) -> None:
-    """``kimi-jax plan`` (arguments from :mod:`kimi_jax.cli`)."""
+def run_cli(args) -> int:
+    """``kimi-jax plan`` (arguments from :mod:`kimi_jax.cli`). Returns the exit status: with ``--compile``, 0 only
+    when every compiled program fits the target's HBM."""
     from kimi_jax import config as C
 
+    target = None
+    if args.compile:
+        from kimi_jax import aot
+
+        target = aot.parse_target(args.compile)  # before any slow work: an unknown target fails at once
+        aot.cpu_runtime()  # before the plan's first jnp call starts JAX's backends
     cfg = C.preset(args.model) if args.model in C.PRESETS else C.load(args.model)
+    if args.layers or args.experts:
+        cfg = cfg.sliced(args.layers, args.experts)
     chips = args.chips.split(",") if args.chips else list(CHIPS)
     unknown = [c for c in chips if c not in CHIPS]
     if unknown:
@@ -418,9 +450,14 @@ def run_cli(args) -> None:
         raise ValueError(f"--reserve {args.reserve} must be in [0, 1)")
     sizes = sharding.parse_mesh(args.mesh)
     _check_mesh(cfg, sizes, args.layout)
+    if target is not None:
+        aot.target_mesh(target, **sizes)  # a mesh that does not use the target's devices fails before the plan
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (COMPILE_PREFILL_CHUNK if target else 0)
     p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                  kernels=args.kernels, prefill_chunk=args.prefill_chunk, model_name=args.model)
+                  kernels=args.kernels, prefill_chunk=chunk, model_name=args.model)
     print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
+    if target is not None:
+        return _compile_cli(cfg, target, p, args, chunk)
     if args.search:
         print("\nsmallest fitting meshes (data=1), per chip:")
         for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
@@ -431,6 +468,47 @@ def run_cli(args) -> None:
                 t = q.step_seconds(CHIPS[name].hbm_bandwidth)
                 print(f"  {CHIPS[name].name:<18} {q.chips:4d} chips expert={q.sizes['expert']:<4d}"
                       f"model={q.sizes['model']:<3d} {q.total / GB:7.1f} GB/chip  {t * 1e3:6.2f} ms/step")
+    return 0
+
+
+COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typical prefill chunk
+
+
+def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
+    """Compile the decode step and a prefill chunk for ``target``; print them beside the plan; exit status."""
+    from kimi_jax import aot
+
+    implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
+    res = aot.compile_steps(cfg, target, p.sizes, args.layout, batch=args.batch, context=args.context,
+                            dtype=args.dtype, prefill_chunk=chunk, implementation=implementation)
+    devices = len(aot.target_devices(target))
+    source = "its target config" if target.platform == "gpu" else "datasheet table"
+    print(f"\ncompiled for {target.text}: {devices} device(s) of {aot.target_devices(target)[0].device_kind}, "
+          f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels")
+    plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
+    titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
+              "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)"}
+    for name, r in res.items():
+        print(format_compiled(titles[name], p.param_total + p.cache_total, plan_act[name], r))
+    return 0 if all(r["fits"] for r in res.values()) else 1
+
+
+def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:
+    """One compiled program beside the plan, per device: arguments, activations, peak; time and fit."""
+    if "error" in r:
+        what = f"does NOT fit ({r['hbm'] / GB:.2f} GB HBM)" if r["oom"] else "did NOT compile"
+        return f"{title}: {what}: {r['error']}"
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    lines = [f"{title}: compiled in {r['compile_seconds']:.1f} s, {verdict} ({r['peak'] / GB:.3f} GB peak of "
+             f"{r['hbm'] / GB:.2f} GB)",
+             f"  {'per device':<40}{'plan':>12}{'compiler':>12}{'plan/compiler':>15}"]
+    rows = [("arguments (parameters + cache + ids)", plan_args, r["argument"]),
+            ("activations (temp + outputs - aliased)", plan_act, r["temp"] + r["output"] - r["alias"]),
+            ("peak", plan_args + plan_act, r["peak"])]
+    for label, a, x in rows:
+        ratio = f"{a / x:>15.3f}" if x else f"{'-':>15}"
+        lines.append(f"  {label:<40}{a / GB:>9.3f} GB{x / GB:>9.3f} GB{ratio}")
+    return "\n".join(lines)
 
 
 def _check_mesh(cfg: ModelConfig, sizes: dict, layout) -> None:

@@ -1,6 +1,14 @@
 import os
 
-import pytest
+# Before anything imports jax: libtpu and the CUDA plugin are installed (the aot extra) for their compilers, and
+# without this JAX would try to start the TPU / CUDA runtimes, which cannot run here. Deviceless compiles
+# (tests/test_aot.py) still reach both compilers. A machine with a real accelerator can set JAX_PLATFORMS itself.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu locks the machine for one process; the deviceless TPU compiler drives no chip, so a test run beside another
+# process that loaded libtpu (a second pytest, a `plan --compile`) must not fail on that lock.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import pytest  # noqa: E402
 
 # The CLI commands run in-process here: keep them off the user's persistent compilation cache (and keep JAX's
 # process-wide cache setting untouched); tests/test_generate_cli.py exercises the cache in subprocesses.

@@ -107,13 +107,13 @@ def _pow2_divisor(n: int, target: int, minimum: int) -> int | None:
     return None
 
 
-def _blocks(N, K, *, quant, platform, block_n, block_k):
+def _blocks(N, K, *, quant, platform, block_n, block_k, k_target=512):
     """Output and contraction blocks that divide N and K, so the (large) weight arrays are never padded."""
     if platform == "tpu":
         bn = block_n or next((b for b in (512, 256, 128) if N % b == 0), N)
         return bn, K  # whole K per step on TPU (no lane-misaligned slices)
     bn = block_n or _pow2_divisor(N, 64, 16)
-    bk = block_k or _pow2_divisor(K, 512, 64 if quant else 16)
+    bk = block_k or _pow2_divisor(K, k_target, 64 if quant else 16)
     if bn is None or bk is None:
         raise ValueError(f"moe_gmm: expert weight dims N={N}, K={K} need power-of-two factors >= 16 for the "
                          "GPU kernel (pass block_n/block_k, or use implementation='reference')")
@@ -146,7 +146,10 @@ def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", inter
     # Row tile from the average group size: K3 prefill (896 experts, ~10 rows each) wants 16-row tiles, a few
     # big groups want 64. Each tile reads its expert's weights once, so oversized tiles only waste compute.
     bm = block_m or min(64, max(16, next_pow2(M // max(E, 1))))
-    bn, bk = _blocks(N, K, quant=quant, platform=platform, block_n=block_n, block_k=block_k)
+    # Triton stages the x and weight tiles of a step in shared memory: 64-row tiles with a 512-wide K step asked
+    # 258 KiB of the 227 KiB an H100/H200 block may use (compiled for both), so wide row tiles take shorter steps.
+    bn, bk = _blocks(N, K, quant=quant, platform=platform, block_n=block_n, block_k=block_k,
+                     k_target=min(512, 16384 // bm))
 
     # Tile plan: group e gets ceil(size_e / bm) tiles; n_tiles bounds the total statically.
     gs = group_sizes_E.astype(jnp.int32)
