@@ -1,72 +1,257 @@
-"""Choosing an implementation for a kernel call.
+"""One dispatcher for every kernel op: which implementation runs, and where on the mesh it runs.
 
-Names every kernel package understands:
+Each op package declares one :class:`Op` (its implementations, its partition :class:`Rule`, and, where it has one,
+when its native CPU kernel applies); calling the op is its public entry. A call does two things:
 
-* ``"reference"``: the plain-jnp oracle (``reference.py``); runs anywhere. The automatic choice on CPU.
-* ``"pallas"``: the Pallas kernel compiled for the target accelerator (Triton on GPU, Mosaic on TPU). The
-  automatic choice on TPU/GPU. Asking for it on CPU raises :class:`KernelUnavailable` -- never a silent
-  fallback to the reference.
-* ``"pallas_interpret"``: the same Pallas kernel source run by Pallas's HLO interpreter
-  (``interpret=True``), with the GPU (Triton) block choices. This is how CPU tests exercise kernel code.
+1. **Chooses the implementation** (:meth:`Op.choose`). Names:
 
-Two ops also take ``"cpu_native"``, a C++ kernel for XLA:CPU (``kernels_pallas/_native.py``): the grouped decode
-products (``matvec.group``) and the MoE decode matmul (``moe_gmm.gather_matmul``, which runs on it), chosen
-automatically on CPU when they apply and it builds.
+   * ``None`` (automatic): on TPU/GPU the Pallas kernel; on CPU the op's native C++ kernel where it has one, it
+     applies to these operands and it builds (``kernels_pallas/_native.py``), else the reference. When the
+     automatic choice passes over a kernel it logs why (once per op and reason).
+   * ``"reference"``: the plain-jnp oracle (``reference.py``); runs anywhere.
+   * ``"pallas"``: the Pallas kernel compiled for the target (Triton on GPU, Mosaic on TPU); on CPU it raises.
+   * ``"pallas_interpret"``: the same kernel source run by Pallas's interpreter (``interpret=True``) with the GPU
+     (Triton) block choices: how CPU tests run kernel code, sharded runs included.
+   * ``"cpu_native"``: the C++ kernel for XLA:CPU (ops that have one); anywhere else, or for operands it does not
+     take, it raises.
+   * op-specific extras (``kda_prefill`` also takes ``"recurrent"``).
 
-The target platform is the one being traced for: the platform of an abstract mesh's device when one is set
-(``jax.sharding.use_abstract_mesh``, which is how CI lowers for TPU/CUDA on a CPU machine), else
+   An explicitly requested implementation that cannot run raises :class:`KernelUnavailable`: never a silent
+   fallback.
+
+2. **Places the op on the mesh** (:func:`place`). With a :class:`Placement` of more than one device (the model
+   passes one for every sharded run, on CPU as on TPU/GPU) the chosen implementation runs inside
+   ``jax.shard_map`` on its local shard, split as the op's :class:`Rule` declares: Mosaic refuses to be
+   partitioned automatically, and GSPMD partitions a Triton or FFI custom call by giving it whole, gathered
+   operands. Ops whose rule is ``None`` are plain XLA under a mesh (GSPMD partitions them): their custom
+   kernels are not chosen there.
+
+The target platform is the platform of the placement's mesh when there is one, else that of an abstract mesh
+set for tracing (``jax.sharding.use_abstract_mesh``: how tests lower for TPU/CUDA on a CPU machine), else
 ``jax.default_backend()``.
 """
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+import logging
+import math
+from typing import Any, Callable
 
+import jax
+from jax.sharding import PartitionSpec as P
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "reference"
 PALLAS = "pallas"
 INTERPRET = "pallas_interpret"
-NATIVE = "cpu_native"  # a C++ kernel for XLA:CPU; only ops that have one (matvec, moe_gmm.gather_matmul) take it
+NATIVE = "cpu_native"
 
 
 class KernelUnavailable(RuntimeError):
     """An explicitly requested kernel implementation cannot run here."""
 
 
-def target_platform() -> str:
+# -- where ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A mesh and the mesh axes each logical axis may be split over, in split order (the model's layout table,
+    e.g. ``batch -> (data, expert)``, ``heads -> (model,)``). Hashable: it lives in static run configs."""
+
+    mesh: Any  # jax.sharding.Mesh (or AbstractMesh)
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def mesh_axes(self, logical: str) -> tuple[str, ...]:
+        return dict(self.rules).get(logical, ())
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.shape.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How an op splits over a mesh.
+
+    ``args`` / ``out``: one letter per dimension of each array operand and result (``"BTHK"``; ``None`` for an
+    operand that is not an array; one string for every leaf of a pytree operand such as an MXFP4 weight).
+    ``split``: the letters that may be split, each with the logical axis whose mesh axes it takes
+    (``(("B", "batch"), ("H", "heads"))``). A letter takes the longest prefix of those mesh axes (size-1 axes
+    left out, none taken by an earlier letter) whose product divides every dimension carrying it; everything
+    else is whole on every device. Split letters must be independent (no reduction runs over them), so the
+    local results are the global ones' shards and no collective is needed.
+    """
+
+    args: tuple[str | None, ...]
+    out: str | tuple[str, ...]
+    split: tuple[tuple[str, str], ...] = ()
+
+
+def _leaves_with_letters(rule: Rule, args):
+    for letters, a in zip(rule.args, args):
+        if letters is not None and a is not None:
+            for leaf in jax.tree.leaves(a):
+                yield letters, leaf
+
+
+def split_axes(rule: Rule, placement: Placement, args) -> dict[str, tuple[str, ...]]:
+    """Letter -> mesh axes it is split over, for these operands (see :class:`Rule`). Letters of one logical axis
+    (query and kv heads) share one decision, made over all their dimensions."""
+    sizes = dict(placement.mesh.shape)
+    taken: set[str] = set()
+    out = {}
+    for logical in dict.fromkeys(lg for _, lg in rule.split):
+        letters = {c for c, lg in rule.split if lg == logical}
+        dims = [leaf.shape[i] for spec, leaf in _leaves_with_letters(rule, args)
+                for i, c in enumerate(spec) if c in letters]
+        chosen, n = [], 1
+        for axis in placement.mesh_axes(logical):
+            k = sizes.get(axis, 1)
+            if k == 1:
+                continue
+            if axis in taken or any(d % (n * k) for d in dims):
+                break
+            chosen.append(axis)
+            n *= k
+        if dims and chosen:
+            out.update(dict.fromkeys(letters, tuple(chosen)))
+            taken.update(chosen)
+    return out
+
+
+def _spec(letters: str, split: dict[str, tuple[str, ...]]) -> P:
+    parts = [split.get(c) for c in letters]
+    return P(*[None if not a else (a[0] if len(a) == 1 else a) for a in parts])
+
+
+def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args):
+    """``fn(*args)``, inside ``jax.shard_map`` on each device's shard when ``placement`` spans several devices.
+    ``None`` operands stay ``None`` (closed over, not passed through the map)."""
+    if placement is None or placement.devices == 1 or rule is None:
+        return fn(*args)
+    split = split_axes(rule, placement, args)
+    present = [i for i, a in enumerate(args) if a is not None]
+    in_specs = tuple(jax.tree.map(lambda _, s=_spec(rule.args[i], split): s, args[i]) for i in present)
+    outs = rule.out
+    out_specs = _spec(outs, split) if isinstance(outs, str) else tuple(_spec(o, split) for o in outs)
+
+    def body(*local):
+        full = list(args)
+        for i, a in zip(present, local):
+            full[i] = a
+        return fn(*full)
+
+    return jax.shard_map(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*(args[i] for i in present))
+
+
+# -- which ----------------------------------------------------------------------------------------------------
+
+
+def target_platform(placement: Placement | None = None) -> str:
     """``"tpu"``, ``"gpu"`` or ``"cpu"``: what the current trace is lowered for."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = getattr(mesh, "abstract_device", None)
-    platform = device.platform if (device is not None and not mesh.empty) else jax.default_backend()
+    platform = None
+    if placement is not None:
+        devices = getattr(placement.mesh, "devices", None)
+        if devices is not None and getattr(devices, "size", 0):
+            platform = devices.flat[0].platform
+        elif getattr(placement.mesh, "abstract_device", None) is not None:
+            platform = placement.mesh.abstract_device.platform
+    if platform is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        device = getattr(mesh, "abstract_device", None)
+        platform = device.platform if (device is not None and not mesh.empty) else jax.default_backend()
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
-def resolve(op: str, implementation: str | None, available: dict, *, accelerated: tuple[str, ...] = ()) -> str:
-    """Return the implementation name to use for ``op``.
+@dataclasses.dataclass(frozen=True)
+class Native:
+    """An op's native CPU kernel: ``fn`` (the implementation), ``unsupported(*args, **static)`` -> why it cannot
+    take these operands, or None; ``ready()`` -> whether it is built and turned on (builds on first use);
+    ``automatic(**static)`` -> whether the automatic choice may take it for this call's static arguments."""
 
-    ``available`` maps names to callables. ``None`` means automatic: the first of ``accelerated`` that is
-    available on TPU/GPU, else ``"reference"``. An explicit name that is unknown, or ``"pallas"`` on a platform
-    without a Pallas compiler, raises :class:`KernelUnavailable`.
+    fn: Callable
+    unsupported: Callable
+    ready: Callable
+    automatic: Callable = lambda **static: True
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _passed_over(op: str, why: str) -> None:
+    if (op, why) not in _logged:
+        _logged.add((op, why))
+        log.info("%s: automatic choice passes over its kernel: %s", op, why)
+
+
+class Op:
+    """One kernel op: its implementations, the automatic choice between them, and its partition rule.
+
+    ``impls`` maps names to callables ``fn(*args, **static)``; the Pallas entries (``"pallas"``, taken for
+    ``"pallas_interpret"`` too) also receive ``platform=`` and ``interpret=``.
     """
-    platform = target_platform()
+
+    def __init__(self, name: str, rule: Rule | None, impls: dict[str, Callable], native: Native | None = None):
+        self.name, self.rule, self.native = name, rule, native
+        self.impls = dict(impls)
+        if PALLAS in self.impls:
+            self.impls[INTERPRET] = self.impls[PALLAS]
+        if native is not None:
+            self.impls[NATIVE] = native.fn
+
+    def choose(self, implementation: str | None, args=(), static=None, placement: Placement | None = None) -> str:
+        """The implementation name this call runs (see the module docstring)."""
+        static = static or {}
+        platform = target_platform(placement)
+        native_here = self.native is not None and (self.rule is not None or placement is None
+                                                   or placement.devices == 1)
+        if implementation is None:
+            if platform in ("tpu", "gpu") and PALLAS in self.impls:
+                return PALLAS
+            if platform == "cpu" and native_here and self.native.automatic(**static):
+                why = self.native.unsupported(*args, **static)
+                if why is None and self.native.ready():
+                    return NATIVE
+                if why is not None:
+                    _passed_over(self.name, why)
+            return REFERENCE
+        if implementation not in self.impls:
+            raise KernelUnavailable(f"{self.name}: implementation={implementation!r} is not available "
+                                    f"(choose from {sorted(self.impls)})")
+        if implementation == PALLAS and platform not in ("tpu", "gpu"):
+            raise KernelUnavailable(
+                f"{self.name}: implementation='pallas' needs a TPU or GPU, but the target platform is {platform!r}; "
+                f"use implementation='{INTERPRET}' to run the Pallas kernel in interpret mode on CPU")
+        if implementation == NATIVE:
+            if platform != "cpu":
+                raise KernelUnavailable(f"{self.name}: implementation={NATIVE!r} runs on CPU only, not on {platform!r}")
+            if not native_here:
+                raise KernelUnavailable(f"{self.name}: implementation={NATIVE!r} has no partition rule for a mesh "
+                                        f"of {placement.devices} devices")
+            why = self.native.unsupported(*args, **static)
+            if why is not None:
+                raise KernelUnavailable(f"{self.name}: {why}")
+        return implementation
+
+    def __call__(self, *args, implementation: str | None = None, placement: Placement | None = None, **static):
+        impl = self.choose(implementation, args, static, placement)
+        fn = self.impls[impl]
+        kw = dict(static)
+        if impl in (PALLAS, INTERPRET):
+            kw.update(platform="gpu" if impl == INTERPRET else target_platform(placement),
+                      interpret=impl == INTERPRET)
+        return place(lambda *a: fn(*a, **kw), self.rule, placement, *args)
+
+
+def resolve(op: str, implementation: str | None, available: dict, *, accelerated: tuple[str, ...] = ()) -> str:
+    """The implementation name for an op given as a bare ``{name: callable}`` table: automatic = the first of
+    ``accelerated`` on TPU/GPU, else the reference; explicit names checked as in :meth:`Op.choose`."""
     if implementation is None:
-        if platform in ("tpu", "gpu"):
-            for name in accelerated:
-                if name in available:
-                    return name
-        return "reference"
-    if implementation not in available:
-        raise KernelUnavailable(
-            f"{op}: implementation={implementation!r} is not available (choose from {sorted(available)})"
-        )
-    if implementation == PALLAS and platform not in ("tpu", "gpu"):
-        raise KernelUnavailable(
-            f"{op}: implementation='pallas' needs a TPU or GPU, but the target platform is {platform!r}; "
-            f"use implementation='{INTERPRET}' to run the Pallas kernel in interpret mode on CPU"
-        )
-    return implementation
-
-
-def pallas_platform(implementation: str) -> tuple[str, bool]:
-    """(platform whose block rules the kernel follows, interpret?) for a resolved Pallas implementation."""
-    if implementation == INTERPRET:
-        return "gpu", True
-    return target_platform(), False
+        if target_platform() in ("tpu", "gpu"):
+            return next((n for n in accelerated if n in available), REFERENCE)
+        return REFERENCE
+    return Op(op, None, available).choose(implementation)

@@ -17,7 +17,6 @@ from flax import nnx
 import kernels_pallas.attention as attn_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
-from kernels_pallas._dispatch import target_platform
 from kimi_jax.cache import KDACache, KVCache, MLACache
 from kimi_jax.config import GQAConfig, KDAConfig, MLAConfig
 from kimi_jax.layers import F32, RunConfig, cpu_skinny, linear, linear_group, param, rms_norm
@@ -32,8 +31,9 @@ class Step(NamedTuple):
 
 def _write(cache_BS, new_BT, positions_BT):
     """Scatter this call's rows into a static cache at their positions (rows past the end are dropped)."""
-    b = jnp.arange(cache_BS.shape[0])[:, None]
-    out = cache_BS.at[b, positions_BT].set(new_BT.astype(cache_BS.dtype), mode="drop")
+    # one scatter per sequence (vmapped: the batch is a scatter batch dimension, so a mesh splits it locally)
+    write = lambda c, new, pos: c.at[pos].set(new.astype(c.dtype), mode="drop")
+    out = jax.vmap(write)(cache_BS, new_BT, positions_BT)
     # Written once, in place: without the barrier XLA:CPU fused a copy of the scatter into each consumer (the
     # loop carry and the attention read), copying the whole cache several times per decode step.
     return jax.lax.optimization_barrier(out)
@@ -129,15 +129,12 @@ class KDA(nnx.Module):
             # The reference's chunked path stores normalised q/k in the activation dtype (no-op in float32).
             q, k = q.astype(run.dtype).astype(F32), k.astype(run.dtype).astype(F32)
         state = cache.state if (cache is not None and step.prefix) else None
-        # the native CPU recurrence has no sharding rule: a sharded run on CPU keeps the plain-jnp one
-        impl = run.implementation
-        if impl is None and run.parallel is not None and target_platform() == "cpu":
-            impl = "reference"
+        impl = dict(implementation=run.implementation, placement=run.placement)
         if decode:
-            o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, implementation=impl)
+            o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, **impl)
         else:
             o, state = kda_kernels.kda_prefill(q, k, v, g, beta, state, scale=K**-0.5, chunk_size=run.kda_chunk,
-                                               implementation=impl)
+                                               **impl)
         o = o.astype(run.dtype)
 
         # FusedRMSNormGated(activation="sigmoid"): per-head RMSNorm x f32 weight x sigmoid(gate), f32 math.
@@ -220,14 +217,14 @@ class MLA(nnx.Module):
             q_pad = jnp.pad(q_nope.astype(mm_dt), [(0, 0)] * 3 + [(0, U)])
             q_lat = _per_head_product(q_pad, w_kvb.astype(mm_dt), run, transpose_w=False)
             u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
-                                          implementation=run.implementation)
+                                          implementation=run.implementation, placement=run.placement)
             o = _per_head_product(u, w_kvb.astype(F32), run, transpose_w=True)[..., N:]
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, N + U)
             # nope and rope parts scored separately (192 = 128 + 64 is not a power of two for Triton); the
             # shared kpe is never broadcast to heads. Fresh prefill: keys sit at 0..T-1, the kernels' default.
             o = attn_kernels.attention(q_nope, kv[..., :N], kv[..., N:], step.positions, scale=c.scale, q_pe=q_pe,
-                                       k_pe=kpe, implementation=run.implementation)
+                                       k_pe=kpe, implementation=run.implementation, placement=run.placement)
         o = o.astype(run.dtype).reshape(B, T, H * U)
         if c.output_gate:
             o = (o * jax.nn.sigmoid(gate[0])).astype(run.dtype)
@@ -285,10 +282,10 @@ class GQA(nnx.Module):
             new_cache = KVCache(_write(cache.k, k, step.positions), _write(cache.v, v, step.positions))
         if cache is not None and step.prefix:
             o = attn_kernels.attention(q, new_cache.k, new_cache.v, step.positions, scale=c.head_dim**-0.5,
-                                       implementation=run.implementation)
+                                       implementation=run.implementation, placement=run.placement)
         else:
             # fresh prefill: keys sit at positions 0..T-1, the kernels' default (lets them skip masked blocks)
             o = attn_kernels.attention(q, k, v, step.positions, scale=c.head_dim**-0.5,
-                                       implementation=run.implementation)
+                                       implementation=run.implementation, placement=run.placement)
         o = o.astype(run.dtype).reshape(B, T, c.num_heads * c.head_dim)
         return linear(o, self.o_proj[...], run), new_cache

@@ -14,7 +14,9 @@ the batch and ``ep`` axes (replicated over ``tp``). Per chip:
 4. send the rows back the way they came and unsort to ``[N, X, L]``, what :class:`~kimi_jax.moe.Experts`
    returns, so the router weighting and everything after it are the single-device code.
 
-Padded token rows (``N`` rounded up to the number of token shards) never leave their chip.
+Padded token rows (``N`` rounded up to the number of token shards) never leave their chip. Experts that the mesh
+does not split (too few to divide) still run inside the map, on each device's tokens with the single-device math
+(:meth:`~kimi_jax.moe.Experts.apply`): the kernels then run on local shards there too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import kernels_pallas.moe_gmm as gmm_kernels
+from kernels_pallas._dispatch import target_platform
 from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax import sharding
 from kimi_jax.layers import F32, RunConfig, glu
@@ -53,8 +56,6 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
     par: sharding.Parallel = run.parallel
     cfg = experts.cfg
     ep, tp, specs = plan_axes(experts, par)
-    if not ep and not tp:  # experts replicated: the single-device math on every chip
-        return experts(z_NL, idx_NX, run)
     sizes = par.sizes
     batch = tuple(a for a in par.layout.mesh_axes("batch") if sizes[a] > 1)
     tok_axes = batch + tuple(a for a in ep if a not in batch)
@@ -69,7 +70,7 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
     tok = P(tok_axes or None)
     dispatch = par.dispatch
     if dispatch == "auto":
-        dispatch = "ragged" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "capacity"
+        dispatch = "ragged" if target_platform(par.placement) in ("tpu", "gpu") else "capacity"
 
     def body(z, idx, valid, w):
         w = {k: (MXFP4Weight(w[f"{k}_packed"], w[f"{k}_scale"]) if cfg.quant == "mxfp4" else w[k]) for k in _WEIGHTS}
@@ -78,6 +79,8 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
         local = lambda x, ids: _local_experts(x, ids, w, e_loc, cfg, run, tp)
         e = idx.reshape(-1)
         v = jnp.repeat(valid, X)
+        if not ep and not tp:  # experts replicated: the single-device math on each device's tokens
+            return experts.apply(w, z, idx, run)  # padded rows route to expert 0, dropped by out[:N]
         if not ep:
             rows = local(jnp.repeat(z, X, axis=0), jnp.where(v, e, e_loc))
         else:

@@ -47,6 +47,11 @@ class RunConfig:
     parallel: object = None  # kimi_jax.sharding.Parallel | None
 
     @property
+    def placement(self):
+        """The kernel ops' placement on the mesh (:class:`kernels_pallas._dispatch.Placement`), or None."""
+        return None if self.parallel is None else self.parallel.placement
+
+    @property
     def precision(self):
         # float32 models are oracles: ask TPUs for true f32 matmuls instead of bf16 passes.
         return jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None

@@ -88,8 +88,17 @@ class Experts(nnx.Module):
         c = self.cfg
         return glu(a.astype(run.dtype), b.astype(run.dtype), c.act, c.situ_beta, c.situ_linear_beta, run)
 
+    def weights(self) -> dict:
+        """``{"w1", "w3", "w2"}``: float arrays or :class:`MXFP4Weight`."""
+        return {name: self.weight(name) for name in ("w1", "w3", "w2")}
+
     def __call__(self, z_NL, idx_NX, run: RunConfig):
         """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
+        return self.apply(self.weights(), z_NL, idx_NX, run)
+
+    def apply(self, w, z_NL, idx_NX, run: RunConfig):
+        """:meth:`__call__` with the weights given (``w`` as :meth:`weights` returns them; expert parallelism
+        passes each device's replica)."""
         c = self.cfg
         N, X = idx_NX.shape
         path = self.path(N * X, run)
@@ -103,31 +112,31 @@ class Experts(nnx.Module):
             E, F, L = c.num_experts, c.expert_intermediate, c.expert_in
             z = z_NL.astype(run.dtype)
             if cpu_skinny(N, run):
-                up = lambda w: w_xT(w.astype(run.dtype).reshape(E * F, L), z, run).reshape(E, F, N)
-                h = act(up(self.w1[...]), up(self.w3[...]))  # [E, F, N]
+                up = lambda w_EFL: w_xT(w_EFL.astype(run.dtype).reshape(E * F, L), z, run).reshape(E, F, N)
+                h = act(up(w["w1"]), up(w["w3"]))  # [E, F, N]
                 y = jax.lax.optimization_barrier(jnp.einsum(
-                    "elf,enf->eln", self.w2[...].astype(run.dtype), jnp.swapaxes(h, 1, 2),
+                    "elf,enf->eln", w["w2"].astype(run.dtype), jnp.swapaxes(h, 1, 2),
                     preferred_element_type=F32, precision=run.precision))  # [E, L, N]
                 y = jnp.swapaxes(y, 1, 2)  # [E, N, L]
             else:
                 mm = lambda spec, a, b: jnp.einsum(spec, a, b.astype(run.dtype), preferred_element_type=F32,
                                                    precision=run.precision)
-                h = act(mm("nl,efl->enf", z, self.w1[...]), mm("nl,efl->enf", z, self.w3[...]))  # [E, N, F]
-                y = mm("enf,elf->enl", h, self.w2[...])
+                h = act(mm("nl,efl->enf", z, w["w1"]), mm("nl,efl->enf", z, w["w3"]))  # [E, N, F]
+                y = mm("enf,elf->enl", h, w["w2"])
             return y[idx_NX, jnp.arange(N)[:, None]].astype(run.dtype)  # [N, X, L]
         if path == "gather":
             zx = jnp.broadcast_to(z_NL[:, None], (N, X, z_NL.shape[-1]))
-            h = act(gmm_kernels.gather_matmul(zx, self.weight("w1"), idx_NX, **kw),
-                    gmm_kernels.gather_matmul(zx, self.weight("w3"), idx_NX, **kw))
-            return gmm_kernels.gather_matmul(h, self.weight("w2"), idx_NX, **kw).astype(run.dtype)
+            h = act(gmm_kernels.gather_matmul(zx, w["w1"], idx_NX, **kw),
+                    gmm_kernels.gather_matmul(zx, w["w3"], idx_NX, **kw))
+            return gmm_kernels.gather_matmul(h, w["w2"], idx_NX, **kw).astype(run.dtype)
         if path != "sorted":
             raise ValueError(f"unknown moe_path {run.moe_path!r}")
         flat = idx_NX.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
         xs = z_NL[order // X]  # [M, L] rows sorted by expert
-        h = act(gmm_kernels.gmm(xs, self.weight("w1"), sizes, **kw), gmm_kernels.gmm(xs, self.weight("w3"), sizes, **kw))
-        ys = gmm_kernels.gmm(h, self.weight("w2"), sizes, **kw).astype(run.dtype)
+        h = act(gmm_kernels.gmm(xs, w["w1"], sizes, **kw), gmm_kernels.gmm(xs, w["w3"], sizes, **kw))
+        ys = gmm_kernels.gmm(h, w["w2"], sizes, **kw).astype(run.dtype)
         return jnp.zeros_like(ys).at[order].set(ys).reshape(N, X, -1)
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from kernels_pallas._dispatch import Placement
 from kimi_jax.cache import Cache, KDACache, KVCache, MLACache
 from kimi_jax.config import ModelConfig
 
@@ -119,6 +120,11 @@ class Parallel:
     @property
     def sizes(self) -> dict[str, int]:
         return dict(self.mesh.shape)
+
+    @property
+    def placement(self) -> Placement:
+        """What the kernel ops need to place themselves on this mesh: the mesh and this layout's table."""
+        return Placement(self.mesh, self.layout.rules)
 
 
 # -- meshes ------------------------------------------------------------------------------------------------

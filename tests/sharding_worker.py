@@ -18,24 +18,37 @@ import time
 
 DEVICES = 8
 MESHES = {"tp": (1, 1, 8), "ep": (1, 8, 1), "mix": (2, 2, 2), "ep2tp4": (1, 2, 4)}
-# model, mesh, layout, dispatch. Both CPU exchanges (capacity all_to_all; the ragged offsets emulated) run.
+# model, mesh, layout, dispatch[, kernels]. Both CPU exchanges (capacity all_to_all; the ragged offsets emulated)
+# run. Every kernel op runs inside shard_map on its shard (kernels_pallas/_dispatch.py): with the automatic choice
+# (reference / native CPU kernels) and, in the cases marked so, with the Pallas kernels in interpret mode.
 CASES = [
     ("k3", "tp", "tp_ep", "capacity"),
     ("k3", "ep", "tp_ep", "capacity"),
     ("k3", "mix", "tp_ep", "ragged_emulated"),
+    ("k3", "mix", "tp_ep", "capacity", "pallas_interpret"),
     ("kimi_linear", "tp", "tp_ep", "capacity"),
     ("kimi_linear", "ep", "tp_ep", "ragged_emulated"),
     ("kimi_linear", "mix", "tp_ep", "capacity"),
+    ("kimi_linear", "tp", "tp_ep", "capacity", "pallas_interpret"),
     ("llama", "tp", "tp_ep", "capacity"),
     ("llama", "ep", "tp_ep", "capacity"),
     ("llama", "mix", "tp_ep", "capacity"),
+    ("llama", "mix", "tp_ep", "capacity", "pallas_interpret"),
 ]
 # -m slow: wide expert parallelism (experts over the model axis) and the ragged path on the pure-EP mesh
 SLOW_CASES = [
     ("k3", "tp", "wide_ep", "capacity"),
     ("k3", "ep", "tp_ep", "ragged_emulated"),
     ("kimi_linear", "mix", "wide_ep", "ragged_emulated"),
+    ("k3", "ep", "tp_ep", "capacity", "pallas_interpret"),
 ]
+
+
+def kernels(case) -> str | None:
+    """The case's kernel implementation (None: the automatic choice)."""
+    return case[4] if len(case) > 4 else None
+
+
 B, T, CACHE = 8, 24, 48
 LENGTHS = [T, T, T, 17, 9, T, 5, 20]  # right padding; rows 0-1 are the K3 fixture's golden prompts
 STEPS = {"k3": 16, "kimi_linear": 8, "llama": 8}
@@ -139,7 +152,9 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
 
     golden = load_file(os.path.join(K3_FIXTURE, "golden.safetensors"))
     baselines = {}
-    for model_key, mesh_key, layout, dispatch in cases:
+    for case in cases:
+        model_key, mesh_key, layout, dispatch = case[:4]
+        impl = kernels(case)
         path = paths[model_key]
         t0 = time.perf_counter()
         if model_key not in baselines:
@@ -156,13 +171,14 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
         ids, lengths, ref_logits, ref_tokens = baselines[model_key]
         mesh = sharding.make_mesh(*MESHES[mesh_key])
         model = kimi_jax.from_pretrained(path, dtype="float32", mesh=mesh, layout=layout)
-        model.run = dataclasses.replace(model.run, parallel=dataclasses.replace(model.run.parallel, dispatch=dispatch))
+        model.run = dataclasses.replace(model.run, implementation=impl,
+                                        parallel=dataclasses.replace(model.run.parallel, dispatch=dispatch))
         cs = sharding.cache_shardings(model.cfg, cache_shapes(model.cfg, B, CACHE, "float32"), mesh, layout)
         logits, tokens, cache = greedy(model, ids, lengths, STEPS[model_key], cs)
         tokens = np.asarray(tokens)
         rec = {
             "model": model_key, "mesh": mesh_key, "sizes": dict(mesh.shape), "layout": layout, "dispatch": dispatch,
-            "logits_err": float(np.abs(valid_logits(logits, lengths) - ref_logits).max()),
+            "kernels": impl, "logits_err": float(np.abs(valid_logits(logits, lengths) - ref_logits).max()),
             "max_logit": float(np.abs(ref_logits).max()),
             "tokens": tokens.tolist(), "tokens_equal": bool((tokens == ref_tokens).all()),
             "params": shard_report(model), "cache": cache_report(cache),
@@ -174,7 +190,7 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
         if model_key == "k3":
             rec["golden_logits_err"] = float(np.abs(np.asarray(logits)[:2] - golden["logits_prefill"]).max())
             rec["golden_tokens_equal"] = bool((tokens[:2] == golden["greedy_tokens"]).all())
-            if mesh_key == "mix" and "orbax" not in out:
+            if mesh_key == "mix" and impl is None and "orbax" not in out:
                 out["orbax"] = orbax_check(model, mesh, layout, out_dir)
         if model_key == "k3" and mesh_key == "ep" and with_generate:
             # the generation engineer's generate() on the sharded model (its own caches, buckets, while_loop)
@@ -184,7 +200,7 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
                          max_len=CACHE + 16)
             rec["generate_tokens_equal"] = [list(map(int, t)) for t in g.tokens] == ref_tokens.tolist()
         out["cases"].append(rec)
-        print(f"{model_key:12s} {mesh_key:4s} {layout:8s} {dispatch:16s} err {rec['logits_err']:.2e} "
+        print(f"{model_key:12s} {mesh_key:4s} {layout:8s} {dispatch:16s} {impl or 'auto':16s} err {rec['logits_err']:.2e} "
               f"tokens {'==' if rec['tokens_equal'] else '!='} {rec['seconds']:.1f}s", file=sys.stderr, flush=True)
 
 

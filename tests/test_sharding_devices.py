@@ -4,14 +4,15 @@ Every case loads the model with ``from_pretrained(path, mesh=...)`` (parameters 
 prefills 8 right-padded prompts and decodes greedily, next to the unsharded model on one device of the same
 process (tests/sharding_worker.py). Models: the K3 fixture (whose rows 0-1 are also checked against Moonshot's
 golden outputs), and HF Kimi Linear / Llama written by transformers with 8 heads and 8 experts.
-Meshes (data, expert, model): tp = 1x1x8, ep = 1x8x1, mix = 2x2x2; layouts from kimi_jax/sharding.py.
+Meshes (data, expert, model): tp = 1x1x8, ep = 1x8x1, mix = 2x2x2; layouts from kimi_jax/sharding.py. Every
+kernel op runs inside shard_map on its local shard; some cases run the Pallas kernels (interpret mode) there.
 """
 
 import pytest
 
 from tests.parity import TOL
 from tests.sharding_run import plan_vs_compiler, single_process
-from tests.sharding_worker import CASES, SLOW_CASES
+from tests.sharding_worker import CASES, SLOW_CASES, kernels
 
 
 @pytest.fixture(scope="module")
@@ -19,20 +20,20 @@ def result():
     return single_process()
 
 
-def _case(result, model, mesh, layout):
+def _case(result, model, mesh, layout, impl=None):
     for c in result["cases"]:
-        if (c["model"], c["mesh"], c["layout"]) == (model, mesh, layout):
+        if (c["model"], c["mesh"], c["layout"], c["kernels"]) == (model, mesh, layout, impl):
             return c
-    raise AssertionError(f"no result for {model} {mesh} {layout}")
+    raise AssertionError(f"no result for {model} {mesh} {layout} kernels={impl}")
 
 
 def _ids(case):
-    return f"{case[0]}-{case[1]}-{case[2]}-{case[3]}"
+    return "-".join(case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_sharded_run_equals_single_device(result, case):
-    c = _case(result, *case[:3])
+    c = _case(result, *case[:3], kernels(case))
     assert c["dispatch"] == case[3]
     assert c["max_logit"] > 1.0  # logits are O(1-5): the tolerance means something
     assert c["logits_err"] <= TOL["float32"], f"prefill logits differ by {c['logits_err']:.3g}"
@@ -48,7 +49,7 @@ def test_sharded_run_equals_single_device(result, case):
 def test_more_layouts_equal_single_device(case):
     result = single_process("slow")
     test_sharded_run_equals_single_device(result, case)
-    c = _case(result, *case[:3])
+    c = _case(result, *case[:3], kernels(case))
     for name, p in c["params"].items():
         if ".experts." in name:  # wide EP: experts over expert x model, each whole on its device
             n = c["sizes"]["expert"] * (c["sizes"]["model"] if case[2] == "wide_ep" else 1)

@@ -10,22 +10,34 @@ the rate of the large ones, and a chosen expert is first copied out of its stack
 built on first use by :mod:`kernels_pallas._native`) reads every weight in place and streams all the items of a
 call as one piece of work split over the threads. It is the automatic choice on CPU for float32 operands when it
 builds; elsewhere (and with ``implementation="reference"``) the items run one by one as plain-jnp products.
+
+No partition rule: on a mesh of several devices the items run as plain-jnp products that GSPMD partitions (the
+weights' own shardings decide), and the native kernel is not chosen there.
 """
 
 from __future__ import annotations
 
 from kernels_pallas import _native
-from kernels_pallas._dispatch import NATIVE, KernelUnavailable, target_platform
+from kernels_pallas._dispatch import REFERENCE, Native, Op, target_platform
 from kernels_pallas.matvec import native, reference
 
 
+def native_built() -> bool:
+    """Whether the native kernel is built and turned on (builds it on first use)."""
+    return _native.try_target(native.SOURCE, native.SYMBOL) is not None
+
+
 def native_ready() -> bool:
-    """Whether the automatic choice for float32 items is the native kernel here (on CPU, built, not turned off).
-    Builds it on first use."""
-    return target_platform() == "cpu" and _native.try_target(native.SOURCE, native.SYMBOL) is not None
+    """Whether the automatic choice for float32 items is the native kernel here (on CPU, built, not turned off)."""
+    return target_platform() == "cpu" and native_built()
 
 
-def group(items, *, implementation=None, precision=None):
+OP = Op("matvec", None, {REFERENCE: lambda items, *, precision=None: reference.group(items, precision=precision)},
+        native=Native(lambda items, *, precision=None: native.group(items),
+                      unsupported=lambda items, **_: native.unsupported(items), ready=native_built))
+
+
+def group(items, *, implementation=None, precision=None, placement=None):
     """``[w @ x_s (or w[ids[s]] @ x_s) for each item]`` as float32 ``[S, N]`` arrays.
 
     ``implementation``: None (native kernel on CPU for float32 items when it builds, else reference),
@@ -33,12 +45,4 @@ def group(items, *, implementation=None, precision=None):
     ``precision`` applies to the reference products.
     """
     items = [(x, w, ids) for x, w, ids in items]
-    if implementation == NATIVE:
-        if target_platform() != "cpu":
-            raise KernelUnavailable(f"matvec: implementation={NATIVE!r} runs on CPU only, not on {target_platform()!r}")
-        return native.group(items)
-    if implementation is None and native.unsupported(items) is None and native_ready():
-        return native.group(items)
-    if implementation not in (None, "reference"):
-        raise KernelUnavailable(f"matvec: unknown implementation {implementation!r} (None, 'reference' or {NATIVE!r})")
-    return reference.group(items, precision=precision)
+    return OP(items, implementation=implementation, placement=placement, precision=precision)

@@ -8,6 +8,10 @@
 weights it reads the chosen experts in place, where the reference copies each one out of the stacked array first
 (batch-1 decode of the benchmark model spent about a fifth of its step on those copies). It is the automatic choice
 there when it builds (``kernels_pallas/_native.py``); ``implementation="reference"`` keeps the plain-jnp path.
+
+On a mesh: expert parallelism (``kimi_jax/expert_parallel.py``) runs these inside its own ``shard_map`` on each
+device's local experts, with no placement. Given a placement, ``gmm`` runs whole on every device (its rows
+are sorted over all tokens) and ``gather_matmul`` splits tokens over ``batch`` with every expert on each device.
 """
 
 from __future__ import annotations
@@ -15,31 +19,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas import matvec
-from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, KernelUnavailable, pallas_platform, resolve, \
-    target_platform
+from kernels_pallas._dispatch import PALLAS, REFERENCE, Native, Op, Rule
 from kernels_pallas.matvec import native
 from kernels_pallas.moe_gmm import pallas, reference
 
-_GMM = {"reference": reference.gmm, PALLAS: pallas.gmm, INTERPRET: pallas.gmm}
-_GATHER = {"reference": reference.gather_matmul, PALLAS: pallas.gather_matmul, INTERPRET: pallas.gather_matmul}
-
-
-def _kernel_kw(impl):
-    if impl not in (PALLAS, INTERPRET):
-        return {}
-    platform, interpret = pallas_platform(impl)
-    return dict(platform=platform, interpret=interpret)
-
-
-def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None):
-    impl = resolve("moe_gmm", implementation, _GMM, accelerated=(PALLAS,))
-    return _GMM[impl](x, w, group_sizes, compute_dtype=compute_dtype, **_kernel_kw(impl))
-
-
-def native_gather_ready() -> bool:
-    """Whether the automatic choice of :func:`gather_matmul` for float32 operands is the native kernel here (on
-    CPU, built, not turned off). Builds it on first use."""
-    return matvec.native_ready()
+GMM_RULE = Rule(args=("MK", "ENK", "E"), out="MN")
+GATHER_RULE = Rule(args=("NXK", "ENK", "NX"), out="NXO", split=(("N", "batch"),))
 
 
 def _native_item(x, w, idx, compute_dtype):
@@ -50,15 +35,26 @@ def _native_item(x, w, idx, compute_dtype):
     return item, native.unsupported([item])
 
 
-def gather_matmul(x, w, idx, *, compute_dtype=None, implementation=None):
-    if implementation == NATIVE or (implementation is None and target_platform() == "cpu"):
-        if target_platform() != "cpu":
-            raise KernelUnavailable(f"moe_gather_matmul: implementation={NATIVE!r} runs on CPU only, "
-                                    f"not on {target_platform()!r}")
-        item, why = _native_item(x, w, idx, compute_dtype)
-        if implementation == NATIVE and why is not None:
-            raise KernelUnavailable(f"moe_gather_matmul: {why}")
-        if why is None and (implementation == NATIVE or native_gather_ready()):
-            return native.group([item])[0].reshape(*x.shape[:2], -1)
-    impl = resolve("moe_gather_matmul", implementation, _GATHER, accelerated=(PALLAS,))
-    return _GATHER[impl](x, w, idx, compute_dtype=compute_dtype, **_kernel_kw(impl))
+def _native_gather(x, w, idx, *, compute_dtype=None):
+    item, _ = _native_item(x, w, idx, compute_dtype)
+    return native.group([item])[0].reshape(*x.shape[:2], -1)
+
+
+GMM = Op("moe_gmm", GMM_RULE, {REFERENCE: reference.gmm, PALLAS: pallas.gmm})
+GATHER = Op("moe_gather_matmul", GATHER_RULE, {REFERENCE: reference.gather_matmul, PALLAS: pallas.gather_matmul},
+            native=Native(_native_gather, unsupported=lambda x, w, idx, *, compute_dtype=None:
+                          _native_item(x, w, idx, compute_dtype)[1], ready=matvec.native_built))
+
+
+def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None, placement=None):
+    return GMM(x, w, group_sizes, compute_dtype=compute_dtype, implementation=implementation, placement=placement)
+
+
+def native_gather_ready() -> bool:
+    """Whether the automatic choice of :func:`gather_matmul` for float32 operands is the native kernel here (on
+    CPU, built, not turned off). Builds it on first use."""
+    return matvec.native_ready()
+
+
+def gather_matmul(x, w, idx, *, compute_dtype=None, implementation=None, placement=None):
+    return GATHER(x, w, idx, compute_dtype=compute_dtype, implementation=implementation, placement=placement)

@@ -108,16 +108,27 @@ def _pow2_divisor(n: int, target: int, minimum: int) -> int | None:
 
 
 def _blocks(N, K, *, quant, platform, block_n, block_k, k_target=512):
-    """Output and contraction blocks that divide N and K, so the (large) weight arrays are never padded."""
+    """Output and contraction blocks that divide N and K where they can, so the (large) weight arrays are never
+    padded at real sizes; a dimension with no power-of-two factor large enough (the tiny test models' 32-wide
+    MXFP4 experts) takes the smallest block and the wrapper pads it (:func:`_pad_k`)."""
     if platform == "tpu":
         bn = block_n or next((b for b in (512, 256, 128) if N % b == 0), N)
         return bn, K  # whole K per step on TPU (no lane-misaligned slices)
-    bn = block_n or _pow2_divisor(N, 64, 16)
-    bk = block_k or _pow2_divisor(K, k_target, 64 if quant else 16)
-    if bn is None or bk is None:
-        raise ValueError(f"moe_gmm: expert weight dims N={N}, K={K} need power-of-two factors >= 16 for the "
-                         "GPU kernel (pass block_n/block_k, or use implementation='reference')")
+    k_min = 64 if quant else 16
+    bn = block_n or _pow2_divisor(N, 64, 16) or 16
+    bk = block_k or _pow2_divisor(K, k_target, k_min) or k_min
     return bn, bk
+
+
+def _pad_k(x, warrs, K, Kp, quant):
+    """Zero columns ``K..Kp`` of the activations and weights (MXFP4: code 0 is +0.0 whatever its scale)."""
+    if Kp == K:
+        return x, warrs
+    x = pad_axis(x, -1, Kp)
+    if quant:
+        packed, scale = warrs
+        return x, (pad_axis(packed, -1, Kp // 2), pad_axis(scale, -1, Kp // GROUP, value=127))
+    return x, tuple(pad_axis(a, -1, Kp) for a in warrs)
 
 
 def _weight_arrays(w, dt):
@@ -171,6 +182,8 @@ def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", inter
     valid = (p // bm < used) & (off < gs[pe])
     src = jnp.where(valid, starts[pe] + off, 0)
     xs = jnp.where(valid[:, None], x_MK[src].astype(dt), jnp.zeros((), dt))  # [n_tiles * bm, K]
+    K0, K = K, round_up(K, bk)
+    xs, warrs = _pad_k(xs, warrs, K0, K, quant)
 
     Np = round_up(N, bn)
     if Np != N:
@@ -260,6 +273,8 @@ def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, platform="gpu", i
     P = Nt * X
     ids = idx_NX.reshape(P).astype(jnp.int32)
     x = x_NXK.reshape(P, 1, K).astype(dt)
+    K0, K = K, round_up(K, bk)
+    x, warrs = _pad_k(x, warrs, K0, K, quant)
     Np = round_up(Nout, bn)
     if Np != Nout:
         warrs = tuple(pad_axis(a, 1, Np) for a in warrs)
