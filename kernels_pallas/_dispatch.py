@@ -5,15 +5,18 @@ when its native CPU kernel applies); calling the op is its public entry. A call 
 
 1. **Chooses the implementation** (:meth:`Op.choose`). Names:
 
-   * ``None`` (automatic): on TPU/GPU the Pallas kernel; on CPU the op's native C++ kernel where it has one, it
-     applies to these operands and it builds (``kernels_pallas/_native.py``), else the reference. When the
-     automatic choice passes over a kernel it logs why (once per op and reason).
+   * ``None`` (automatic): on TPU/GPU the Pallas kernel; on CPU the op's CPU implementations (a native C++
+     kernel, an XLA:CPU-tuned form) where they apply to these operands and were measured faster, and the native
+     kernel builds (``kernels_pallas/_native.py``); else the reference. When the automatic choice passes over a
+     kernel for its operands it logs why (once per op and reason).
    * ``"reference"``: the plain-jnp oracle (``reference.py``); runs anywhere.
    * ``"pallas"``: the Pallas kernel compiled for the target (Triton on GPU, Mosaic on TPU); on CPU it raises.
    * ``"pallas_interpret"``: the same kernel source run by Pallas's interpreter (``interpret=True``) with the GPU
      (Triton) block choices: how CPU tests run kernel code, sharded runs included.
    * ``"cpu_native"``: the C++ kernel for XLA:CPU (ops that have one); anywhere else, or for operands it does not
      take, it raises.
+   * ``"xla_cpu"``: plain XLA written in the form XLA:CPU runs fastest (ops that have one; ``xla_cpu.py`` beside
+     the reference), e.g. few-row products as ``(W x^T)^T``. Same rules as ``"cpu_native"``.
    * op-specific extras (``kda_prefill`` also takes ``"recurrent"``).
 
    An explicitly requested implementation that cannot run raises :class:`KernelUnavailable`: never a silent
@@ -47,6 +50,7 @@ REFERENCE = "reference"
 PALLAS = "pallas"
 INTERPRET = "pallas_interpret"
 NATIVE = "cpu_native"
+XLA_CPU = "xla_cpu"
 
 
 class KernelUnavailable(RuntimeError):
@@ -155,11 +159,11 @@ def target_platform(placement: Placement | None = None) -> str:
     """``"tpu"``, ``"gpu"`` or ``"cpu"``: what the current trace is lowered for."""
     platform = None
     if placement is not None:
-        devices = getattr(placement.mesh, "devices", None)
-        if devices is not None and getattr(devices, "size", 0):
-            platform = devices.flat[0].platform
-        elif getattr(placement.mesh, "abstract_device", None) is not None:
-            platform = placement.mesh.abstract_device.platform
+        mesh = placement.mesh
+        if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+            platform = mesh.devices.flat[0].platform
+        elif getattr(mesh, "abstract_device", None) is not None:
+            platform = mesh.abstract_device.platform
     if platform is None:
         mesh = jax.sharding.get_abstract_mesh()
         device = getattr(mesh, "abstract_device", None)
@@ -168,15 +172,17 @@ def target_platform(placement: Placement | None = None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Native:
-    """An op's native CPU kernel: ``fn`` (the implementation), ``unsupported(*args, **static)`` -> why it cannot
-    take these operands, or None; ``ready()`` -> whether it is built and turned on (builds on first use);
-    ``automatic(**static)`` -> whether the automatic choice may take it for this call's static arguments."""
+class CpuImpl:
+    """A CPU-only implementation of an op: a native C++ kernel (``"cpu_native"``) or an XLA form tuned for
+    XLA:CPU (``"xla_cpu"``). ``unsupported(*args, **static)`` -> why it cannot take these operands, or None;
+    ``ready()`` -> whether it can run (a native kernel builds on first use); ``automatic(*args, **static)`` ->
+    whether the automatic choice takes it for this call (where it was measured faster)."""
 
+    name: str
     fn: Callable
-    unsupported: Callable
-    ready: Callable
-    automatic: Callable = lambda **static: True
+    unsupported: Callable = lambda *args, **static: None
+    ready: Callable = lambda: True
+    automatic: Callable = lambda *args, **static: True
 
 
 _logged: set[tuple[str, str]] = set()
@@ -185,39 +191,53 @@ _logged: set[tuple[str, str]] = set()
 def _passed_over(op: str, why: str) -> None:
     if (op, why) not in _logged:
         _logged.add((op, why))
-        log.info("%s: automatic choice passes over its kernel: %s", op, why)
+        log.info("%s: automatic choice passes over its CPU kernel: %s", op, why)
 
 
 class Op:
     """One kernel op: its implementations, the automatic choice between them, and its partition rule.
 
     ``impls`` maps names to callables ``fn(*args, **static)``; the Pallas entries (``"pallas"``, taken for
-    ``"pallas_interpret"`` too) also receive ``platform=`` and ``interpret=``.
+    ``"pallas_interpret"`` too) also receive ``platform=`` and ``interpret=``. ``cpu``: CPU-only implementations,
+    tried in order by the automatic choice on CPU; with ``rule=None`` they run on one device only (a custom call
+    that GSPMD would partition by gathering its operands, or a form tuned for one device's XLA:CPU).
+    ``plain``: an op of plain XLA products that has no Pallas kernel; a run that asks for the Pallas kernels
+    (``"pallas"`` / ``"pallas_interpret"`` apply to every op of a model) runs its reference there.
     """
 
-    def __init__(self, name: str, rule: Rule | None, impls: dict[str, Callable], native: Native | None = None):
-        self.name, self.rule, self.native = name, rule, native
+    def __init__(self, name: str, rule: Rule | None, impls: dict[str, Callable], cpu: tuple[CpuImpl, ...] = (),
+                 plain: bool = False):
+        self.name, self.rule, self.cpu, self.plain = name, rule, tuple(cpu), plain
         self.impls = dict(impls)
         if PALLAS in self.impls:
             self.impls[INTERPRET] = self.impls[PALLAS]
-        if native is not None:
-            self.impls[NATIVE] = native.fn
+        self.impls.update({c.name: c.fn for c in self.cpu})
+
+    def _cpu_here(self, placement) -> tuple[CpuImpl, ...]:
+        one_device = placement is None or placement.devices == 1
+        return self.cpu if (self.rule is not None or one_device) else ()
+
+    def _automatic(self, platform, args, static, placement) -> str:
+        if platform in ("tpu", "gpu") and PALLAS in self.impls:
+            return PALLAS
+        if platform == "cpu":
+            for c in self._cpu_here(placement):
+                if not c.automatic(*args, **static):
+                    continue
+                why = c.unsupported(*args, **static)
+                if why is None and c.ready():
+                    return c.name
+                if why is not None:
+                    _passed_over(self.name, why)
+        return REFERENCE
 
     def choose(self, implementation: str | None, args=(), static=None, placement: Placement | None = None) -> str:
         """The implementation name this call runs (see the module docstring)."""
         static = static or {}
         platform = target_platform(placement)
-        native_here = self.native is not None and (self.rule is not None or placement is None
-                                                   or placement.devices == 1)
         if implementation is None:
-            if platform in ("tpu", "gpu") and PALLAS in self.impls:
-                return PALLAS
-            if platform == "cpu" and native_here and self.native.automatic(**static):
-                why = self.native.unsupported(*args, **static)
-                if why is None and self.native.ready():
-                    return NATIVE
-                if why is not None:
-                    _passed_over(self.name, why)
+            return self._automatic(platform, args, static, placement)
+        if self.plain and implementation in (PALLAS, INTERPRET):
             return REFERENCE
         if implementation not in self.impls:
             raise KernelUnavailable(f"{self.name}: implementation={implementation!r} is not available "
@@ -226,13 +246,15 @@ class Op:
             raise KernelUnavailable(
                 f"{self.name}: implementation='pallas' needs a TPU or GPU, but the target platform is {platform!r}; "
                 f"use implementation='{INTERPRET}' to run the Pallas kernel in interpret mode on CPU")
-        if implementation == NATIVE:
+        cpu = {c.name: c for c in self.cpu}
+        if implementation in cpu:
             if platform != "cpu":
-                raise KernelUnavailable(f"{self.name}: implementation={NATIVE!r} runs on CPU only, not on {platform!r}")
-            if not native_here:
-                raise KernelUnavailable(f"{self.name}: implementation={NATIVE!r} has no partition rule for a mesh "
-                                        f"of {placement.devices} devices")
-            why = self.native.unsupported(*args, **static)
+                raise KernelUnavailable(f"{self.name}: implementation={implementation!r} runs on CPU only, "
+                                        f"not on {platform!r}")
+            if cpu[implementation] not in self._cpu_here(placement):
+                raise KernelUnavailable(f"{self.name}: implementation={implementation!r} has no partition rule for "
+                                        f"a mesh of {placement.devices} devices")
+            why = cpu[implementation].unsupported(*args, **static)
             if why is not None:
                 raise KernelUnavailable(f"{self.name}: {why}")
         return implementation

@@ -17,9 +17,10 @@ from flax import nnx
 import kernels_pallas.attention as attn_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
+from kernels_pallas import matvec
 from kimi_jax.cache import KDACache, KVCache, MLACache
 from kimi_jax.config import GQAConfig, KDAConfig, MLAConfig
-from kimi_jax.layers import F32, RunConfig, cpu_skinny, linear, linear_group, param, rms_norm
+from kimi_jax.layers import F32, RunConfig, linear, linear_group, param, rms_norm
 
 
 class Step(NamedTuple):
@@ -149,28 +150,6 @@ class KDA(nnx.Module):
 # -- gated NoPE MLA ---------------------------------------------------------------------------------------
 
 
-def _per_head_product(x_BTHI, w_HIO, run: RunConfig, *, transpose_w: bool):
-    """``x_h @ w_h`` per head (``x_h @ w_h.T`` with ``transpose_w``, ``w`` then ``[H, O, I]``) -> ``[B, T, H, O]`` f32.
-
-    For a few rows on XLA:CPU the products are written heads-first with the weight as the left operand when it
-    is transposed (the ``w @ x.T`` form of :func:`kimi_jax.layers.linear`): as plain einsums XLA:CPU runs these
-    batched products 3-4x slower at 8 rows (batch-8 decode of the benchmark model: ~2.2 ms per MLA layer).
-    """
-    B, T, H, _ = x_BTHI.shape
-    if not cpu_skinny(B * T, run):
-        spec = "bthi,hoi->btho" if transpose_w else "bthi,hio->btho"
-        return jnp.einsum(spec, x_BTHI, w_HIO, precision=run.precision, preferred_element_type=F32)
-    x_NHI = x_BTHI.reshape(B * T, H, -1)
-    if transpose_w:
-        x_HIN = jnp.transpose(x_NHI, (1, 2, 0))
-        y_HON = jnp.einsum("hoi,hin->hon", w_HIO, x_HIN, precision=run.precision, preferred_element_type=F32)
-        y_HNO = jnp.swapaxes(jax.lax.optimization_barrier(y_HON), 1, 2)
-    else:
-        y_HNO = jnp.einsum("hni,hio->hno", jnp.moveaxis(x_NHI, 1, 0), w_HIO, precision=run.precision,
-                           preferred_element_type=F32)
-    return jnp.moveaxis(y_HNO, 0, 1).reshape(B, T, H, -1)
-
-
 class MLA(nnx.Module):
     def __init__(self, cfg: MLAConfig, *, param_dtype, rngs):
         self.cfg = cfg
@@ -211,14 +190,12 @@ class MLA(nnx.Module):
             # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
             # kv_b (zero-padded q_nope; the unused nope outputs dropped): slicing W_UK / W_UV out of it would copy
             # them every decode step, which costs more than the extra multiply-adds.
-            # (q_nope is in the run dtype already, so a run-dtype product with f32 accumulation is exact; XLA:CPU
-            # has no bf16 x bf16 -> f32 batched dot, and the f32 product of the same bf16 values is identical.)
-            mm_dt = F32 if jax.default_backend() == "cpu" else run.dtype
-            q_pad = jnp.pad(q_nope.astype(mm_dt), [(0, 0)] * 3 + [(0, U)])
-            q_lat = _per_head_product(q_pad, w_kvb.astype(mm_dt), run, transpose_w=False)
+            heads = dict(implementation=run.implementation, precision=run.precision, placement=run.placement)
+            q_pad = jnp.pad(q_nope, [(0, 0)] * 3 + [(0, U)])
+            q_lat = matvec.per_head(q_pad, w_kvb.astype(run.dtype), transpose_w=False, **heads)
             u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
                                           implementation=run.implementation, placement=run.placement)
-            o = _per_head_product(u, w_kvb.astype(F32), run, transpose_w=True)[..., N:]
+            o = matvec.per_head(u, w_kvb.astype(F32), transpose_w=True, **heads)[..., N:]
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, N + U)
             # nope and rope parts scored separately (192 = 128 + 64 is not a power of two for Triton); the

@@ -20,29 +20,26 @@ from kimi_jax.config import MLPConfig
 F32 = jnp.float32
 
 
-def _default_kda_chunk() -> int:
-    # On XLA:CPU the recurrence beats the chunked form ~20x at 512 tokens (the chunk's [C, C, K] decay
-    # tensors dominate) and compiles ~6x faster; accelerators want the matmul-shaped chunks.
-    return 1 if jax.default_backend() == "cpu" else 64
-
-
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """How to run a model (not what it is): activation dtype and kernel choices. Hashable, static under jit.
 
-    ``implementation`` applies to every kernel op (attention, mla, kda, moe); ``None`` = automatic (reference
-    on CPU, Pallas on TPU/GPU), or one of the names the kernel packages offer (``"reference"``, ``"pallas"``).
+    ``implementation`` applies to every op of ``kernels_pallas`` (attention, mla, kda, moe, the products); ``None``
+    = automatic (Pallas on TPU/GPU; on CPU the native and XLA:CPU-tuned forms where they apply, else the
+    reference), or one of the names the ops offer (``"reference"`` runs every op's plain-jnp oracle, ``"pallas"``,
+    ``"pallas_interpret"``; see ``kernels_pallas/_dispatch.py``).
     ``moe_path``: ``"auto"`` gathers the chosen experts' weights when there are fewer (token, expert) pairs than
-    experts (decode) and sorts tokens into a grouped matmul otherwise (prefill); on the CPU reference path with
-    float experts, batches in between run every expert on every token (``"dense"``, see ``Experts._auto_path``).
+    experts (decode) and sorts tokens into a grouped matmul otherwise (prefill); on XLA:CPU with float32 experts,
+    batches in between run every expert on every token (``"dense"``, :func:`kernels_pallas.moe_gmm.expert_path`).
     ``parallel``: a :class:`kimi_jax.sharding.Parallel` (mesh + layout) for multi-device runs; None = one device.
-    ``kda_chunk``: chunk of the reference (plain-jnp) KDA prefill; 1 runs the token-by-token recurrence. Default:
-    1 on CPU, 64 elsewhere (the Pallas kernels tile time themselves and ignore it).
+    ``kda_chunk``: chunk of the reference (plain-jnp) KDA prefill; 1 runs the token-by-token recurrence; None (the
+    default) leaves it to the op (the recurrence on CPU, 64 in the reference; the Pallas kernels tile time
+    themselves).
     """
 
     dtype: jnp.dtype = jnp.bfloat16
     implementation: str | None = None
-    kda_chunk: int = dataclasses.field(default_factory=lambda: _default_kda_chunk())
+    kda_chunk: int | None = None
     moe_path: str = "auto"  # "auto" | "gather" | "sorted" | "dense"
     parallel: object = None  # kimi_jax.sharding.Parallel | None
 
@@ -86,58 +83,17 @@ def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02) ->
 # -- math helpers ----------------------------------------------------------------------------------------
 
 
-# Up to this many rows, XLA:CPU computes ``x @ w.T`` faster as ``(w @ x.T).T`` (measured in float32: 2-3x for
-# 2..16 rows, i.e. batched decode, where its GEMM packs the whole weight for a handful of rows; equal at 1 row and
-# >= 64). Float32 only: XLA:CPU has no standalone bf16 x bf16 -> f32 dot to run the barrier-isolated product.
-_CPU_SKINNY_ROWS = 32
-
-
-def cpu_float32(run: "RunConfig") -> bool:
-    """A single-device float32 run on XLA:CPU: where the CPU-specific product forms below apply."""
-    return jnp.dtype(run.dtype) == F32 and run.parallel is None and jax.default_backend() == "cpu"
-
-
-def cpu_skinny(rows: int, run: "RunConfig") -> bool:
-    return 1 < rows <= _CPU_SKINNY_ROWS and cpu_float32(run)
-
-
-# Up to this many rows, float32 products on XLA:CPU run through the grouped native kernel (kernels_pallas.matvec)
-# where the model has several products to run at once: decode at batch 1.
-_NATIVE_ROWS = 1
-
-
-def native_products(rows: int, run: "RunConfig") -> bool:
-    """Whether products of ``rows`` rows run as grouped native calls: decode-shaped, float32, one CPU device, the
-    automatic kernel choice, and the native kernel builds here."""
-    return rows <= _NATIVE_ROWS and cpu_float32(run) and run.implementation is None and matvec.native_ready()
-
-
-def w_xT(w_FD, x_ND, run: "RunConfig"):
-    """``w @ x.T`` -> ``[F, N]`` float32, kept in that orientation (the barrier stops XLA from folding a later
-    transpose back into an ``x @ w.T`` product)."""
-    y = jnp.einsum("fd,nd->fn", w_FD, x_ND, preferred_element_type=F32, precision=run.precision)
-    return jax.lax.optimization_barrier(y)
-
-
 def linear(x, w, run: RunConfig):
     """``x @ w.T`` for a checkpoint-layout weight ``w [out, in]``; f32 accumulate, output in the run dtype."""
-    x, w = x.astype(run.dtype), w.astype(run.dtype)
-    rows = x.size // x.shape[-1]
-    if cpu_skinny(rows, run):
-        return w_xT(w, x.reshape(rows, -1), run).T.reshape(*x.shape[:-1], w.shape[0]).astype(run.dtype)
-    y = jnp.einsum("...d,fd->...f", x, w, preferred_element_type=F32, precision=run.precision)
-    return y.astype(run.dtype)
+    return linear_group([(x, w)], run)[0]
 
 
 def linear_group(pairs, run: RunConfig) -> list:
-    """``[linear(x, w, run) for x, w in pairs]``. In decode on XLA:CPU (:func:`native_products`) one native call
-    streams all the weights: launched one by one, XLA:CPU's products of 0.5-1 MB ran at half the rate of the large
-    ones (``kernels_pallas/matvec``)."""
-    rows = {x.size // x.shape[-1] for x, _ in pairs}
-    if len(rows) == 1 and native_products(next(iter(rows)), run):
-        outs = matvec.group([(x.reshape(-1, x.shape[-1]).astype(F32), w.astype(F32), None) for x, w in pairs])
-        return [y.reshape(*x.shape[:-1], -1).astype(run.dtype) for y, (x, _) in zip(outs, pairs)]
-    return [linear(x, w, run) for x, w in pairs]
+    """``[linear(x, w, run) for x, w in pairs]`` as one call of the grouped-product op
+    (:func:`kernels_pallas.matvec.group`), which may stream them together (decode on CPU)."""
+    items = [(x.reshape(-1, x.shape[-1]).astype(run.dtype), w.astype(run.dtype), None) for x, w in pairs]
+    outs = matvec.group(items, implementation=run.implementation, precision=run.precision, placement=run.placement)
+    return [y.reshape(*x.shape[:-1], -1).astype(run.dtype) for y, (x, _) in zip(outs, pairs)]
 
 
 def rms_norm(x, w, eps, run: RunConfig):

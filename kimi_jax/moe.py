@@ -17,8 +17,7 @@ from kernels_pallas import matvec
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
 from kimi_jax import expert_parallel
 from kimi_jax.config import MoEConfig
-from kimi_jax.layers import F32, MLP, RunConfig, cpu_float32, cpu_skinny, glu, linear, native_products, param, \
-    rms_norm, w_xT
+from kimi_jax.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -67,19 +66,9 @@ class Experts(nnx.Module):
         return getattr(self, name)[...]
 
     def _auto_path(self, pairs: int, run: RunConfig) -> str:
-        """Decode-shaped batches gather the chosen experts' weights; prefill-shaped ones sort tokens by expert.
-        On XLA:CPU with float32 weights, batches in between run every expert densely: each expert is read once,
-        and the wasted products cost less than the per-slot loop. With the plain-jnp gather (which copies each
-        chosen expert) that starts at 3/4 pairs per expert (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts);
-        with the native gather kernel (``kernels_pallas/matvec/native.cc``), past one pair per expert (batch-8
-        decode of the benchmark model, 16 pairs / 16 experts: 69 vs 79 ms per step gathered vs dense)."""
-        E = self.cfg.num_experts
-        cpu_dense = self.cfg.quant != "mxfp4" and cpu_float32(run) and run.implementation in (None, "reference")
-        if cpu_dense:
-            native = run.implementation is None and gmm_kernels.native_gather_ready()
-            gather = pairs <= E if native else 4 * pairs < 3 * E
-            return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
-        return "gather" if pairs <= E else "sorted"
+        float32 = self.cfg.quant != "mxfp4" and jnp.dtype(run.dtype) == F32
+        return gmm_kernels.expert_path(pairs, self.cfg.num_experts, float32=float32, implementation=run.implementation,
+                                       placement=run.placement)
 
     def path(self, pairs: int, run: RunConfig) -> str:
         return run.moe_path if run.moe_path != "auto" else self._auto_path(pairs, run)
@@ -107,22 +96,10 @@ class Experts(nnx.Module):
         if path == "dense":
             if c.quant == "mxfp4":
                 raise ValueError("moe_path='dense' needs float expert weights (MXFP4 experts use 'gather' or 'sorted')")
-            # every expert on every token, each expert read once; on CPU in float32 the products run weight rows
-            # first (W @ z^T), which XLA:CPU computes 2-3x faster than z @ W^T for a handful of rows
-            E, F, L = c.num_experts, c.expert_intermediate, c.expert_in
-            z = z_NL.astype(run.dtype)
-            if cpu_skinny(N, run):
-                up = lambda w_EFL: w_xT(w_EFL.astype(run.dtype).reshape(E * F, L), z, run).reshape(E, F, N)
-                h = act(up(w["w1"]), up(w["w3"]))  # [E, F, N]
-                y = jax.lax.optimization_barrier(jnp.einsum(
-                    "elf,enf->eln", w["w2"].astype(run.dtype), jnp.swapaxes(h, 1, 2),
-                    preferred_element_type=F32, precision=run.precision))  # [E, L, N]
-                y = jnp.swapaxes(y, 1, 2)  # [E, N, L]
-            else:
-                mm = lambda spec, a, b: jnp.einsum(spec, a, b.astype(run.dtype), preferred_element_type=F32,
-                                                   precision=run.precision)
-                h = act(mm("nl,efl->enf", z, w["w1"]), mm("nl,efl->enf", z, w["w3"]))  # [E, N, F]
-                y = mm("enf,elf->enl", h, w["w2"])
+            # every expert on every token, each expert read once
+            y = gmm_kernels.dense_experts(z_NL.astype(run.dtype), w["w1"], w["w3"], w["w2"], act=act,
+                                          compute_dtype=run.dtype, precision=run.precision,
+                                          implementation=run.implementation)  # [E, N, L]
             return y[idx_NX, jnp.arange(N)[:, None]].astype(run.dtype)  # [N, X, L]
         if path == "gather":
             zx = jnp.broadcast_to(z_NL[:, None], (N, X, z_NL.shape[-1]))
@@ -165,10 +142,8 @@ class MoE(nnx.Module):
         shared = None
         if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/expert_parallel.py)
             out = expert_parallel.routed_experts(self.experts, z, idx, run)
-        elif self._native_decode(idx, run):
-            out, shared = self._native_experts(x, z, idx, run)
         else:
-            out = self.experts(z, idx, run)  # [N, X, L]
+            out, shared = self._grouped_decode(x, z, idx, run) or (self.experts(z, idx, run), None)  # [N, X, L]
         u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
         if c.latent is not None:
             if c.latent_norm:
@@ -179,27 +154,29 @@ class MoE(nnx.Module):
             u = (u + shared).astype(run.dtype)
         return u.reshape(B, T, D), (idx.reshape(B, T, -1), w.reshape(B, T, -1))
 
-    def _native_decode(self, idx_NX, run: RunConfig) -> bool:
-        """Decode on XLA:CPU with float32 experts that are gathered: routed and shared experts run together."""
-        N, X = idx_NX.shape
-        return self.cfg.quant != "mxfp4" and native_products(N, run) and self.experts.path(N * X, run) == "gather"
-
-    def _native_experts(self, x_ND, z_NL, idx_NX, run: RunConfig):
-        """The chosen experts and the shared experts as two grouped native calls (up projections, then down
-        projections; ``kernels_pallas/matvec``). Returns (routed ``[N, X, L]``, shared ``[N, D]`` or None)."""
+    def _grouped_decode(self, x_ND, z_NL, idx_NX, run: RunConfig):
+        """Gathered float experts whose products the grouped-product op runs as one native call (decode on CPU):
+        the chosen experts and the shared experts as two such calls, up projections then down projections
+        (:mod:`kernels_pallas.matvec`). Returns (routed ``[N, X, L]``, shared ``[N, D]`` or None), or None when
+        the op would not run them that way (then each part runs on its own)."""
         N, X = idx_NX.shape
         ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
-        ids = idx_NX.reshape(N * X)
-        zx = jnp.broadcast_to(z_NL.astype(F32)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
-        items = [(zx, ex.weight("w1"), ids), (zx, ex.weight("w3"), ids)]
+        if self.cfg.quant == "mxfp4" or ex.path(N * X, run) != "gather":
+            return None
+        dt, ids = run.dtype, idx_NX.reshape(N * X)
+        zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
+        items = [(zx, ex.weight("w1").astype(dt), ids), (zx, ex.weight("w3").astype(dt), ids)]
         if sh is not None:
-            xs = x_ND.astype(F32)
-            items += [(xs, sh.gate_proj[...].astype(F32), None), (xs, sh.up_proj[...].astype(F32), None)]
-        up = matvec.group(items)
-        items = [(ex.act(up[0], up[1], run).astype(F32), ex.weight("w2"), ids)]
+            xs = x_ND.astype(dt)
+            items += [(xs, sh.gate_proj[...].astype(dt), None), (xs, sh.up_proj[...].astype(dt), None)]
+        kw = dict(implementation=run.implementation, placement=run.placement)
+        if not matvec.fuses(items, **kw):
+            return None
+        up = matvec.group(items, **kw)
+        items = [(ex.act(up[0], up[1], run).astype(dt), ex.weight("w2").astype(dt), ids)]
         if sh is not None:
             hs = glu(up[2], up[3], sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)
-            items.append((hs.astype(F32), sh.down_proj[...].astype(F32), None))
-        down = matvec.group(items)
-        routed = down[0].reshape(N, X, -1).astype(run.dtype)
-        return routed, (down[1].astype(run.dtype) if sh is not None else None)
+            items.append((hs.astype(dt), sh.down_proj[...].astype(dt), None))
+        down = matvec.group(items, **kw)
+        routed = down[0].reshape(N, X, -1).astype(dt)
+        return routed, (down[1].astype(dt) if sh is not None else None)

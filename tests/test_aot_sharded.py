@@ -83,3 +83,27 @@ def test_sharded_model_compiles_with_pallas_kernels(case):
 @pytest.mark.parametrize("case", SLOW, ids=["-".join(c) for c in SLOW])
 def test_every_layout_compiles(case):
     _check(case)
+
+
+def test_generator_programs_compile_for_tpu():
+    """The public generation path's two programs (``kimi_jax.generate.prefill`` and the ``while_loop`` of
+    ``decode``, what ``Generator`` runs) compile for a TPU v5e 2x2 with the sharded tiny K3's abstract weights."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kimi_jax.generate import STOP_SLOTS, Sampling, decode, prefill
+
+    cfg = config.from_dict(MODELS["k3"]())
+    t = aot.parse_target(TARGETS["tpu"])
+    m = aot.target_mesh(t, *MESHES["mix"])
+    graphdef, params, ids, cache, _ = plan._abstract_step_inputs(cfg, m, "tp_ep", BATCH, 16, CACHE, jnp.bfloat16, None)
+    rep = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(m, P()))
+    samp = Sampling(temperature=rep((BATCH,), jnp.float32), top_k=rep((BATCH,), jnp.int32),
+                        top_p=rep((BATCH,), jnp.float32), budget=rep((BATCH,), jnp.int32),
+                        stop=rep((STOP_SLOTS,), jnp.int32), seed=rep((), jnp.uint32))
+    lengths = jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=NamedSharding(m, P(ids.sharding.spec[0])))
+    with jax.sharding.use_abstract_mesh(m.abstract_mesh), jax.set_mesh(m):
+        pre = prefill.lower(graphdef, params, cache, ids, lengths, samp, out_len=CACHE).compile()
+        state = jax.eval_shape(lambda *a: prefill(*a, out_len=CACHE), graphdef, params, cache, ids, lengths, samp)
+        dec = decode.lower(graphdef, params, state, samp, rep((), jnp.int32)).compile()
+    assert pre.as_text().count(t.marker) == expected_kernels(cfg)
+    assert dec.as_text().count(t.marker) == expected_kernels(cfg)  # one decode step inside the loop body

@@ -78,7 +78,7 @@ def test_gather_matmul_float_weights(E, N, unroll_slots):
     np.testing.assert_allclose(got, np.einsum("nxk,nxfk->nxf", xs, w[idx]), atol=1e-5)
 
 
-def test_kda_chunk_of_one_is_the_recurrence_and_the_cpu_default():
+def test_kda_chunk_of_one_is_the_recurrence_and_the_cpu_choice():
     ks = jax.random.split(jax.random.key(3), 6)
     B, T, H, K = 2, 9, 2, 8
     n = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
@@ -91,7 +91,12 @@ def test_kda_chunk_of_one_is_the_recurrence_and_the_cpu_default():
     o4, s4 = kda_ref.kda_chunked(q, k, v, g, beta, s0, scale=0.3, chunk_size=4)
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o4), atol=1e-5)
     np.testing.assert_allclose(np.asarray(s1), np.asarray(s4), atol=1e-5)
-    assert RunConfig().kda_chunk == (1 if jax.default_backend() == "cpu" else 64)
+    # the model leaves the chunk to the op (RunConfig.kda_chunk None): on CPU it runs the recurrence
+    assert RunConfig().kda_chunk is None
+    from kernels_pallas import kda
+
+    assert kda.PREFILL.choose(None, (q, k, v, g, beta, s0), {"chunk_size": None}) in ("cpu_native", "xla_cpu")
+    assert kda.PREFILL.choose("reference", (q, k, v, g, beta, s0), {"chunk_size": None}) == "reference"
 
 
 @pytest.mark.parametrize("act", ["silu", "situ"])
@@ -134,12 +139,12 @@ def test_expert_paths_agree_with_numpy(act):
         got = ex(jnp.asarray(z, jnp.bfloat16), jnp.asarray(idx), RunConfig(dtype=jnp.bfloat16, moe_path=path))
         want = oracle(z, idx)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.03 * np.abs(want).max(), err_msg=path)
-    if jax.default_backend() == "cpu":  # 8 experts: gather below 6 pairs (to 8 with the native kernel), dense up
-        # to 16, sorted beyond
-        ref = RunConfig(dtype=jnp.float32, implementation="reference")
-        assert [ex._auto_path(p, ref) for p in (2, 5, 6, 16, 17)] == ["gather", "gather", "dense", "dense", "sorted"]
-        assert [ex._auto_path(p, run) for p in (2, 6, 8, 9, 16, 17)] == \
-            ["gather", "gather", "gather", "dense", "dense", "sorted"]
+    # 8 experts on CPU: gather up to 8 pairs with the native kernel, dense up to 16, sorted beyond; the
+    # reference: gather up to one pair per expert, sorted beyond (dense is an XLA:CPU form, not the oracle's)
+    ref = RunConfig(dtype=jnp.float32, implementation="reference")
+    assert [ex._auto_path(p, ref) for p in (2, 5, 8, 9, 17)] == ["gather", "gather", "gather", "sorted", "sorted"]
+    assert [ex._auto_path(p, run) for p in (2, 6, 8, 9, 16, 17)] == \
+        ["gather", "gather", "gather", "dense", "dense", "sorted"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 32, 33])
@@ -160,16 +165,18 @@ def test_linear_skinny_form_matches_numpy(rows):
 @pytest.mark.parametrize("rows", [(1, 1), (8, 1), (2, 3), (3, 40)])  # (B, T): one row, skinny rows, many rows
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_mla_per_head_products_match_numpy(rows, transpose_w):
-    """The absorbed-MLA per-head products (heads-first skinny form on CPU float32, einsum otherwise)."""
-    from kimi_jax.attention import _per_head_product
+    """The absorbed-MLA per-head products: the heads-first form for a few rows on CPU (xla_cpu), the plain einsum
+    (reference), both against numpy."""
+    from kernels_pallas import matvec
 
     B, T = rows
     rng = np.random.default_rng(B * 100 + T)
     x = rng.standard_normal((B, T, 4, 24)).astype(np.float32)
     w = rng.standard_normal((4, 24, 40) if not transpose_w else (4, 40, 24)).astype(np.float32) / 5
-    run = RunConfig(dtype=jnp.float32)
-    got = np.asarray(jax.jit(lambda a, b: _per_head_product(a, b, run, transpose_w=transpose_w))(x, w))
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     want = np.einsum("bthi,hoi->btho" if transpose_w else "bthi,hio->btho", x64, w64)
-    assert got.shape == (B, T, 4, 40)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    for impl in (None, "xla_cpu", "reference"):
+        f = lambda a, b: matvec.per_head(a, b, transpose_w=transpose_w, implementation=impl)  # noqa: B023
+        got = np.asarray(jax.jit(f)(x, w))
+        assert got.shape == (B, T, 4, 40)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=str(impl))

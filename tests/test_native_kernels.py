@@ -163,23 +163,28 @@ def _flat(items):
 
 @pytest.mark.parametrize("S", [1, 3])
 def test_group_matches_numpy(S):
-    """Every item of one call, plain and stacked, against float64 numpy; the automatic choice lowers all of them to
-    a single native call, and the reference agrees."""
+    """Every item of one call, plain and stacked, against float64 numpy: the native kernel runs all of them as one
+    call, and the reference and the XLA:CPU forms agree. The automatic choice takes the native kernel for
+    one-row items (decode at batch 1) and the XLA:CPU forms for a few rows."""
     rng = np.random.default_rng(S)
     items = _items(rng, S)
     structure = [ids is not None for _, _, ids in items]
-    f = _group_fn(structure)
+    f = _group_fn(structure, implementation="cpu_native")
     hlo = f.lower(*_flat(items)).as_text()
     assert hlo.count(f"kimi_jax_{native.SYMBOL}") == 1, "one native call for the whole group"
+    auto = _group_fn(structure).lower(*_flat(items)).as_text()
+    assert auto.count(f"kimi_jax_{native.SYMBOL}") == (1 if S == 1 else 0)
+    xla = [np.asarray(g) for g in _group_fn(structure, implementation="xla_cpu")(*_flat(items))]
     got = [np.asarray(g) for g in f(*_flat(items))]
     ref = [np.asarray(g) for g in _group_fn(structure, implementation="reference")(*_flat(items))]
     assert f"kimi_jax_{native.SYMBOL}" not in _group_fn(structure, implementation="reference").lower(
         *_flat(items)).as_text()
-    for (x, w, ids), g, r in zip(items, got, ref):
+    for (x, w, ids), g, r, c in zip(items, got, ref, xla):
         want = _want(x, w, ids)
         assert g.shape == want.shape and g.dtype == np.float32
         np.testing.assert_allclose(g, want, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
         np.testing.assert_allclose(g, r, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
+        np.testing.assert_allclose(c, want, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
 
 
 def test_group_errors():
@@ -194,8 +199,10 @@ def test_group_errors():
         jax.block_until_ready(f(x, w, x, stack, np.array([-1], np.int32)))
     with pytest.raises(KernelUnavailable, match="bfloat16"):
         _group_fn([False], implementation="cpu_native").lower(x, w.astype(jnp.bfloat16))
-    with pytest.raises(KernelUnavailable, match="implementation='pallas' is not available"):
-        _group_fn([False], implementation="pallas").lower(x, w)
+    with pytest.raises(KernelUnavailable, match="implementation='triton' is not available"):
+        _group_fn([False], implementation="triton").lower(x, w)
+    # no Pallas product kernel: a model run that asks for the Pallas kernels gets the plain products here
+    assert f"kimi_jax_{native.SYMBOL}" not in _group_fn([False], implementation="pallas").lower(x, w).as_text()
     # bfloat16 items under the automatic choice: the reference, no native call
     assert "kimi_jax_" not in _group_fn([False]).lower(x, w.astype(jnp.bfloat16)).as_text()
 

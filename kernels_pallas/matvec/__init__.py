@@ -1,25 +1,36 @@
-"""Decode-shaped matrix-vector products, several per call: ``group([(x, w, ids), ...])``.
+"""Decode-shaped products: ``group([(x, w, ids), ...])`` (several products per call) and ``per_head`` (absorbed
+MLA's per-head products).
 
-Each item is ``x [S, K]`` with ``w [N, K]`` (a plain weight, checkpoint layout ``[out, in]``) and ``ids=None``, or
-``w [E, N, K]`` (an expert stack) with ``ids [S]`` choosing a matrix per row: ``out[s] = w[ids[s]] @ x[s]``. Each
-result is ``[S, N]`` float32.
+Each item of a group is ``x [S, K]`` with ``w [N, K]`` (a plain weight, checkpoint layout ``[out, in]``) and
+``ids=None``, or ``w [E, N, K]`` (an expert stack) with ``ids [S]`` choosing a matrix per row:
+``out[s] = w[ids[s]] @ x[s]``. Each result is ``[S, N]`` float32, accumulated in float32 from the operands' dtype.
 
-This is a CPU kernel. At a handful of rows (decode) every product streams its weight once, so the step's time is
-memory bandwidth, and XLA:CPU leaves some of it unused: launched one by one, products of 0.5-1 MB ran at about half
-the rate of the large ones, and a chosen expert is first copied out of its stack. The native kernel (``native.cc``,
-built on first use by :mod:`kernels_pallas._native`) reads every weight in place and streams all the items of a
-call as one piece of work split over the threads. It is the automatic choice on CPU for float32 operands when it
-builds; elsewhere (and with ``implementation="reference"``) the items run one by one as plain-jnp products.
+At a handful of rows (decode) every product streams its weight once, so the step's time is memory bandwidth, and
+XLA:CPU leaves some of it unused. Two CPU implementations, the automatic choice on CPU for float32 operands:
 
-No partition rule: on a mesh of several devices the items run as plain-jnp products that GSPMD partitions (the
-weights' own shardings decide), and the native kernel is not chosen there.
+* ``"cpu_native"`` (``native.cc``, built on first use by :mod:`kernels_pallas._native`): reads every weight in
+  place (a chosen expert too, where XLA copies it out of its stack first) and streams all the items of a call as
+  one piece of work split over the threads (launched one by one, XLA:CPU's products of 0.5-1 MB ran at about half
+  the rate of the large ones). Chosen when every plain item has one row (grouping at 8 rows gained nothing) and
+  the call holds several items or an expert item (a single plain product streams as fast under XLA: measured on
+  the output projections and the lm_head).
+* ``"xla_cpu"`` (``xla_cpu.py``): the few-row (2..32) products weight first.
+
+Elsewhere, and with ``implementation="reference"``, each item is a plain-jnp product. No partition rule: on a mesh
+of several devices the products are plain XLA that GSPMD partitions (the weights' own shardings decide), and the
+CPU implementations are not chosen there. The ops have no Pallas kernel: a run that asks for the Pallas kernels
+runs the reference here.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from kernels_pallas import _native
-from kernels_pallas._dispatch import REFERENCE, Native, Op, target_platform
-from kernels_pallas.matvec import native, reference
+from kernels_pallas._dispatch import NATIVE, REFERENCE, XLA_CPU, CpuImpl, Op, target_platform
+from kernels_pallas.matvec import native, reference, xla_cpu
+
+_F32 = jnp.float32
 
 
 def native_built() -> bool:
@@ -32,17 +43,48 @@ def native_ready() -> bool:
     return target_platform() == "cpu" and native_built()
 
 
-OP = Op("matvec", None, {REFERENCE: lambda items, *, precision=None: reference.group(items, precision=precision)},
-        native=Native(lambda items, *, precision=None: native.group(items),
-                      unsupported=lambda items, **_: native.unsupported(items), ready=native_built))
+def _float32(items) -> str | None:
+    for x, w, _ in items:
+        if not hasattr(w, "dtype") or jnp.dtype(w.dtype) != _F32 or jnp.dtype(x.dtype) != _F32:
+            return "operands other than float32 (XLA:CPU has no fast bf16 x bf16 -> f32 product to reorient)"
+    return None
+
+
+def _native_automatic(items, **_) -> bool:
+    if any(ids is None and x.shape[0] > 1 for x, _, ids in items):  # grouping plain products of 8 rows: no gain
+        return False
+    return len(items) > 1 or items[0][2] is not None
+
+
+GROUP = Op("matvec", None, {REFERENCE: reference.group}, plain=True, cpu=(
+    CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native_built,
+            unsupported=lambda items, **_: native.unsupported(items), automatic=_native_automatic),
+    CpuImpl(XLA_CPU, xla_cpu.group, unsupported=lambda items, **_: _float32(items),
+            automatic=lambda items, **_: any(ids is None and xla_cpu.skinny(x.shape[0]) for x, _, ids in items)),
+))
+PER_HEAD = Op("matvec_per_head", None, {REFERENCE: reference.per_head}, plain=True,
+              cpu=(CpuImpl(XLA_CPU, xla_cpu.per_head),))
+
+
+def fuses(items, *, implementation=None, placement=None) -> bool:
+    """Whether :func:`group` would stream these items as one call (the native kernel): callers that could put
+    more products into the same call ask first."""
+    return GROUP.choose(implementation, ([(x, w, ids) for x, w, ids in items],), {}, placement) == NATIVE
 
 
 def group(items, *, implementation=None, precision=None, placement=None):
     """``[w @ x_s (or w[ids[s]] @ x_s) for each item]`` as float32 ``[S, N]`` arrays.
 
-    ``implementation``: None (native kernel on CPU for float32 items when it builds, else reference),
-    ``"reference"``, or ``"cpu_native"`` (raises :class:`KernelUnavailable` where it cannot run).
-    ``precision`` applies to the reference products.
+    ``implementation``: None (automatic, see the module docstring), ``"reference"``, ``"xla_cpu"`` or
+    ``"cpu_native"`` (these two raise :class:`KernelUnavailable` where they cannot run). ``precision`` applies to
+    the XLA products.
     """
     items = [(x, w, ids) for x, w, ids in items]
-    return OP(items, implementation=implementation, placement=placement, precision=precision)
+    return GROUP(items, implementation=implementation, placement=placement, precision=precision)
+
+
+def per_head(x_BTHI, w, *, transpose_w: bool, implementation=None, precision=None, placement=None):
+    """``x_h @ w_h`` per head (``w [H, I, O]``), or ``x_h @ w_h.T`` with ``transpose_w`` (``w [H, O, I]``) ->
+    ``[B, T, H, O]`` float32."""
+    return PER_HEAD(x_BTHI, w, transpose_w=transpose_w, implementation=implementation, precision=precision,
+                    placement=placement)

@@ -91,3 +91,14 @@ def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, unroll_slots=16):
     out = jax.lax.fori_loop(0, N * X, lambda s, out: out.at[s].set(product(s)),
                             jnp.zeros((N * X, w_ENK.shape[1]), _F32))
     return out.reshape(N, X, -1)
+
+
+def dense_experts(z_NL, w1_EFL, w3_EFL, w2_ELF, *, act, compute_dtype=None, precision=None):
+    """Every expert on every token: ``[E, N, L]`` float32 (the caller picks each token's experts out of it).
+
+    ``act(a, b)`` is the GLU on the two up projections (float32 in, compute dtype out)."""
+    dt = compute_dtype or z_NL.dtype
+    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(dt), b.astype(dt), preferred_element_type=_F32,
+                                       precision=precision)
+    h = act(mm("nl,efl->enf", z_NL, w1_EFL), mm("nl,efl->enf", z_NL, w3_EFL))  # [E, N, F]
+    return mm("enf,elf->enl", h, w2_ELF)
