@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax.numpy as jnp
 from flax import nnx
@@ -372,7 +373,13 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
     out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp", "generated_code")}
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out["compile_seconds"] = seconds
+    out["pallas_calls"] = _pallas_calls(compiled.as_text())
     return out
+
+
+def _pallas_calls(text: str) -> int:
+    """Compiled Pallas kernels in a program's text: Mosaic (TPU) and Triton (GPU) custom calls."""
+    return len(re.findall(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)"', text))
 
 
 def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation):
@@ -499,8 +506,8 @@ def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:
         what = f"does NOT fit ({r['hbm'] / GB:.2f} GB HBM)" if r["oom"] else "did NOT compile"
         return f"{title}: {what}: {r['error']}"
     verdict = "fits" if r["fits"] else "does NOT fit"
-    lines = [f"{title}: compiled in {r['compile_seconds']:.1f} s, {verdict} ({r['peak'] / GB:.3f} GB peak of "
-             f"{r['hbm'] / GB:.2f} GB)",
+    lines = [f"{title}: compiled in {r['compile_seconds']:.1f} s, {r['pallas_calls']} Pallas kernel calls, "
+             f"{verdict} ({r['peak'] / GB:.3f} GB peak of {r['hbm'] / GB:.2f} GB)",
              f"  {'per device':<40}{'plan':>12}{'compiler':>12}{'plan/compiler':>15}"]
     rows = [("arguments (parameters + cache + ids)", plan_args, r["argument"]),
             ("activations (temp + outputs - aliased)", plan_act, r["temp"] + r["output"] - r["alias"]),
