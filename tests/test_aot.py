@@ -187,9 +187,9 @@ def test_plan_compile_sharded_reference(capsys):
     assert _kernel_calls(out) == [0], out  # --kernels reference: no Pallas kernel anywhere
 
 
-@pytest.mark.xfail(strict=False, reason="until the op layer lands: Mosaic kernels cannot be automatically "
-                                        "partitioned (heads over the model axis)")
 def test_plan_compile_sharded_pallas(capsys):
+    """The default (Pallas) kernels on a sharded TPU mesh: every kernel op runs inside shard_map on its shard
+    (kernels_pallas/_dispatch.py), which Mosaic requires."""
     rc, out, err = _plan(capsys, "--compile", "tpu:v5e:2x2", "--mesh", "expert=2,model=2", *SLICE)
     assert rc == 0, out + err
     assert out.count("compiled in") == 2 and all(n >= 2 for n in _kernel_calls(out)), out
