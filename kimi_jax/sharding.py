@@ -148,7 +148,15 @@ def make_mesh(data: int = 1, expert: int = 1, model: int = 1, *, devices=None) -
     if n != len(devices):
         raise ShardingError(f"mesh data={data} x expert={expert} x model={model} = {n} devices, "
                             f"but {len(devices)} are available")
-    return jax.make_mesh((data, expert, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    try:
+        return jax.make_mesh((data, expert, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose sides the mesh axes cannot be built from (model=8 on a v5p 4x4x4): let an axis span
+        # parts of two physical axes (``allow_split_physical_axes``) instead of refusing the mesh.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh((data, expert, model), devices, allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def abstract_mesh(data: int = 1, expert: int = 1, model: int = 1) -> jax.sharding.AbstractMesh:

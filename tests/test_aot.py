@@ -139,6 +139,9 @@ def test_target_devices_mesh_and_hbm():
     assert aot.hbm_bytes(h200) == 151397597184  # the target config's device_memory_size (141 GiB)
     with pytest.raises(aot.TargetError, match="refused the topology"):
         aot.target_devices(aot.parse_target("tpu:v5e:3x7"))
+    # model=8 on a 4x4x4 torus spans two physical axes (jax.make_mesh alone refuses it)
+    v5p = aot.target_mesh(aot.parse_target("tpu:v5p:4x4x4"), expert=8, model=8)
+    assert v5p.devices.shape == (1, 8, 8) and len({d.id for d in v5p.devices.flat}) == 64
 
 
 # -- kimi-jax plan --compile -------------------------------------------------------------------------------
