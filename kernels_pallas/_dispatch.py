@@ -85,8 +85,9 @@ class Rule:
     ``split``: the letters that may be split, each with the logical axis whose mesh axes it takes
     (``(("B", "batch"), ("H", "heads"))``). A logical axis takes the longest prefix of its mesh axes (size-1 axes
     left out, none taken by an earlier one) whose product divides every dimension carrying one of its letters
-    (query heads H and kv heads G: one decision); everything else is whole on every device. Split letters must be independent (no reduction runs over them), so the
-    local results are the global ones' shards and no collective is needed.
+    (query heads H and kv heads G: one decision); everything else is whole on every device. Split letters must
+    be independent (no reduction runs over them), so the local results are the global ones' shards and no
+    collective is needed.
     """
 
     args: tuple[str | None, ...]

@@ -50,7 +50,8 @@ def _is_gather(ins, comp_gathers) -> bool:
 
 def _stops(ins) -> bool:
     # matrix-product fusions: kOutput on TPU, kCustom (Triton / cuBLAS GEMMs) on GPU
-    return ins["op"] in _STOP or (ins["op"] == "fusion" and ("kind=kOutput" in ins["line"] or "kind=kCustom" in ins["line"]))
+    matmul = "kind=kOutput" in ins["line"] or "kind=kCustom" in ins["line"]
+    return ins["op"] in _STOP or (ins["op"] == "fusion" and matmul)
 
 
 def gathers_into_kernels(text: str, marker: str) -> dict[str, int]:

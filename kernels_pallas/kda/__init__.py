@@ -69,5 +69,3 @@ def kda_prefill(q, k, v, g, beta, state=None, *, scale, chunk_size=None, impleme
 def kda_decode(q, k, v, g, beta, state, *, scale, implementation=None, placement=None):
     return DECODE(q, k, v, g, beta, state, scale=scale, implementation=implementation, placement=placement)
 
-
-__all__ = ["kda_prefill", "kda_decode", "native_ready", "NATIVE"]

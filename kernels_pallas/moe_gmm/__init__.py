@@ -35,6 +35,10 @@ def _native_item(x, w, idx, compute_dtype):
     return item, native.unsupported([item])
 
 
+def _native_gather_unsupported(x, w, idx, *, compute_dtype=None):
+    return _native_item(x, w, idx, compute_dtype)[1]
+
+
 def _native_gather(x, w, idx, *, compute_dtype=None):
     item, _ = _native_item(x, w, idx, compute_dtype)
     return native.group([item])[0].reshape(*x.shape[:2], -1)
@@ -42,8 +46,7 @@ def _native_gather(x, w, idx, *, compute_dtype=None):
 
 GMM = Op("moe_gmm", GMM_RULE, {REFERENCE: reference.gmm, PALLAS: pallas.gmm})
 GATHER = Op("moe_gather_matmul", GATHER_RULE, {REFERENCE: reference.gather_matmul, PALLAS: pallas.gather_matmul},
-            cpu=(CpuImpl(NATIVE, _native_gather, ready=matvec.native_built,
-                         unsupported=lambda x, w, idx, *, compute_dtype=None: _native_item(x, w, idx, compute_dtype)[1]),))
+            cpu=(CpuImpl(NATIVE, _native_gather, ready=matvec.native_built, unsupported=_native_gather_unsupported),))
 
 
 def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None, placement=None):
