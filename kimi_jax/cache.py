@@ -5,6 +5,10 @@
 * MLA layer: the compressed latent ``c [B, S, R]`` (after kv_a_layernorm) and the shared unrotated key part
   ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer.
 * GQA layer: keys (already rotated) and values ``[B, S, G, K]``.
+
+With scanned layers (:mod:`kimi_jax.layer_plan`) the entries of the scanned run are stacked like their parameters:
+``Cache.stack[j]`` holds position ``j`` of the group for every repetition (leading dimension), and those layers'
+``Cache.layers`` entries are None.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kimi_jax.config import ModelConfig
+from kimi_jax.layer_plan import layer_plan
 
 
 @struct.dataclass
@@ -38,16 +43,26 @@ class KVCache:
 
 @struct.dataclass
 class Cache:
-    layers: tuple  # one of the above per layer
+    layers: tuple  # one of the above per layer (None for a scanned layer)
     lengths: jax.Array  # [B] int32: tokens already in the cache per sequence
+    stack: tuple = ()  # scanned layers: one entry per position of the group, stacked over repetitions [count, ...]
+
+    def entries(self):
+        """``(entry, repetitions)`` for every entry: unrolled layers once, stacked group positions with their
+        repetition count (their arrays carry it as a leading dimension)."""
+        out = [(e, 1) for e in self.layers if e is not None]
+        for e in self.stack:
+            out.append((e, jax.tree.leaves(e)[0].shape[0]))
+        return out
 
     @property
     def max_len(self) -> int:
-        for layer in self.layers:
-            if isinstance(layer, MLACache):
-                return layer.c.shape[1]
-            if isinstance(layer, KVCache):
-                return layer.k.shape[1]
+        stacked = [(e, 1) for e in self.stack]  # a stacked entry's sequence axis comes after the repetitions
+        for entry, lead in [(e, 0) for e in self.layers if e is not None] + stacked:
+            if isinstance(entry, MLACache):
+                return entry.c.shape[1 + lead]
+            if isinstance(entry, KVCache):
+                return entry.k.shape[1 + lead]
         return 1 << 31  # a pure-KDA model has no length limit
 
     @property
@@ -69,15 +84,22 @@ def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype):
     return KVCache(kv, kv)
 
 
-def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> Cache:
-    """The cache as ``ShapeDtypeStruct`` leaves: no memory."""
-    layers = tuple(_layer_shapes(cfg, kind, batch, max_len, jnp.dtype(dtype)) for kind in cfg.attn_types)
-    return Cache(layers, jax.ShapeDtypeStruct((batch,), jnp.int32))
+def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, scan: bool = False) -> Cache:
+    """The cache as ``ShapeDtypeStruct`` leaves: no memory. ``scan``: laid out for a model with scanned layers."""
+    plan = layer_plan(cfg, scan)
+    dt = jnp.dtype(dtype)
+    layers = tuple(None if i in plan.scanned else _layer_shapes(cfg, kind, batch, max_len, dt)
+                   for i, kind in enumerate(cfg.attn_types))
+    stacked = lambda s: jax.ShapeDtypeStruct((plan.count, *s.shape), s.dtype)  # noqa: E731
+    stack = tuple(jax.tree.map(stacked, _layer_shapes(cfg, cfg.attn_types[plan.layer(j, 0)], batch, max_len, dt))
+                  for j in range(plan.period if plan.count else 0))
+    return Cache(layers, jax.ShapeDtypeStruct((batch,), jnp.int32), stack)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, sharding=None) -> Cache:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, sharding=None, *,
+               scan: bool = False) -> Cache:
     """A zeroed cache. ``sharding``: optional pytree of shardings matching :func:`cache_shapes`."""
-    shapes = cache_shapes(cfg, batch, max_len, dtype)
+    shapes = cache_shapes(cfg, batch, max_len, dtype, scan=scan)
     if sharding is None:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=sharding)()
@@ -86,7 +108,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, s
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
     """Bytes of the cache by kind: {"kda_state", "kda_conv", "mla", "kv", "total"}."""
     out = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
-    for layer in cache_shapes(cfg, batch, max_len, dtype).layers:
+    for layer, _ in cache_shapes(cfg, batch, max_len, dtype).entries():
         nbytes = lambda s: s.size * s.dtype.itemsize
         if isinstance(layer, KDACache):
             out["kda_state"] += nbytes(layer.state)

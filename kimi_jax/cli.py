@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "tpu:TOPOLOGY (tpu:v5e:2x2, tpu:v5p:4x4x4, tpu:tpu7x:4x4x2) or gpu:NAME:SxHxD "
                          "(gpu:h200:1x2x8: slices x hosts x GPUs); --mesh must use all its devices; exit status 0 "
                          "only when both compile and fit (needs the aot extra)")
+    pl.add_argument("--scan-layers", action="store_true",
+                    help="with --compile: the repeating run of layers as one scan over stacked weights (compiles "
+                         "in a fraction of the time; see kimi_jax/layer_plan.py for what it costs per step)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=_cmd_plan)

@@ -266,6 +266,7 @@ class Generator:
             min(min_prompt_bucket, self.max_len), self.max_len)
         self._caches: dict[int, Cache] = {}
         self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
+        self.scan = model.run.scan_layers  # and laid out as its layers are (stacked when scanned)
 
     # default stop ids: the chat turn terminator when the tokenizer has one, else its EOS, else the config's
     def default_stop(self) -> list[int]:
@@ -284,9 +285,9 @@ class Generator:
         if self.parallel is not None:
             from kimi_jax import sharding
 
-            shardings = sharding.cache_shardings(self.cfg, cache_shapes(self.cfg, B, self.max_len, self.dtype),
-                                                 self.parallel.mesh, self.parallel.layout)
-        return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings)
+            shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan)
+            shardings = sharding.cache_shardings(self.cfg, shapes, self.parallel.mesh, self.parallel.layout)
+        return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan)
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,

@@ -35,6 +35,9 @@ class RunConfig:
     ``kda_chunk``: chunk of the reference (plain-jnp) KDA prefill; 1 runs the token-by-token recurrence; None (the
     default) leaves it to the op (the recurrence on CPU, 64 in the reference; the Pallas kernels tile time
     themselves).
+    ``scan_layers``: build the model with the parameters of its longest repeating run of layers stacked and run
+    that run as one ``lax.scan`` (:mod:`kimi_jax.layer_plan`: compile time falls by the repetition count; the
+    compilers copy each iteration's weight slice, so off by default). The model's parameter layout follows it.
     """
 
     dtype: jnp.dtype = jnp.bfloat16
@@ -42,6 +45,7 @@ class RunConfig:
     kda_chunk: int | None = None
     moe_path: str = "auto"  # "auto" | "gather" | "sorted" | "dense"
     parallel: object = None  # kimi_jax.sharding.Parallel | None
+    scan_layers: bool = False
 
     @property
     def placement(self):
@@ -142,6 +146,10 @@ class AttnRes(nnx.Module):
     Score of source i = sum_d RMSNorm(v_i)[d] * w_eff[d] with w_eff = norm.weight * proj.weight (the
     reference's RMSNorm weight times its Linear(d->1)); the output mixes the *raw* sources. All float32,
     one rounding of the result.
+
+    The max, the softmax denominator and the weighted sum run over the sources one by one, in order. A scanned
+    model passes every block slot with a traced ``valid`` flag (slots not yet sealed are zeros): an invalid source
+    scores -inf and adds exact zeros, so the result equals the unrolled model's, which passes the sealed sources only.
     """
 
     def __init__(self, hidden: int, eps: float, *, param_dtype, rngs):
@@ -149,11 +157,27 @@ class AttnRes(nnx.Module):
         self.norm = param(rngs, (hidden,), ("embed",), param_dtype, init="ones")
         self.proj = param(rngs, (hidden,), ("embed",), param_dtype, init="normal", std=0.1)
 
-    def __call__(self, sources: list, run: RunConfig, return_weights=False):
-        v = jnp.stack([s.astype(F32) for s in sources])  # [n, ..., D]
-        r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + self.eps)
+    def __call__(self, sources: list, run: RunConfig, return_weights=False, valid: list | None = None):
+        """``sources``: ``[..., D]`` arrays; ``valid``: per source None (valid) or a traced bool. Returns the mix in
+        the run dtype (and the weights ``[n_sources, ...]`` float32)."""
         w_eff = self.norm[...].astype(F32) * self.proj[...].astype(F32)
-        scores = jnp.sum(v * r * w_eff, axis=-1)  # [n, ...]
-        alpha = jax.nn.softmax(scores, axis=0)
-        out = jnp.sum(alpha[..., None] * v, axis=0).astype(run.dtype)
-        return (out, alpha) if return_weights else out
+        vs = [s.astype(F32) for s in sources]
+        scores = []
+        for i, v in enumerate(vs):
+            r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + self.eps)
+            s = jnp.sum(v * r * w_eff, axis=-1)
+            ok = None if valid is None else valid[i]
+            scores.append(s if ok is None else jnp.where(ok, s, -jnp.inf))
+        top = scores[0]
+        for s in scores[1:]:
+            top = jnp.maximum(top, s)
+        es = [jnp.exp(s - top) for s in scores]
+        total = es[0]
+        for e in es[1:]:
+            total = total + e
+        alpha = [e / total for e in es]
+        out = alpha[0][..., None] * vs[0]
+        for a, v in zip(alpha[1:], vs[1:]):
+            out = out + a[..., None] * v
+        out = out.astype(run.dtype)
+        return (out, jnp.stack(alpha)) if return_weights else out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -10,17 +11,19 @@ from flax import nnx
 from kimi_jax import config as config_lib
 from kimi_jax import distributed
 from kimi_jax.layers import RunConfig
-from kimi_jax.model import KimiModel
+from kimi_jax.model import KimiModel, relayout
 from kimi_jax.weights import load_hf
 
 
 def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None, strict: bool = True,
-                    run: RunConfig | None = None, mesh=None, layout="tp_ep") -> KimiModel:
+                    run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed).
 
     ``mesh`` (from :func:`kimi_jax.sharding.make_mesh`): read every parameter straight into its shards under
-    ``layout`` (a :mod:`kimi_jax.sharding` table name); each process reads only its devices' slices."""
+    ``layout`` (a :mod:`kimi_jax.sharding` table name); each process reads only its devices' slices.
+    ``scan_layers`` (or ``run.scan_layers``): the repeating run of layers stacked and run as one scan
+    (:mod:`kimi_jax.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
@@ -31,10 +34,19 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
         orbax_io.read_marker(path)  # refuses an unfinished conversion, naming what is missing
     cfg = config_lib.load(path, strict=strict)
     run = run or RunConfig(dtype=jnp.dtype(dtype), implementation=implementation)
+    scan = scan_layers or run.scan_layers
+    run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
         run = distributed.with_parallel(run, mesh, layout)
+    model = _load(path, cfg, run, converted)
+    return relayout(model, scan_layers=True, consume=True) if scan else model
+
+
+def _load(path, cfg, run: RunConfig, converted: bool) -> KimiModel:
     factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
     if converted:
+        from convert import orbax_io
+
         shardings = None
         if run.parallel is not None:
             from kimi_jax import sharding

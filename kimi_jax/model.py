@@ -9,6 +9,9 @@ Residual stream, two forms:
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -16,6 +19,7 @@ from flax import nnx, struct
 from kimi_jax.attention import GQA, KDA, MLA, Step
 from kimi_jax.cache import Cache
 from kimi_jax.config import ModelConfig
+from kimi_jax.layer_plan import LayerPlan, layer_plan
 from kimi_jax.layers import MLP, AttnRes, RunConfig, linear, param, rms_norm
 from kimi_jax.moe import MoE
 
@@ -27,6 +31,36 @@ class ModelOutput:
     hidden: tuple | None = None  # per layer [B, T, D]: the layer's output (P under AttnRes)
     router: tuple | None = None  # per MoE layer: (idx [B, T, X] int32, weights [B, T, X] float32)
     attn_res_weights: tuple | None = None  # per AttnRes mix: [n_sources, B, T] float32
+
+
+class Blocks(NamedTuple):
+    """The sealed AttnRes blocks a layer can read.
+
+    Unrolled layers: ``arrays`` is a tuple of the sealed sums (``count`` None: all of them valid). Scanned layers:
+    ``arrays`` is one ``[NB, B, T, D]`` buffer with room for every block of the model and ``count`` the traced
+    number sealed so far (slots from ``count`` on are zeros)."""
+
+    arrays: tuple | jax.Array
+    count: jax.Array | None = None
+
+    def sources(self, partial) -> tuple[list, list | None]:
+        """(sources for a mix: every block slot, then ``partial``; their validity, None when all are valid)."""
+        if self.count is None:
+            return [*self.arrays, partial], None
+        n = self.arrays.shape[0]
+        return [self.arrays[k] for k in range(n)] + [partial], [self.count > k for k in range(n)] + [None]
+
+    def empty(self) -> bool:
+        return self.count is None and not self.arrays
+
+    def seal(self, x, seal):
+        """Push the raw layer input ``x`` as a new block when ``seal`` (a bool, or traced in a scan)."""
+        if self.count is None:
+            return Blocks((*self.arrays, x)) if seal else self
+        slot = jnp.minimum(self.count, self.arrays.shape[0] - 1)  # a full buffer is never sealed again
+        keep = jax.lax.dynamic_index_in_dim(self.arrays, slot, keepdims=False)
+        buf = jax.lax.dynamic_update_index_in_dim(self.arrays, jnp.where(seal, x, keep), slot, 0)
+        return Blocks(buf, self.count + jnp.asarray(seal, jnp.int32))
 
 
 class DecoderLayer(nnx.Module):
@@ -59,23 +93,54 @@ class DecoderLayer(nnx.Module):
         z, router = self._ffn(rms_norm(h, self.post_attention_layernorm[...], self.eps, run), run)
         return (h + z).astype(run.dtype), cache, router
 
-    def attn_res_call(self, partial, blocks: list, seal: bool, step: Step, cache, run: RunConfig, weights: list):
-        """AttnRes layer (K3_SPEC §4.2). Returns (partial, blocks, cache, router)."""
-        x = partial
-        if blocks:
-            a, alpha = self.self_attention_res([*blocks, x], run, return_weights=True)
-            weights.append(alpha)
-        else:
+    def attn_res_call(self, partial, blocks: Blocks, seal, step: Step, cache, run: RunConfig):
+        """AttnRes layer (K3_SPEC §4.2). ``seal``: this layer starts a block (traced in a scan). Returns (partial,
+        blocks, cache, router, weights of its mixes)."""
+        x, weights = partial, []
+        if blocks.empty():  # layer 0: nothing to mix yet
             a = x
-        if seal:  # push the raw layer input, restart the partial sum
-            blocks = [*blocks, x]
-            partial = None
+        else:
+            a, alpha = _mix(self.self_attention_res, blocks, x, run)
+            weights.append(alpha)
+        blocks = blocks.seal(x, seal)  # push the raw layer input; the partial sum restarts
         y, cache = self.self_attn(rms_norm(a, self.input_layernorm[...], self.eps, run), step, cache, run)
-        partial = y if partial is None else (partial + y).astype(run.dtype)
-        m, alpha = self.mlp_res([*blocks, partial], run, return_weights=True)
+        summed = (x + y).astype(run.dtype)
+        partial = (y if seal else summed) if isinstance(seal, bool) else jnp.where(seal, y, summed)
+        m, alpha = _mix(self.mlp_res, blocks, partial, run)
         weights.append(alpha)
         z, router = self._ffn(rms_norm(m, self.post_attention_layernorm[...], self.eps, run), run)
-        return (partial + z).astype(run.dtype), blocks, cache, router
+        return (partial + z).astype(run.dtype), blocks, cache, router, weights
+
+
+def _mix(res: AttnRes, blocks: Blocks, partial, run: RunConfig):
+    """``res``'s mix over the sealed blocks and the partial sum: (mix, weights)."""
+    sources, valid = blocks.sources(partial)
+    return res(sources, run, return_weights=True, valid=valid)
+
+
+class LayerGroup(nnx.Module):
+    """One repetition of a scanned run of layers (:mod:`kimi_jax.layer_plan`); stacked over repetitions in the model."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, *, param_dtype, rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, plan.layer(j, 0), param_dtype=param_dtype, rngs=rngs)
+                                for j in range(plan.period)])
+
+
+def _stacked_group(cfg: ModelConfig, plan: LayerPlan, param_dtype, rngs) -> LayerGroup:
+    @nnx.split_rngs(splits=plan.count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(r):
+        return LayerGroup(cfg, plan, param_dtype=param_dtype, rngs=r)
+
+    return make(rngs)
+
+
+class _Outputs(NamedTuple):
+    """What the layers report, per layer in order (filled only when asked for)."""
+
+    hidden: list
+    router: list
+    weights: list
 
 
 class KimiModel(nnx.Module):
@@ -84,6 +149,10 @@ class KimiModel(nnx.Module):
     ``model(ids_BT)`` -> :class:`ModelOutput` with float32 logits ``[B, T, V]``. With a :class:`Cache`, the call
     also reads and writes the static cache (prefill with ``prefix=False``; decode or continued prefill with
     ``prefix=True``, positions starting at ``cache.lengths``).
+
+    Layers live in ``layers`` (one module per layer). With ``RunConfig(scan_layers=True)`` the longest repeating run
+    of layers (``self.plan``) lives in ``stack`` instead, one :class:`LayerGroup` whose parameters carry a leading
+    repetition dimension, and runs as one ``lax.scan``; its entries of ``layers`` are None.
     """
 
     def __init__(self, cfg: ModelConfig, *, run: RunConfig | None = None, param_dtype=None, rngs: nnx.Rngs | None = None):
@@ -91,9 +160,13 @@ class KimiModel(nnx.Module):
         param_dtype = jnp.dtype(param_dtype or run.dtype)
         rngs = rngs or nnx.Rngs(0)
         self.cfg, self.run = cfg, run
+        self.plan = layer_plan(cfg, run.scan_layers)
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = param(rngs, (V, D), ("vocab", "embed"), param_dtype, std=0.3)
-        self.layers = nnx.List([DecoderLayer(cfg, i, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([None if i in self.plan.scanned else
+                                DecoderLayer(cfg, i, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        if self.plan.count:
+            self.stack = _stacked_group(cfg, self.plan, param_dtype, rngs)
         self.norm = param(rngs, (D,), ("embed",), param_dtype, init="ones")
         if cfg.attn_res:
             self.output_attn_res = AttnRes(D, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -103,30 +176,44 @@ class KimiModel(nnx.Module):
     def __call__(self, ids_BT, *, cache: Cache | None = None, lengths=None, prefix: bool = False,
                  last_only: bool = False, return_hidden: bool = False, return_router: bool = False,
                  return_attn_res: bool = False) -> ModelOutput:
-        cfg, run = self.cfg, self.run
+        cfg, run, plan = self.cfg, self.run, self.plan
         B, T = ids_BT.shape
+        if cache is not None and bool(cache.stack) != bool(plan.count):
+            raise ValueError(f"the cache is laid out for {'scanned' if cache.stack else 'unrolled'} layers but the "
+                             f"model runs {'scanned' if plan.count else 'unrolled'} ones: build it with "
+                             f"scan={bool(plan.count)} (RunConfig.scan_layers)")
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         start = cache.lengths if (cache is not None and prefix) else jnp.zeros((B,), jnp.int32)
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         step = Step(positions, jnp.arange(T)[None] < lengths[:, None], lengths, prefix)
 
         h = self.embed_tokens[...][ids_BT].astype(run.dtype)
-        new_layers, hidden, router, weights = [], [], [], []
-        blocks: list = []
-        for i, layer in enumerate(self.layers):
+        new_layers = [None] * cfg.num_layers
+        new_stack = ()
+        outs = _Outputs([None] * cfg.num_layers, [None] * cfg.num_layers, [None] * cfg.num_layers)
+        want = (return_hidden, return_router, return_attn_res)
+        blocks = Blocks(())
+        for i in range(cfg.num_layers):
+            if i in plan.scanned:
+                if i == plan.start:
+                    h, blocks, new_stack = self._scan(h, blocks, step, None if cache is None else cache.stack,
+                                                      run, want, outs)
+                continue
+            layer = self.layers[i]
             layer_cache = None if cache is None else cache.layers[i]
             if cfg.attn_res:
-                h, blocks, layer_cache, r = layer.attn_res_call(
-                    h, blocks, i % cfg.attn_res_block_size == 0, step, layer_cache, run, weights)
+                seal = i % cfg.attn_res_block_size == 0
+                h, blocks, layer_cache, r, w = layer.attn_res_call(h, blocks, seal, step, layer_cache, run)
+                outs.weights[i] = w
             else:
                 h, layer_cache, r = layer(h, step, layer_cache, run)
-            new_layers.append(layer_cache)
-            if return_hidden:
-                hidden.append(h)
-            if r is not None and return_router:
-                router.append(r)
+            new_layers[i] = layer_cache
+            outs.hidden[i], outs.router[i] = h, r
+        weights = []
         if cfg.attn_res:
-            h, alpha = self.output_attn_res([*blocks, h], run, return_weights=True)
+            for w in outs.weights if return_attn_res else ():
+                weights.extend(w)
+            h, alpha = _mix(self.output_attn_res, blocks, h, run)
             weights.append(alpha)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
@@ -135,14 +222,71 @@ class KimiModel(nnx.Module):
         logits = linear(h, head, run).astype(jnp.float32)
         new_cache = None
         if cache is not None:
-            new_cache = Cache(tuple(new_layers), start + lengths)
+            new_cache = Cache(tuple(new_layers), start + lengths, new_stack)
         return ModelOutput(
             logits=logits,
             cache=new_cache,
-            hidden=tuple(hidden) if return_hidden else None,
-            router=tuple(router) if return_router else None,
+            hidden=tuple(outs.hidden) if return_hidden else None,
+            router=tuple(r for r in outs.router if r is not None) if return_router else None,
             attn_res_weights=tuple(weights) if return_attn_res else None,
         )
+
+    def _scan(self, h, blocks: Blocks, step: Step, stack_cache, run: RunConfig, want, outs: _Outputs):
+        """The scanned run of layers as one ``lax.scan`` over its repetitions. The carry holds the residual stream,
+        the AttnRes block buffer (room for every block of the model) and the stacked cache, written in place."""
+        cfg, plan = self.cfg, self.plan
+        graphdef, params = nnx.split(self.stack)
+        blocks_in = len(blocks.arrays)
+        buf = cnt = None
+        if cfg.attn_res:
+            nb = len(range(0, cfg.num_layers, cfg.attn_res_block_size))
+            zeros = [jnp.zeros_like(h)] * (nb - blocks_in)
+            buf, cnt = jnp.stack([*blocks.arrays, *zeros]), jnp.int32(blocks_in)
+
+        def body(carry, xs):
+            h, buf, cnt, caches = carry
+            p, g = xs
+            group = nnx.merge(graphdef, p)
+            caches, ys = list(caches) if caches is not None else None, []
+            for j, layer in enumerate(group.layers):
+                entry = None if caches is None else jax.tree.map(lambda a: a[g], caches[j])
+                w = None
+                if cfg.attn_res:
+                    seal = (plan.start + g * plan.period + j) % cfg.attn_res_block_size == 0
+                    h, b, entry, r, w = layer.attn_res_call(h, Blocks(buf, cnt), seal, step, entry, run)
+                    buf, cnt = b
+                else:
+                    h, entry, r = layer(h, step, entry, run)
+                if caches is not None:
+                    caches[j] = jax.tree.map(lambda a, e: a.at[g].set(e), caches[j], entry)
+                ys.append(tuple(v if keep else None for v, keep in zip((h, r, w), want)))
+            return (h, buf, cnt, None if caches is None else tuple(caches)), ys
+
+        (h, buf, cnt, stack_cache), ys = jax.lax.scan(
+            body, (h, buf, cnt, stack_cache), (params, jnp.arange(plan.count, dtype=jnp.int32)))
+        for layer in plan.scanned:
+            j, g = plan.slot(layer)
+            hidden, router, weights = jax.tree.map(lambda a: a[g], ys[j])
+            outs.hidden[layer], outs.router[layer] = hidden, router
+            if weights is not None:
+                seen = _blocks_seen(cfg, layer)
+                ws = [_unpad_weights(w, n, buf.shape[0]) for w, n in zip(weights, seen)]
+                outs.weights[layer] = ws[1:] if seen[0] == 0 else ws  # unrolled, layer 0 has no attention mix
+        if cfg.attn_res:
+            sealed = len(range(0, plan.stop, cfg.attn_res_block_size))
+            blocks = Blocks(tuple(buf[k] for k in range(sealed)))
+        return h, blocks, (stack_cache if stack_cache is not None else ())
+
+
+def _blocks_seen(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """Blocks the attention and the MLP mixes of an AttnRes layer read (the MLP's after this layer's seal)."""
+    bs = cfg.attn_res_block_size
+    return len(range(0, layer, bs)), len(range(0, layer + 1, bs))
+
+
+def _unpad_weights(alpha, n_blocks: int, slots: int):
+    """A scanned mix's weights ``[slots + 1, ...]`` as the unrolled mix reports them: the valid blocks, the partial."""
+    return jnp.concatenate([alpha[:n_blocks], alpha[slots:]])
 
 
 def abstract_model(cfg: ModelConfig, run: RunConfig | None = None, param_dtype=None) -> KimiModel:
@@ -165,3 +309,51 @@ def param_count(model: KimiModel, logical: bool = True) -> int:
         else:
             total += n
     return total
+
+
+def relayout(model: KimiModel, *, scan_layers: bool, consume: bool = False) -> KimiModel:
+    """The same model with its repeating run of layers stacked for a scan (``scan_layers=True``) or one module per
+    layer. A stacked parameter of a sharded model keeps its layers' sharding, unsplit over the repetitions.
+
+    Loaders read checkpoints into the per-layer form and pass ``consume=True``: each layer's arrays are deleted once
+    stacked, so the peak is the model plus one stacked parameter, and ``model`` must not be used afterwards."""
+    if bool(model.plan.count) == scan_layers:
+        return model
+    run = dataclasses.replace(model.run, scan_layers=scan_layers)
+    src = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    target = nnx.eval_shape(lambda: KimiModel(model.cfg, run=run, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(target)
+    stacked = target.plan if scan_layers else model.plan
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        path = tuple(path)
+        if scan_layers and path[0] == "stack":  # ("stack", "layers", j, ...) <- ("layers", layer(j, g), ...)
+            j, rest = path[2], path[3:]
+            parts = [src[("layers", stacked.layer(j, g), *rest)] for g in range(stacked.count)]
+            value = _stack(parts)
+            if consume:
+                for a in parts:
+                    a.delete()
+        elif not scan_layers and path[0] == "layers" and stacked.slot(path[1]) is not None:
+            j, g = stacked.slot(path[1])
+            value = _unstack(src[("stack", "layers", j, *path[2:])], g)
+        else:
+            value = src[path]
+        flat.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _stack(parts):
+    sh = getattr(parts[0], "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding):
+        out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, *sh.spec))
+        return jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*parts)
+    return jnp.stack(parts)
+
+
+def _unstack(value, g: int):
+    sh = getattr(value, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding):
+        out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:]))
+        return jax.jit(lambda a: a[g], out_shardings=out)(value)
+    return value[g]

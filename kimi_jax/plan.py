@@ -341,22 +341,23 @@ def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, co
 
 
 def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int = 1,
-                 dtype="bfloat16", implementation: str | None = None) -> dict:
+                 dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False) -> dict:
     """Lower and compile one step on ``mesh`` with abstract sharded parameters and cache (nothing is allocated).
 
     ``tokens == 1``: a decode step (``[batch, 1]`` ids after the cached prefix). ``tokens > 1``: a fresh prefill
     chunk of ``[batch, tokens]`` ids into the static cache (``prefix=False``, last position's logits), as
     :mod:`kimi_jax.generate` runs it. ``mesh`` may hold CPU devices or a deviceless TPU / GPU topology's
     (:mod:`kimi_jax.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
-    Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device
-    and ``compile_seconds``.
+    ``scan_layers``: the model with its repeating run of layers scanned (:mod:`kimi_jax.layer_plan`).
+    Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device,
+    ``compile_seconds``, the Pallas kernel calls in the program and the compiler's ``bytes_accessed`` per device.
     """
     import time
 
     import jax
 
     graphdef, state, ids, cache, out_shardings = _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context,
-                                                                       jnp.dtype(dtype), implementation)
+                                                                       jnp.dtype(dtype), implementation, scan_layers)
 
     def step(state, ids, cache):
         out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
@@ -374,6 +375,8 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out["compile_seconds"] = seconds
     out["pallas_calls"] = _pallas_calls(compiled.as_text())
+    cost = compiled.cost_analysis() or {}
+    out["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
     return out
 
 
@@ -382,14 +385,15 @@ def _pallas_calls(text: str) -> int:
     return len(re.findall(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)"', text))
 
 
-def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation):
+def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation, scan_layers=False):
     """(graphdef, parameters, ids [batch, tokens], cache, (logits, cache) shardings), all abstract and sharded
     by :mod:`kimi_jax.sharding` on ``mesh``."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     lay = sharding.layout(layout)
-    run = RunConfig(dtype=dt, implementation=implementation, parallel=sharding.Parallel(mesh, lay))
+    run = RunConfig(dtype=dt, implementation=implementation, parallel=sharding.Parallel(mesh, lay),
+                    scan_layers=scan_layers)
     model = abstract_model(cfg, run)
     graphdef, state = nnx.split(model)
     specs = sharding.param_specs(model, mesh, lay)
@@ -401,7 +405,7 @@ def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, impleme
         return path, var
 
     state = nnx.from_flat_state([with_sharding(p, v) for p, v in nnx.to_flat_state(state)])
-    shapes = cache_shapes(cfg, batch, context, dt)
+    shapes = cache_shapes(cfg, batch, context, dt, scan=scan_layers)
     cshard = sharding.cache_shardings(cfg, shapes, mesh, lay)
     cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, cshard)
     bspec = sharding.batch_spec((batch, tokens), mesh, lay)
@@ -487,11 +491,13 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
 
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     res = aot.compile_steps(cfg, target, p.sizes, args.layout, batch=args.batch, context=args.context,
-                            dtype=args.dtype, prefill_chunk=chunk, implementation=implementation)
+                            dtype=args.dtype, prefill_chunk=chunk, implementation=implementation,
+                            scan_layers=args.scan_layers)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
+    layers = "scanned layers" if args.scan_layers else "unrolled layers"
     print(f"\ncompiled for {target.text}: {devices} device(s) of {aot.target_devices(target)[0].device_kind}, "
-          f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels")
+          f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels, {layers}")
     plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
     titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
               "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)"}
@@ -507,7 +513,8 @@ def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:
         return f"{title}: {what}: {r['error']}"
     verdict = "fits" if r["fits"] else "does NOT fit"
     lines = [f"{title}: compiled in {r['compile_seconds']:.1f} s, {r['pallas_calls']} Pallas kernel calls, "
-             f"{verdict} ({r['peak'] / GB:.3f} GB peak of {r['hbm'] / GB:.2f} GB)",
+             f"{verdict} ({r['peak'] / GB:.3f} GB peak of {r['hbm'] / GB:.2f} GB); the compiler counts "
+             f"{r.get('bytes_accessed', 0) / GB:.2f} GB accessed per device",
              f"  {'per device':<40}{'plan':>12}{'compiler':>12}{'plan/compiler':>15}"]
     rows = [("arguments (parameters + cache + ids)", plan_args, r["argument"]),
             ("activations (temp + outputs - aliased)", plan_act, r["temp"] + r["output"] - r["alias"]),

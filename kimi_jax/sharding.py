@@ -270,10 +270,14 @@ class ModuleParams:
 
 
 def module_table(model) -> list[ModuleParams]:
+    """Every module that owns parameters. Modules of a scanned layer stack (``stack.``, :mod:`kimi_jax.layer_plan`)
+    hold their parameters stacked over the repetitions: that leading dimension is never split."""
     out = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
             arrays = _param_arrays(node)
+            if arrays and path and path[0] == "stack":
+                arrays = {n: ((None, *axes), shape) for n, (axes, shape) in arrays.items()}
             if arrays:
                 dtypes = {n: getattr(node, n).dtype for n in arrays}
                 out.append(ModuleParams("".join(f"{p}." for p in path), arrays, _module_virtual(node), dtypes))
@@ -308,20 +312,24 @@ CACHE_AXES = {
 
 def cache_specs(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> Cache:
     """A :class:`Cache` of PartitionSpecs matching ``cache`` (real or ``cache_shapes``), heads split only when the
-    layer's head count divides (the same decision as its parameters)."""
+    layer's head count divides (the same decision as its parameters). Stacked entries of scanned layers keep their
+    repetition dimension whole."""
     lay = layout(lay)
     sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
-    virtual = {"kda": {"heads": cfg.kda.num_heads} if cfg.kda else {},
-               "mla": {},
-               "gqa": {"heads": cfg.gqa.num_heads, "kv_heads": cfg.gqa.num_kv_heads} if cfg.gqa else {}}
-    layers = []
-    for i, (kind, entry) in enumerate(zip(cfg.attn_types, cache.layers)):
+    virtual = {KDACache: {"heads": cfg.kda.num_heads} if cfg.kda else {},
+               MLACache: {},
+               KVCache: {"heads": cfg.gqa.num_heads, "kv_heads": cfg.gqa.num_kv_heads} if cfg.gqa else {}}
+
+    def specs(entry, where, stacked):
         fields = CACHE_AXES[type(entry)]
-        arrays = {f: (axes, tuple(getattr(entry, f).shape)) for f, axes in fields.items()}
-        specs = group_specs(arrays, sizes, lay, virtual[kind], f"cache layer {i} ")
-        layers.append(type(entry)(**specs))
+        lead = (None,) if stacked else ()
+        arrays = {f: ((*lead, *axes), tuple(getattr(entry, f).shape)) for f, axes in fields.items()}
+        return type(entry)(**group_specs(arrays, sizes, lay, virtual[type(entry)], where))
+
+    layers = tuple(None if e is None else specs(e, f"cache layer {i} ", False) for i, e in enumerate(cache.layers))
+    stack = tuple(specs(e, f"cache stack {j} ", True) for j, e in enumerate(cache.stack))
     lengths = group_specs({"lengths": (("batch",), tuple(cache.lengths.shape))}, sizes, lay)["lengths"]
-    return Cache(tuple(layers), lengths)
+    return Cache(layers, lengths, stack)
 
 
 def cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | str = TP_EP) -> Cache:

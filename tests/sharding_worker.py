@@ -18,9 +18,10 @@ import time
 
 DEVICES = 8
 MESHES = {"tp": (1, 1, 8), "ep": (1, 8, 1), "mix": (2, 2, 2), "ep2tp4": (1, 2, 4)}
-# model, mesh, layout, dispatch[, kernels]. Both CPU exchanges (capacity all_to_all; the ragged offsets emulated)
-# run. Every kernel op runs inside shard_map on its shard (kernels_pallas/_dispatch.py): with the automatic choice
-# (reference / native CPU kernels) and, in the cases marked so, with the Pallas kernels in interpret mode.
+# model, mesh, layout, dispatch[, kernels[, "scan"]]. Both CPU exchanges (capacity all_to_all; the ragged offsets
+# emulated) run. Every kernel op runs inside shard_map on its shard (kernels_pallas/_dispatch.py): with the automatic
+# choice (reference / native CPU kernels) and, in the cases marked so, with the Pallas kernels in interpret mode;
+# "scan": the model loaded with scanned layers (kimi_jax/layer_plan.py), its stacked weights and cache sharded.
 CASES = [
     ("k3", "tp", "tp_ep", "capacity"),
     ("k3", "ep", "tp_ep", "capacity"),
@@ -34,6 +35,7 @@ CASES = [
     ("llama", "ep", "tp_ep", "capacity"),
     ("llama", "mix", "tp_ep", "capacity"),
     ("llama", "mix", "tp_ep", "capacity", "pallas_interpret"),
+    ("k3", "mix", "tp_ep", "capacity", None, "scan"),
 ]
 # -m slow: wide expert parallelism (experts over the model axis) and the ragged path on the pure-EP mesh
 SLOW_CASES = [
@@ -47,6 +49,10 @@ SLOW_CASES = [
 def kernels(case) -> str | None:
     """The case's kernel implementation (None: the automatic choice)."""
     return case[4] if len(case) > 4 else None
+
+
+def scanned(case) -> bool:
+    return len(case) > 5 and case[5] == "scan"
 
 
 B, T, CACHE = 8, 24, 48
@@ -82,7 +88,7 @@ def prompts(vocab, golden_rows: bool, seed=0):
     return np.where(np.arange(T)[None] < lengths[:, None], ids, 0).astype(np.int32), lengths
 
 
-def greedy(model, ids, lengths, steps, cache_sharding=None):
+def greedy(model, ids, lengths, steps, cache_sharding=None, scan=False):
     """Prefill (logits [B, T, V]) then ``steps - 1`` decode steps; returns (logits, tokens [B, steps], cache)."""
     import jax
     import jax.numpy as jnp
@@ -92,7 +98,7 @@ def greedy(model, ids, lengths, steps, cache_sharding=None):
 
     prefill = nnx.jit(lambda m, x, n, c: m(x, cache=c, lengths=n))
     decode = nnx.jit(lambda m, x, c: m(x, cache=c, prefix=True))
-    cache = init_cache(model.cfg, B, CACHE, jnp.float32, sharding=cache_sharding)
+    cache = init_cache(model.cfg, B, CACHE, jnp.float32, sharding=cache_sharding, scan=scan)
     out = prefill(model, jnp.asarray(ids), jnp.asarray(lengths), cache)
     logits = out.logits
     tok = jnp.argmax(jnp.take_along_axis(logits, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0], -1)
@@ -122,11 +128,17 @@ def shard_report(model):
     return out
 
 
+def _cache_entries(cache):
+    """(name, entry) of every cache entry: "3" for layer 3, "stack.1" for position 1 of a scanned group."""
+    return [(str(i), e) for i, e in enumerate(cache.layers) if e is not None] + \
+        [(f"stack.{j}", e) for j, e in enumerate(cache.stack)]
+
+
 def cache_report(cache):
     import jax
 
     out = {}
-    for i, layer in enumerate(cache.layers):
+    for i, layer in _cache_entries(cache):
         for name, a in vars(layer).items():
             out[f"{i}.{name}"] = {"spec": str(a.sharding.spec), "shape": list(a.shape),
                                   "shard": list(a.addressable_shards[0].data.shape)}
@@ -170,27 +182,29 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
             t0 = time.perf_counter()
         ids, lengths, ref_logits, ref_tokens = baselines[model_key]
         mesh = sharding.make_mesh(*MESHES[mesh_key])
-        model = kimi_jax.from_pretrained(path, dtype="float32", mesh=mesh, layout=layout)
+        scan = scanned(case)
+        model = kimi_jax.from_pretrained(path, dtype="float32", mesh=mesh, layout=layout, scan_layers=scan)
         model.run = dataclasses.replace(model.run, implementation=impl,
                                         parallel=dataclasses.replace(model.run.parallel, dispatch=dispatch))
-        cs = sharding.cache_shardings(model.cfg, cache_shapes(model.cfg, B, CACHE, "float32"), mesh, layout)
-        logits, tokens, cache = greedy(model, ids, lengths, STEPS[model_key], cs)
+        cs = sharding.cache_shardings(model.cfg, cache_shapes(model.cfg, B, CACHE, "float32", scan=scan), mesh,
+                                      layout)
+        logits, tokens, cache = greedy(model, ids, lengths, STEPS[model_key], cs, scan)
         tokens = np.asarray(tokens)
         rec = {
             "model": model_key, "mesh": mesh_key, "sizes": dict(mesh.shape), "layout": layout, "dispatch": dispatch,
-            "kernels": impl, "logits_err": float(np.abs(valid_logits(logits, lengths) - ref_logits).max()),
+            "kernels": impl, "scan": scan, "logits_err": float(np.abs(valid_logits(logits, lengths) - ref_logits).max()),
             "max_logit": float(np.abs(ref_logits).max()),
             "tokens": tokens.tolist(), "tokens_equal": bool((tokens == ref_tokens).all()),
             "params": shard_report(model), "cache": cache_report(cache),
             "cache_as_planned": {f"{i}.{k}": getattr(layer, k).sharding.is_equivalent_to(
                 getattr(planned, k), getattr(layer, k).ndim)
-                for i, (layer, planned) in enumerate(zip(cache.layers, cs.layers)) for k in vars(layer)},
+                for (i, layer), (_, planned) in zip(_cache_entries(cache), _cache_entries(cs)) for k in vars(layer)},
             "seconds": time.perf_counter() - t0,
         }
         if model_key == "k3":
             rec["golden_logits_err"] = float(np.abs(np.asarray(logits)[:2] - golden["logits_prefill"]).max())
             rec["golden_tokens_equal"] = bool((tokens[:2] == golden["greedy_tokens"]).all())
-            if mesh_key == "mix" and impl is None and "orbax" not in out:
+            if mesh_key == "mix" and impl is None and not scan and "orbax" not in out:
                 out["orbax"] = orbax_check(model, mesh, layout, out_dir)
         if model_key == "k3" and mesh_key == "ep" and with_generate:
             # the generation engineer's generate() on the sharded model (its own caches, buckets, while_loop)

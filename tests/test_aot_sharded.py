@@ -40,14 +40,14 @@ SLOW = [c for c in itertools.product(MODELS, MESHES, STEPS, TARGETS) if c not in
 BATCH, CACHE = 8, 64
 
 
-def compile_case(model, mesh, step, target):
-    """(compiled text, config) of one case."""
+def compile_case(model, mesh, step, target, scan=False):
+    """(compiled text, config, target) of one case; ``scan``: the model with scanned layers."""
     cfg = config.from_dict(MODELS[model]())
     t = aot.parse_target(TARGETS[target])
     m = aot.target_mesh(t, *MESHES[mesh])
     tokens = STEPS[step]
     graphdef, state, ids, cache, _ = plan._abstract_step_inputs(cfg, m, "tp_ep", BATCH, tokens, CACHE, jnp.bfloat16,
-                                                                None)
+                                                                None, scan)
 
     def run(state, ids, cache):
         out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1)
@@ -58,9 +58,11 @@ def compile_case(model, mesh, step, target):
     return compiled.as_text(), cfg, t
 
 
-def expected_kernels(cfg) -> int:
-    """One kernel per token mixer (KDA, MLA or GQA attention) and three per MoE layer (w1, w3, w2)."""
-    return cfg.num_layers + 3 * cfg.ffn_types.count("moe")
+def expected_kernels(cfg, layers=None) -> int:
+    """One kernel per token mixer (KDA, MLA or GQA attention) and three per MoE layer (w1, w3, w2), over
+    ``layers`` (default: all)."""
+    layers = range(cfg.num_layers) if layers is None else layers
+    return len(layers) + 3 * sum(cfg.ffn_types[i] == "moe" for i in layers)
 
 
 def _check(case):
@@ -83,6 +85,21 @@ def test_sharded_model_compiles_with_pallas_kernels(case):
 @pytest.mark.parametrize("case", SLOW, ids=["-".join(c) for c in SLOW])
 def test_every_layout_compiles(case):
     _check(case)
+
+
+@pytest.mark.parametrize("case", [("k3", "mix", "decode", "tpu"),
+                                  pytest.param(("k3", "tp", "prefill", "gpu"), marks=pytest.mark.slow)],
+                         ids=["k3-mix-decode-tpu", "k3-tp-prefill-gpu"])
+def test_scanned_model_compiles_with_pallas_kernels(case):
+    """Scanned layers (kimi_jax/layer_plan.py): the kernels of the loop body appear once, each still in shard_map."""
+    text, cfg, t = compile_case(*case, scan=True)
+    from kimi_jax.layer_plan import layer_plan
+
+    p = layer_plan(cfg, True)
+    assert p.count > 1
+    body = range(p.start, p.start + p.period)
+    assert text.count(t.marker) == expected_kernels(cfg, p.unrolled()) + expected_kernels(cfg, body)
+    assert " while(" in text
 
 
 def test_generator_programs_compile_for_tpu():

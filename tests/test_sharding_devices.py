@@ -12,7 +12,7 @@ import pytest
 
 from tests.parity import TOL
 from tests.sharding_run import plan_vs_compiler, single_process
-from tests.sharding_worker import CASES, SLOW_CASES, kernels
+from tests.sharding_worker import CASES, SLOW_CASES, kernels, scanned
 
 
 @pytest.fixture(scope="module")
@@ -20,20 +20,20 @@ def result():
     return single_process()
 
 
-def _case(result, model, mesh, layout, impl=None):
+def _case(result, model, mesh, layout, impl=None, scan=False):
     for c in result["cases"]:
-        if (c["model"], c["mesh"], c["layout"], c["kernels"]) == (model, mesh, layout, impl):
+        if (c["model"], c["mesh"], c["layout"], c["kernels"], c["scan"]) == (model, mesh, layout, impl, scan):
             return c
-    raise AssertionError(f"no result for {model} {mesh} {layout} kernels={impl}")
+    raise AssertionError(f"no result for {model} {mesh} {layout} kernels={impl} scan={scan}")
 
 
 def _ids(case):
-    return "-".join(case)
+    return "-".join(c for c in case if c)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_sharded_run_equals_single_device(result, case):
-    c = _case(result, *case[:3], kernels(case))
+    c = _case(result, *case[:3], kernels(case), scanned(case))
     assert c["dispatch"] == case[3]
     assert c["max_logit"] > 1.0  # logits are O(1-5): the tolerance means something
     assert c["logits_err"] <= TOL["float32"], f"prefill logits differ by {c['logits_err']:.3g}"
@@ -49,7 +49,7 @@ def test_sharded_run_equals_single_device(result, case):
 def test_more_layouts_equal_single_device(case):
     result = single_process("slow")
     test_sharded_run_equals_single_device(result, case)
-    c = _case(result, *case[:3], kernels(case))
+    c = _case(result, *case[:3], kernels(case), scanned(case))
     for name, p in c["params"].items():
         if ".experts." in name:  # wide EP: experts over expert x model, each whole on its device
             n = c["sizes"]["expert"] * (c["sizes"]["model"] if case[2] == "wide_ep" else 1)
@@ -123,6 +123,17 @@ def test_plan_matches_compiler_on_a_sliced_k3():
     ids = 8 * 4 // 4  # the [8, 1] int32 token ids, split over expert
     assert plan["params"] + plan["cache"] + ids == xla["argument"]  # parameters and caches: exact to the byte
     assert abs(plan["total"] - xla["peak"]) <= 0.10 * xla["peak"], (plan, xla)
+
+
+def test_scanned_layers_shard_their_stacked_weights(result):
+    """The scanned K3 (layers 4-6 stacked): stacked weights keep their layers' split, whole over the repetitions;
+    the stacked cache is split as the unrolled one (batch over data x expert)."""
+    c = _case(result, "k3", "mix", "tp_ep", None, True)
+    flat = _case(result, "k3", "mix", "tp_ep")
+    w = c["params"]["stack.layers.0.mlp.experts.w1_packed"]
+    ref = flat["params"]["layers.4.mlp.experts.w1_packed"]
+    assert w["shape"] == [3, *ref["shape"]] and w["shard"] == [3, *ref["shard"]] and w["distinct"] == ref["distinct"]
+    assert c["cache"]["stack.0.state"]["shard"][:2] == [3, 2] and all(c["cache_as_planned"].values())
 
 
 def test_converted_orbax_checkpoint_restores_into_the_same_shards(result):
