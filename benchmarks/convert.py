@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 def bench_config() -> dict:
     """K3 layout, ~3.6 GB: hidden 2048, 9 layers (dense, KDA/MLA 3:1, final two MLA), 128 experts of 1536 x 1024
     per MoE layer (MXFP4), vocab 32768."""
-    from kimi_jax.config import tiny_k3_config_dict
+    from kimi_jax.model.config import tiny_k3_config_dict
 
     c = tiny_k3_config_dict()
     t = c["text_config"]
@@ -140,7 +140,7 @@ def timed_convert(src, dst) -> dict:
 
 
 def largest_output_array(dst) -> int:
-    from convert import orbax_io
+    from kimi_jax.checkpoint import orbax as orbax_io
 
     return max(math.prod(s.shape) * s.dtype.itemsize for s in orbax_io.stored(dst).values())
 
@@ -155,7 +155,7 @@ def main():
     src, copy_dir, py_dir, dst = (os.path.join(work, n) for n in ("src", "copy", "pycopy", "dst"))
     try:
         if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
-            from convert.synthetic import write_checkpoint
+            from kimi_jax.checkpoint.synthetic import write_checkpoint
 
             t = time.perf_counter()
             write_checkpoint(src, "k3", config=bench_config(), num_shards=8)

@@ -134,7 +134,7 @@ def main(argv=None):
     import torch
 
     import kimi_jax
-    from kimi_jax.generate import Generator
+    from kimi_jax.generation.generate import Generator
 
     torch.set_num_threads(os.cpu_count() or 2)
     load = os.getloadavg()

@@ -29,7 +29,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from kimi_jax.sharding import parse_mesh
+    from kimi_jax.parallel.sharding import parse_mesh
 
     sizes = parse_mesh(args.mesh)
     n = math.prod(sizes.values())
@@ -42,8 +42,8 @@ def main(argv=None):
 
     import jax
 
-    from kimi_jax import config as C
-    from kimi_jax import plan, sharding
+    from kimi_jax.model import config as C
+    from kimi_jax.parallel import plan, sharding
 
     if jax.device_count() != n:
         sys.exit(f"expected {n} devices, got {jax.device_count()} (was jax imported before XLA_FLAGS was set?)")

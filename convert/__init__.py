@@ -1,11 +1,11 @@
 """Checkpoint conversion (``convert.convert_checkpoint``), synthetic checkpoints in the released layouts
 (``convert.write_checkpoint``) and reading converted checkpoints back (``convert.restore``).
 
-Attributes are imported on first use, so ``convert.synthetic`` stays light (no Orbax, no torch).
+Attributes are imported on first use, so ``kimi_jax.checkpoint.synthetic`` stays light (no Orbax, no torch).
 """
 
 _EXPORTS = {"convert_checkpoint": "convert.converter", "verify_checkpoint": "convert.converter",
-            "write_checkpoint": "convert.synthetic", "restore": "convert.orbax_io", "load_converted": "convert.orbax_io"}
+            "write_checkpoint": "kimi_jax.checkpoint.synthetic", "restore": "kimi_jax.checkpoint.orbax", "load_converted": "kimi_jax.checkpoint.orbax"}
 
 
 def __getattr__(name):

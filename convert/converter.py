@@ -2,7 +2,7 @@
 
 Order of work:
   1. Validate everything that can be validated without writing: config.json (and the --layers/--experts slice), every
-     shard header (JSON, dtypes, offsets, truncation, duplicates -- kimi_jax.safetensors_io), the name table
+     shard header (JSON, dtypes, offsets, truncation, duplicates -- kimi_jax.checkpoint.safetensors), the name table
      (every tensor placed exactly once, every parameter filled -- kimi_jax.weights.plan), every shape and dtype
      against the model (on zero-strided stand-ins, no memory), and the zero padding of every A_log.
   2. Claim DST: empty, or an unfinished conversion of the same source with the same options (resume), or --overwrite.
@@ -16,7 +16,7 @@ Order of work:
   4. Sync, config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then
      write ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
 
-Resuming reads which parameters earlier partial saves committed (convert.orbax_io.committed_saves) and skips them.
+Resuming reads which parameters earlier partial saves committed (kimi_jax.checkpoint.orbax.committed_saves) and skips them.
 A killed process leaves its unsynced saves intact in the page cache, so all of them count. The state file holds the
 machine's boot id: when it differs at resume (the machine went down, and unsynced data with it), only the saves
 recorded as durable are kept and the others are deleted and redone.
@@ -41,12 +41,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from convert import orbax_io
-from kimi_jax import config as config_lib
-from kimi_jax.layers import RunConfig
-from kimi_jax.model import KimiModel
-from kimi_jax.safetensors_io import Checkpoint, CheckpointError, TensorInfo
-from kimi_jax.weights import Placement, _identity, canonical, flat_targets, plan, transform
+from kimi_jax.checkpoint import orbax as orbax_io
+from kimi_jax.checkpoint.names import Placement, _identity, canonical, flat_targets, plan, transform
+from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.model import config as config_lib
+from kimi_jax.model.decoder import KimiModel
+from kimi_jax.model.layers import RunConfig
 
 # Files copied from SRC besides the weights (tokenizers, chat/generation settings). config.json is written by us.
 AUX_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "tokenizer.model", "special_tokens_map.json",
@@ -119,7 +119,7 @@ def _keep(name: str, cfg: config_lib.ModelConfig, layers: int | None, experts: i
 
 def _fake(info: TensorInfo, rows: int | None):
     """A zero-strided stand-in with the tensor's shape and dtype class, for the name table's checks (no memory)."""
-    from convert.safetensors_write import NUMPY
+    from kimi_jax.checkpoint.safetensors_write import NUMPY
 
     dt = NUMPY.get(info.dtype, np.dtype(np.float32))
     shape = tuple(info.shape)
@@ -226,7 +226,7 @@ class _Reader:
     def fill(self, p: Placement, sds, out: np.ndarray, rows: int | None):
         """Place source tensor ``p.tensor`` (transformed) into ``out``."""
         info = self.ckpt.tensors[p.tensor]
-        from convert.safetensors_write import NUMPY
+        from kimi_jax.checkpoint.safetensors_write import NUMPY
 
         src_dtype = NUMPY.get(info.dtype)
         if (p.transform is _identity and rows is None and src_dtype == out.dtype

@@ -4,10 +4,14 @@
     model = kimi_jax.from_pretrained("path/to/checkpoint", dtype="bfloat16")
     logits = model(ids).logits
     out = kimi_jax.generate(model, "The capital of France is", max_new_tokens=16, tokenizer="path/to/checkpoint")
+
+The packages, bottom up (ARCHITECTURE.md): ``model`` (config, layers, cache, the decoder), ``checkpoint`` (reading and
+writing checkpoints, loading), ``parallel`` (meshes, expert parallelism, plans, deviceless compiles), ``generation``,
+``text`` (tokenizer, chat), ``analysis`` and ``cli``.
 """
 
-from kimi_jax.config import ConfigError, ModelConfig, preset  # noqa: F401
-from kimi_jax.generate import Generation, Generator, generate  # noqa: F401
-from kimi_jax.layers import RunConfig  # noqa: F401
-from kimi_jax.loading import from_pretrained  # noqa: F401
-from kimi_jax.model import KimiModel, ModelOutput, abstract_model, param_count  # noqa: F401
+from kimi_jax.checkpoint.loading import from_pretrained  # noqa: F401
+from kimi_jax.generation.generate import Generation, Generator, generate  # noqa: F401
+from kimi_jax.model.config import ConfigError, ModelConfig, preset  # noqa: F401
+from kimi_jax.model.decoder import KimiModel, ModelOutput, abstract_model, param_count  # noqa: F401
+from kimi_jax.model.layers import RunConfig  # noqa: F401

@@ -21,7 +21,7 @@ MESHES = {"tp": (1, 1, 8), "ep": (1, 8, 1), "mix": (2, 2, 2), "ep2tp4": (1, 2, 4
 # model, mesh, layout, dispatch[, kernels[, "scan"]]. Both CPU exchanges (capacity all_to_all; the ragged offsets
 # emulated) run. Every kernel op runs inside shard_map on its shard (kernels_pallas/_dispatch.py): with the automatic
 # choice (reference / native CPU kernels) and, in the cases marked so, with the Pallas kernels in interpret mode;
-# "scan": the model loaded with scanned layers (kimi_jax/layer_plan.py), its stacked weights and cache sharded.
+# "scan": the model loaded with scanned layers (kimi_jax/model/layer_plan.py), its stacked weights and cache sharded.
 CASES = [
     ("k3", "tp", "tp_ep", "capacity"),
     ("k3", "ep", "tp_ep", "capacity"),
@@ -77,7 +77,6 @@ def write_hf_models(workdir):
 def prompts(vocab, golden_rows: bool, seed=0):
     """[B, T] right-padded ids and lengths; with ``golden_rows`` rows 0-1 are the K3 fixture's golden prompts."""
     import numpy as np
-
     from safetensors.numpy import load_file
 
     rng = np.random.default_rng(seed)
@@ -94,7 +93,7 @@ def greedy(model, ids, lengths, steps, cache_sharding=None, scan=False):
     import jax.numpy as jnp
     from flax import nnx
 
-    from kimi_jax.cache import init_cache
+    from kimi_jax.model.cache import init_cache
 
     prefill = nnx.jit(lambda m, x, n, c: m(x, cache=c, lengths=n))
     decode = nnx.jit(lambda m, x, c: m(x, cache=c, prefix=True))
@@ -156,11 +155,11 @@ def valid_logits(logits, lengths):
 
 def run_cases(cases, paths, out, out_dir, with_generate=False):
     import numpy as np
+    from safetensors.numpy import load_file
 
     import kimi_jax
-    from kimi_jax import sharding
-    from kimi_jax.cache import cache_shapes
-    from safetensors.numpy import load_file
+    from kimi_jax.model.cache import cache_shapes
+    from kimi_jax.parallel import sharding
 
     golden = load_file(os.path.join(K3_FIXTURE, "golden.safetensors"))
     baselines = {}
@@ -208,7 +207,7 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
                 out["orbax"] = orbax_check(model, mesh, layout, out_dir)
         if model_key == "k3" and mesh_key == "ep" and with_generate:
             # the generation engineer's generate() on the sharded model (its own caches, buckets, while_loop)
-            from kimi_jax.generate import generate
+            from kimi_jax.generation.generate import generate
 
             g = generate(model, [list(map(int, ids[b, : lengths[b]])) for b in range(B)], STEPS[model_key], stop=(),
                          max_len=CACHE + 16)
@@ -262,7 +261,7 @@ def main():
     import jax
 
     if args.processes > 1:
-        from kimi_jax import distributed
+        from kimi_jax.parallel import distributed
 
         distributed.initialize(f"127.0.0.1:{args.port}", args.processes, args.process_id)
     assert jax.device_count() == DEVICES, jax.devices()
@@ -291,8 +290,8 @@ def run_multihost(cases, paths, out):
     import jax
 
     import kimi_jax
-    from kimi_jax import distributed, sharding
-    from kimi_jax.cache import cache_shapes
+    from kimi_jax.model.cache import cache_shapes
+    from kimi_jax.parallel import distributed, sharding
 
     for model_key, mesh_key, layout, dispatch in cases:
         mesh = sharding.make_mesh(*MESHES[mesh_key])
@@ -304,7 +303,7 @@ def run_multihost(cases, paths, out):
         cs = sharding.cache_shardings(model.cfg, cache_shapes(model.cfg, B, CACHE, "float32"), mesh, layout)
         _, tokens, _ = greedy(model, ids, lengths, STEPS[model_key], cs)
         # and the public generate() (bucketed prefill, while_loop decode, results gathered from both processes)
-        from kimi_jax.generate import generate
+        from kimi_jax.generation.generate import generate
 
         g = generate(model, [list(map(int, ids[b, : lengths[b]])) for b in range(B)], STEPS[model_key], stop=(),
                      max_len=CACHE + 16)

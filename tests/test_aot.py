@@ -1,4 +1,4 @@
-"""The real TPU and NVIDIA GPU compilers, run deviceless on this CPU machine (kimi_jax/aot.py).
+"""The real TPU and NVIDIA GPU compilers, run deviceless on this CPU machine (kimi_jax/parallel/aot.py).
 
 Each kernel is *compiled* (libtpu: Mosaic layout passes and VMEM budget; XLA:GPU: Triton -> PTX -> cubin) at full
 K3, Kimi-Linear and dense-GQA shapes with the automatic choice, and the compiled text must hold the Pallas custom
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kimi_jax import aot, cli
+from kimi_jax import cli
+from kimi_jax.parallel import aot
 from tests.test_kernels_lowering import KERNELS
 
 S = jax.ShapeDtypeStruct

@@ -1,7 +1,7 @@
 """The tiny K3, Kimi Linear and dense GQA models, sharded, compiled by the real TPU and GPU compilers.
 
 Each case compiles a prefill or a decode step (abstract sharded weights and cache, bf16) for a deviceless TPU v5e
-2x2 or four H100s (``kimi_jax/aot.py``), with the default kernels, and asserts:
+2x2 or four H100s (``kimi_jax/parallel/aot.py``), with the default kernels, and asserts:
 
 * it compiles (Mosaic refuses a kernel that GSPMD would have to partition: every kernel runs in ``shard_map``);
 * the automatic choice put a Pallas kernel at every KDA / attention layer and each of the three expert matmuls of
@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from convert import synthetic
-from kimi_jax import aot, config, plan
+from kimi_jax.checkpoint import synthetic
+from kimi_jax.model import config
+from kimi_jax.parallel import aot, plan
 from tests.hlo import gathers_into_kernels
 
 MESHES = {"tp": (1, 1, 4), "ep": (1, 4, 1), "dp": (4, 1, 1), "mix": (1, 2, 2)}
@@ -91,9 +92,9 @@ def test_every_layout_compiles(case):
                                   pytest.param(("k3", "tp", "prefill", "gpu"), marks=pytest.mark.slow)],
                          ids=["k3-mix-decode-tpu", "k3-tp-prefill-gpu"])
 def test_scanned_model_compiles_with_pallas_kernels(case):
-    """Scanned layers (kimi_jax/layer_plan.py): the kernels of the loop body appear once, each still in shard_map."""
+    """Scanned layers (kimi_jax/model/layer_plan.py): the kernels of the loop body appear once, each still in shard_map."""
     text, cfg, t = compile_case(*case, scan=True)
-    from kimi_jax.layer_plan import layer_plan
+    from kimi_jax.model.layer_plan import layer_plan
 
     p = layer_plan(cfg, True)
     assert p.count > 1
@@ -103,11 +104,12 @@ def test_scanned_model_compiles_with_pallas_kernels(case):
 
 
 def test_generator_programs_compile_for_tpu():
-    """The public generation path's two programs (``kimi_jax.generate.prefill`` and the ``while_loop`` of
+    """The public generation path's two programs (``kimi_jax.generation.generate.prefill`` and the ``while_loop`` of
     ``decode``, what ``Generator`` runs) compile for a TPU v5e 2x2 with the sharded tiny K3's abstract weights."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from kimi_jax.generate import STOP_SLOTS, Sampling, decode, prefill
+    from kimi_jax.generation.generate import STOP_SLOTS, Sampling, decode, prefill
 
     cfg = config.from_dict(MODELS["k3"]())
     t = aot.parse_target(TARGETS["tpu"])

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import kimi_jax
-from kimi_jax.attention import Step
-from kimi_jax.layers import RunConfig
+from kimi_jax.model.attention import Step
+from kimi_jax.model.layers import RunConfig
 
 
 @pytest.fixture(scope="module")

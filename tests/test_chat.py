@@ -2,8 +2,8 @@
 
 import pytest
 
-from kimi_jax import chat
-from kimi_jax import tokenizer as T
+from kimi_jax.text import chat
+from kimi_jax.text import tokenizer as T
 
 
 @pytest.fixture(scope="module")

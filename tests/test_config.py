@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from kimi_jax import config as C
-from kimi_jax.model import abstract_model, param_count
+from kimi_jax.model import config as C
+from kimi_jax.model.decoder import abstract_model, param_count
 
 
 def test_k3_fixture_config(k3_tiny_a):

@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 import kimi_jax
-from convert import orbax_io
 from convert.converter import ConvertError, convert_checkpoint
-from kimi_jax import config as config_lib
-from kimi_jax.safetensors_io import Checkpoint
+from kimi_jax.checkpoint import orbax as orbax_io
+from kimi_jax.checkpoint.safetensors import Checkpoint
+from kimi_jax.model import config as config_lib
 from tests.parity import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -297,8 +297,8 @@ def test_resume_with_other_options_is_refused(k3_tiny_a, tmp_path):
 def test_verify_detects_a_different_source(k3_tiny_a, converted_f32, tmp_path):
     """--verify is a real comparison: the converted fixture verifies against the fixture, and fails naming the
     parameter against a checkpoint with the same layout and other values."""
-    from convert import synthetic
     from convert.converter import VerifyError, verify_checkpoint
+    from kimi_jax.checkpoint import synthetic
 
     dst, _ = converted_f32
     verify_checkpoint(dst, k3_tiny_a, progress=False)
@@ -308,7 +308,7 @@ def test_verify_detects_a_different_source(k3_tiny_a, converted_f32, tmp_path):
 
 
 def test_tokenizer_and_generation_files_are_copied(tmp_path):
-    from convert import synthetic
+    from kimi_jax.checkpoint import synthetic
 
     src = synthetic.write_checkpoint(tmp_path / "src", "k3", num_shards=3)
     files = {"tiktoken.model": b"IQ== 0\n", "tokenizer_config.json": b'{"bos_token": "[BOS]"}',
@@ -331,7 +331,7 @@ import sys
 import numpy as np
 from flax import nnx
 import kimi_jax
-from kimi_jax.sharding import make_mesh
+from kimi_jax.parallel.sharding import make_mesh
 dst, src = sys.argv[1], sys.argv[2]
 mesh = make_mesh(expert=2, model=2)
 flat = lambda m: {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}

@@ -11,8 +11,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kimi_jax
-from convert import orbax_io, synthetic
 from convert.converter import convert_checkpoint
+from kimi_jax.checkpoint import orbax as orbax_io
+from kimi_jax.checkpoint import synthetic
 
 SHARD1 = "model-00001-of-000002.safetensors"
 SHARD2 = "model-00002-of-000002.safetensors"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kimi_jax
-from kimi_jax.generate import GenerationError, Generator
+from kimi_jax.generation.generate import GenerationError, Generator
 from tests.parity import assert_close
 
 TOL = 5e-4  # the issue's bound for decode-step logits (float32)
@@ -174,7 +174,7 @@ def test_bad_input_errors(k3):
 
 def test_text_prompt_needs_tokenizer_files(k3_tiny_a):
     """A model directory without tiktoken.model / tokenizer.json cannot take text (the shared fixture has none)."""
-    from kimi_jax.tokenizer import TokenizerError
+    from kimi_jax.text.tokenizer import TokenizerError
 
     model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
     with pytest.raises(TokenizerError, match="no tokenizer files"):

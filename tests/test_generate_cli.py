@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from kimi_jax import cli, generate_cli
-from kimi_jax.demo import build_demo_checkpoint
-from kimi_jax.tokenizer import load_tokenizer
+from kimi_jax import cli
+from kimi_jax.cli import generate as generate_cli
+from kimi_jax.cli.demo import build_demo_checkpoint
+from kimi_jax.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from kernels_pallas.kda import reference as kda_ref
 from kernels_pallas.moe_gmm import reference as moe_ref
 from kernels_pallas.mxfp4 import MXFP4Weight, dequantize
-from kimi_jax.layers import RunConfig
+from kimi_jax.model.layers import RunConfig
 
 
 def _groups_np(x, w, sizes):
@@ -105,8 +105,8 @@ def test_expert_paths_agree_with_numpy(act):
     numpy oracle; the automatic choice on CPU picks each in its range of (token, expert) pairs."""
     from flax import nnx
 
-    from kimi_jax.config import MoEConfig
-    from kimi_jax.moe import Experts
+    from kimi_jax.model.config import MoEConfig
+    from kimi_jax.model.moe import Experts
 
     cfg = MoEConfig(hidden=32, num_experts=8, top_k=2, expert_intermediate=16, num_shared=0, shared_intermediate=0,
                     act=act, situ_beta=2.0, situ_linear_beta=3.0)
@@ -150,7 +150,7 @@ def test_expert_paths_agree_with_numpy(act):
 @pytest.mark.parametrize("rows", [1, 2, 7, 32, 33])
 def test_linear_skinny_form_matches_numpy(rows):
     """``linear`` computes few-row products as (W x^T)^T on CPU: same values as the plain product."""
-    from kimi_jax.layers import linear
+    from kimi_jax.model.layers import linear
 
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((1, rows, 64)).astype(np.float32)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax import cache as cache_lib
-from kimi_jax import config as C
-from kimi_jax.generate import argmax, sample
+from kimi_jax.generation.generate import argmax, sample
+from kimi_jax.model import cache as cache_lib
+from kimi_jax.model import config as C
 
 N = 20000  # draws per case: a 4.5-sigma band on each probability is about +-0.016
 

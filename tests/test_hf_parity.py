@@ -34,7 +34,7 @@ def test_kimi_linear_config_forms_agree(hf_kimi_linear, tmp_path):
     """HF's `layer_types` form and the released `linear_attn_config` (1-based lists) give the same model."""
     import json
 
-    from kimi_jax import config as C
+    from kimi_jax.model import config as C
 
     path, _ = hf_kimi_linear
     raw = json.load(open(f"{path}/config.json"))

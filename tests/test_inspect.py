@@ -1,4 +1,4 @@
-"""kimi_jax/inspect.py (what the notebooks show) against oracles: the K3 fixture's golden routing and AttnRes
+"""kimi_jax/analysis/inspect.py (what the notebooks show) against oracles: the K3 fixture's golden routing and AttnRes
 tensors (Moonshot's layer code), cache sizes from the K3 config arithmetic (K3_SPEC / FIELD_NOTES numbers), real
 allocations, and figures that carry titles, labels and units."""
 
@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 import kimi_jax
-from kimi_jax import config as C
-from kimi_jax import inspect as ki
-from kimi_jax.cache import KDACache, init_cache
+from kimi_jax.analysis import inspect as ki
+from kimi_jax.model import config as C
+from kimi_jax.model.cache import KDACache, init_cache
 from tests.parity import assert_close
 from tests.test_notebooks import figure_problems
 
@@ -76,7 +76,7 @@ def test_attn_res_layout_rejects_a_mismatch(model, probed):
 
 def _small_k3(path, layer_kinds="KMK"):
     """A random tiny K3 checkpoint with the given layer kinds (K = KDA, M = MLA), loaded: cheap to compile."""
-    from convert.synthetic import write_checkpoint
+    from kimi_jax.checkpoint.synthetic import write_checkpoint
 
     c = C.tiny_k3_config_dict()
     t = c["text_config"]
@@ -175,8 +175,8 @@ def test_layer_subset_converts_like_the_full_checkpoint(tmp_path):
     import shutil
 
     from convert.converter import convert_checkpoint
-    from convert.synthetic import write_checkpoint
-    from kimi_jax.demo import demo_config
+    from kimi_jax.checkpoint.synthetic import write_checkpoint
+    from kimi_jax.cli.demo import demo_config
 
     full, part = tmp_path / "full", tmp_path / "part"
     write_checkpoint(full, "k3", config=demo_config(), num_shards=4)  # layers 0-2 | 3-4 | 5-6 | 7-8 + the rest

@@ -84,10 +84,10 @@ def test_kernel_lowers(name, target):
 def test_whole_k3_model_lowers_with_kernels(target):
     """Tiny K3 (6 KDA, 3 MLA, 8 MXFP4 MoE layers), bf16, abstract parameters: the automatic choice on an
     accelerator puts a Pallas kernel at every KDA, MLA and expert matmul, for cached prefill and decode."""
-    from kimi_jax import config
-    from kimi_jax.cache import cache_shapes
-    from kimi_jax.layers import RunConfig
-    from kimi_jax.model import abstract_model
+    from kimi_jax.model import config
+    from kimi_jax.model.cache import cache_shapes
+    from kimi_jax.model.decoder import abstract_model
+    from kimi_jax.model.layers import RunConfig
 
     cfg = config.from_dict(config.tiny_k3_config_dict())
     gdef, state = nnx.split(abstract_model(cfg, RunConfig(dtype=BF)))

@@ -16,7 +16,7 @@ import torch
 from flax import nnx
 
 import kimi_jax
-from kimi_jax.cache import init_cache
+from kimi_jax.model.cache import init_cache
 from tests.parity import TOL, assert_close
 
 STEPS = 4

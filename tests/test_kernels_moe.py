@@ -106,9 +106,8 @@ def _kernel_decoded(packed, scale):
 
 
 def test_in_kernel_decode_is_bit_exact_vs_compressed_tensors(k3_tiny_a):
+    from kimi_jax.checkpoint.safetensors import Checkpoint
     from tests.test_mxfp4 import ct_decompress
-
-    from kimi_jax.safetensors_io import Checkpoint
 
     rng = np.random.default_rng(4)
     packed = rng.integers(0, 256, (32, 32)).astype(np.uint8)

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kimi_jax
-from kimi_jax.config import ConfigError
-from kimi_jax.safetensors_io import CheckpointError
+from kimi_jax.checkpoint.safetensors import CheckpointError
+from kimi_jax.model.config import ConfigError
 
 SHARD1 = "model-00001-of-000002.safetensors"
 SHARD2 = "model-00002-of-000002.safetensors"

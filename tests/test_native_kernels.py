@@ -213,7 +213,7 @@ def test_model_decode_groups_products(hf_kimi_linear):
     equal the reference path's, step by step."""
     from flax import nnx
 
-    from kimi_jax.cache import init_cache
+    from kimi_jax.model.cache import init_cache
 
     path, _ = hf_kimi_linear
     ids = np.random.default_rng(0).integers(3, 200, (1, 9)).astype(np.int32)

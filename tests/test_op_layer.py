@@ -19,7 +19,7 @@ import pytest
 from kernels_pallas._dispatch import Placement, Rule, split_axes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODEL_FILES = ["kimi_jax/layers.py", "kimi_jax/attention.py", "kimi_jax/moe.py", "kimi_jax/model.py"]
+MODEL_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kimi_jax" / "model").glob("*.py"))
 BACKEND = re.compile(r"(?<![a-z])(cpu|tpu|gpu|cuda|rocm|triton|mosaic)(?![a-z])|native|skinny|default_backend|platform",
                      re.I)
 

@@ -1,4 +1,4 @@
-"""Scanned layers (kimi_jax/layer_plan.py): the repeating run of layers as one lax.scan over stacked parameters.
+"""Scanned layers (kimi_jax/model/layer_plan.py): the repeating run of layers as one lax.scan over stacked parameters.
 
 Against oracles we did not write first (HF transformers for Kimi Linear and Llama, the K3 fixture's golden outputs,
 all loaded with ``scan_layers=True``), then scanned == unrolled on a 17-layer K3 whose scan runs four-layer groups
@@ -14,11 +14,11 @@ import torch
 from flax import nnx
 
 import kimi_jax
-from kimi_jax import config as C
-from kimi_jax.cache import cache_shapes, init_cache
-from kimi_jax.layer_plan import LayerPlan, layer_plan
-from kimi_jax.layers import RunConfig
-from kimi_jax.model import KimiModel, relayout
+from kimi_jax.model import config as C
+from kimi_jax.model.cache import cache_shapes, init_cache
+from kimi_jax.model.decoder import KimiModel, relayout
+from kimi_jax.model.layer_plan import LayerPlan, layer_plan
+from kimi_jax.model.layers import RunConfig
 from tests.parity import TOL, assert_close
 
 

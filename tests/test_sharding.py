@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kimi_jax import config as C
-from kimi_jax import plan, sharding
-from kimi_jax.cache import cache_shapes
-from kimi_jax.model import abstract_model
+from kimi_jax.model import config as C
+from kimi_jax.model.cache import cache_shapes
+from kimi_jax.model.decoder import abstract_model
+from kimi_jax.parallel import plan, sharding
 
 K3_SIZES = dict(data=1, expert=8, model=8)
 
@@ -157,8 +157,8 @@ def test_ragged_dispatch_lowers_for_tpu_and_gpu(tiny):
     from flax import nnx
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 
-    from kimi_jax.layers import RunConfig
-    from kimi_jax.moe import MoE
+    from kimi_jax.model.layers import RunConfig
+    from kimi_jax.model.moe import MoE
 
     cfg, _ = tiny
     # TPU with experts over `expert`; GPU with wide EP, experts over `expert` x `model` (a two-axis exchange)
@@ -188,7 +188,7 @@ def test_capacity_exchange_is_lossless_unless_capped():
     below the load, the pairs past it (in expert order) come back as zeros, the rest intact."""
     from jax.sharding import AxisType
 
-    from kimi_jax import expert_parallel as ep
+    from kimi_jax.parallel import expert_parallel as ep
 
     mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,))
     z = jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 3))  # token t carries value t + 1

@@ -4,7 +4,7 @@ Every case loads the model with ``from_pretrained(path, mesh=...)`` (parameters 
 prefills 8 right-padded prompts and decodes greedily, next to the unsharded model on one device of the same
 process (tests/sharding_worker.py). Models: the K3 fixture (whose rows 0-1 are also checked against Moonshot's
 golden outputs), and HF Kimi Linear / Llama written by transformers with 8 heads and 8 experts.
-Meshes (data, expert, model): tp = 1x1x8, ep = 1x8x1, mix = 2x2x2; layouts from kimi_jax/sharding.py. Every
+Meshes (data, expert, model): tp = 1x1x8, ep = 1x8x1, mix = 2x2x2; layouts from kimi_jax/parallel/sharding.py. Every
 kernel op runs inside shard_map on its local shard; some cases run the Pallas kernels (interpret mode) there.
 """
 

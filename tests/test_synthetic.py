@@ -16,9 +16,9 @@ import torch
 from flax import nnx
 
 import kimi_jax
-from convert import synthetic
-from convert.safetensors_write import Entry, write_file
-from kimi_jax.safetensors_io import Checkpoint
+from kimi_jax.checkpoint import synthetic
+from kimi_jax.checkpoint.safetensors import Checkpoint
+from kimi_jax.checkpoint.safetensors_write import Entry, write_file
 from tests.parity import TOL, assert_close
 
 
@@ -159,4 +159,4 @@ def test_make_tiny_cli_without_torch(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "k3"))[1:] == [f"model-0000{i}-of-000003.safetensors" for i in (1, 2, 3)] + \
         ["model.safetensors.index.json"]
-    kimi_jax.config.load(tmp_path / "k3")  # parses
+    kimi_jax.model.config.load(tmp_path / "k3")  # parses

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from kimi_jax import tokenizer as T
+from kimi_jax.text import tokenizer as T
 
 TEXTS = [
     "Hello world! The capital of France is Paris.",

@@ -28,8 +28,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas._common import (F32, NEG, cdiv, compiler_params, dot_nn, dot_nt, key_block, next_pow2, pad_axis,
-                                    precision_for, round_up, row_block)
+from kernels_pallas._common import (
+    F32,
+    NEG,
+    cdiv,
+    compiler_params,
+    dot_nn,
+    dot_nt,
+    key_block,
+    next_pow2,
+    pad_axis,
+    precision_for,
+    round_up,
+    row_block,
+)
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 

@@ -30,8 +30,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas._common import (F32, HIGHEST, NEG, compiler_params, dot_nn, dot_nt, dot_tn, next_pow2, pad_axis,
-                                    round_up)
+from kernels_pallas._common import (
+    F32,
+    HIGHEST,
+    NEG,
+    compiler_params,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    next_pow2,
+    pad_axis,
+    round_up,
+)
 
 
 def _chunk_math(q, k, G, v, beta, St, column_of, g_last, *, C):

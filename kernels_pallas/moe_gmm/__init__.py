@@ -9,7 +9,7 @@ weights it reads the chosen experts in place, where the reference copies each on
 (batch-1 decode of the benchmark model spent about a fifth of its step on those copies). It is the automatic choice
 there when it builds (``kernels_pallas/_native.py``); ``implementation="reference"`` keeps the plain-jnp path.
 
-On a mesh: expert parallelism (``kimi_jax/expert_parallel.py``) runs these inside its own ``shard_map`` on each
+On a mesh: expert parallelism (``kimi_jax/parallel/expert_parallel.py``) runs these inside its own ``shard_map`` on each
 device's local experts, with no placement. Given a placement, ``gmm`` runs whole on every device (its rows
 are sorted over all tokens) and ``gather_matmul`` splits tokens over ``batch`` with every expert on each device.
 """

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_jax.config import ModelConfig
-from kimi_jax.safetensors_io import Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.model.config import ModelConfig
 
 
 class WeightError(CheckpointError):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from kimi_jax.config import tiny_k3_config_dict
-from kimi_jax.tokenizer import NUM_RESERVED_SPECIAL, write_demo_tokenizer
+from kimi_jax.model.config import tiny_k3_config_dict
+from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL, write_demo_tokenizer
 
 
 def demo_config() -> dict:
@@ -27,7 +27,7 @@ def demo_config() -> dict:
 
 def build_demo_checkpoint(path, *, seed: int = 0) -> str:
     """Write the demo checkpoint and tokenizer into ``path`` (an empty or new directory); returns ``path``."""
-    from convert.synthetic import write_checkpoint
+    from kimi_jax.checkpoint.synthetic import write_checkpoint
 
     path = os.fspath(path)
     config = demo_config()

@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from kimi_jax import sharding, weights
-from kimi_jax.safetensors_io import Checkpoint
+from kimi_jax.checkpoint import names as weights
+from kimi_jax.checkpoint.safetensors import Checkpoint
+from kimi_jax.parallel import sharding
 
 _INT_DTYPES = {"U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32, "I32": np.int32,
                "U64": np.uint64, "I64": np.int64, "BOOL": np.bool_}

@@ -11,12 +11,12 @@ the batch and ``ep`` axes (replicated over ``tp``). Per chip:
 3. run the local experts as one grouped matmul over the received rows (rows sorted by local expert);
    with ``tp`` the down projection's partial sums are ``psum``-ed in float32 before the one rounding, as the
    single-device path rounds once after its float32 accumulation;
-4. send the rows back the way they came and unsort to ``[N, X, L]``, what :class:`~kimi_jax.moe.Experts`
+4. send the rows back the way they came and unsort to ``[N, X, L]``, what :class:`~kimi_jax.model.moe.Experts`
    returns, so the router weighting and everything after it are the single-device code.
 
 Padded token rows (``N`` rounded up to the number of token shards) never leave their chip. Experts that the mesh
 does not split (too few to divide) still run inside the map, on each device's tokens with the single-device math
-(:meth:`~kimi_jax.moe.Experts.apply`): the kernels then run on local shards there too.
+(:meth:`~kimi_jax.model.moe.Experts.apply`): the kernels then run on local shards there too.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas._dispatch import target_platform
 from kernels_pallas.mxfp4 import MXFP4Weight
-from kimi_jax import sharding
-from kimi_jax.layers import F32, RunConfig, glu
+from kimi_jax.model.layers import F32, RunConfig, glu
+from kimi_jax.parallel import sharding
 
 _WEIGHTS = ("w1", "w3", "w2")
 
@@ -45,7 +45,7 @@ def _names(quant):
 
 
 def plan_axes(experts, par: sharding.Parallel):
-    """(ep axes, tp axes, weight specs) of an :class:`~kimi_jax.moe.Experts` module under ``par``."""
+    """(ep axes, tp axes, weight specs) of an :class:`~kimi_jax.model.moe.Experts` module under ``par``."""
     specs = sharding.module_specs(experts, par.sizes, par.layout)
     first = specs["w1_packed" if experts.cfg.quant == "mxfp4" else "w1"]
     return _axes(first[0]), _axes(first[1]), specs

@@ -15,8 +15,8 @@ Notes on what is measured:
   one output).
 * KDA state norms: the Frobenius norm of each KDA layer's recurrent state ``[H, K, V]`` after every chunk of a
   continued prefill (``prefix=True`` over one static cache).
-* Cache bytes: :func:`kimi_jax.cache.cache_bytes` (shapes only) and, where it fits, the ``nbytes`` of the arrays
-  :func:`kimi_jax.cache.init_cache` really allocates.
+* Cache bytes: :func:`kimi_jax.model.cache.cache_bytes` (shapes only) and, where it fits, the ``nbytes`` of the arrays
+  :func:`kimi_jax.model.cache.init_cache` really allocates.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_jax.cache import KDACache, cache_bytes, init_cache
-from kimi_jax.config import ModelConfig
+from kimi_jax.model.cache import KDACache, cache_bytes, init_cache
+from kimi_jax.model.config import ModelConfig
 
 GB = 1e9
 GIB = 1 << 30
@@ -56,7 +56,7 @@ def devices() -> list[dict]:
 
 
 def throughput(gen) -> dict:
-    """Speeds of one :class:`kimi_jax.generate.Generation`: time to first token (the prefill, which samples the
+    """Speeds of one :class:`kimi_jax.generation.generate.Generation`: time to first token (the prefill, which samples the
     first token), prompt tokens/s, and decode tokens/s (tokens after the first, over the decode time)."""
     t = gen.timings
     n_prompt = sum(len(p) for p in gen.prompt_tokens)
@@ -370,14 +370,14 @@ def all_mla(cfg: ModelConfig) -> ModelConfig:
 
 
 def cache_curve(cfg: ModelConfig, contexts: Sequence[int], *, batch: int = 1, dtype=jnp.bfloat16) -> dict:
-    """Cache bytes vs context length from :func:`kimi_jax.cache.cache_bytes`: {kind: [len(contexts)] int64} with
+    """Cache bytes vs context length from :func:`kimi_jax.model.cache.cache_bytes`: {kind: [len(contexts)] int64} with
     kinds kda_state, kda_conv, mla, kv, total."""
     rows = [cache_bytes(cfg, batch, int(n), dtype) for n in contexts]
     return {k: np.asarray([r[k] for r in rows], np.int64) for k in rows[0]}
 
 
 def measured_cache_bytes(cfg: ModelConfig, context: int, *, batch: int = 1, dtype=jnp.bfloat16) -> int:
-    """Allocate the cache with :func:`kimi_jax.cache.init_cache`, sum the ``nbytes`` of its arrays (the per-sequence
+    """Allocate the cache with :func:`kimi_jax.model.cache.init_cache`, sum the ``nbytes`` of its arrays (the per-sequence
     ``lengths`` excluded, as in ``cache_bytes``), free it."""
     cache = init_cache(cfg, batch, int(context), dtype)
     jax.block_until_ready(cache)
@@ -403,7 +403,7 @@ def crossover_context(cfg: ModelConfig, *, batch: int = 1, dtype=jnp.bfloat16) -
 @dataclasses.dataclass(frozen=True)
 class Deployment:
     name: str  # e.g. "2 x 8 H200"
-    chip: str  # a key of kimi_jax.plan.CHIPS
+    chip: str  # a key of kimi_jax.parallel.plan.CHIPS
     sizes: tuple  # ((axis, n), ...) over data / expert / model
     layout: str = "tp_ep"
 
@@ -431,8 +431,8 @@ DEPLOYMENTS = (
 
 def plan_rows(cfg: ModelConfig, deployments: Sequence[Deployment] = DEPLOYMENTS, *, batch: int, context: int,
               dtype="bfloat16", reserve: float = 0.1) -> list[dict]:
-    """One :func:`kimi_jax.plan.make_plan` per deployment, as table rows (bytes per chip, roofline decode)."""
-    from kimi_jax import plan
+    """One :func:`kimi_jax.parallel.plan.make_plan` per deployment, as table rows (bytes per chip, roofline decode)."""
+    from kimi_jax.parallel import plan
 
     rows = []
     for d in deployments:
@@ -454,7 +454,7 @@ def roofline_vs_batch(cfg: ModelConfig, deployment: Deployment, batches: Sequenc
                       dtype="bfloat16") -> dict:
     """Roofline decode throughput of one deployment at several batch sizes: {batch, step_ms, tokens_per_s,
     total_gb, fits} arrays (memory per chip grows with the batch's caches; ``fits``: within 90% of HBM)."""
-    from kimi_jax import plan
+    from kimi_jax.parallel import plan
 
     chip = plan.CHIPS[deployment.chip]
     out = {"batch": [], "step_ms": [], "tokens_per_s": [], "total_gb": [], "fits": []}

@@ -8,11 +8,11 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax import config as config_lib
-from kimi_jax import distributed
-from kimi_jax.layers import RunConfig
-from kimi_jax.model import KimiModel, relayout
-from kimi_jax.weights import load_hf
+from kimi_jax.checkpoint.names import load_hf
+from kimi_jax.model import config as config_lib
+from kimi_jax.model.decoder import KimiModel, relayout
+from kimi_jax.model.layers import RunConfig
+from kimi_jax.parallel import distributed
 
 
 def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None, strict: bool = True,
@@ -20,14 +20,14 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed).
 
-    ``mesh`` (from :func:`kimi_jax.sharding.make_mesh`): read every parameter straight into its shards under
-    ``layout`` (a :mod:`kimi_jax.sharding` table name); each process reads only its devices' slices.
+    ``mesh`` (from :func:`kimi_jax.parallel.sharding.make_mesh`): read every parameter straight into its shards under
+    ``layout`` (a :mod:`kimi_jax.parallel.sharding` table name); each process reads only its devices' slices.
     ``scan_layers`` (or ``run.scan_layers``): the repeating run of layers stacked and run as one scan
-    (:mod:`kimi_jax.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn."""
+    (:mod:`kimi_jax.model.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
-    from convert import orbax_io
+    from kimi_jax.checkpoint import orbax as orbax_io
 
     converted = orbax_io.looks_converted(path)  # `kimi-jax convert` output (Orbax)
     if converted:
@@ -45,11 +45,11 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
 def _load(path, cfg, run: RunConfig, converted: bool) -> KimiModel:
     factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
     if converted:
-        from convert import orbax_io
+        from kimi_jax.checkpoint import orbax as orbax_io
 
         shardings = None
         if run.parallel is not None:
-            from kimi_jax import sharding
+            from kimi_jax.parallel import sharding
 
             shardings = sharding.param_shardings(nnx.eval_shape(factory), run.parallel.mesh, run.parallel.layout)
         return orbax_io.load_converted(path, cfg, factory, shardings=shardings)

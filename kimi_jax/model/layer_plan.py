@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kimi_jax.config import ModelConfig
+from kimi_jax.model.config import ModelConfig
 
 MAX_PERIOD = 12  # the longest repeating group looked for (K3's AttnRes block)
 

@@ -6,7 +6,7 @@
   ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer.
 * GQA layer: keys (already rotated) and values ``[B, S, G, K]``.
 
-With scanned layers (:mod:`kimi_jax.layer_plan`) the entries of the scanned run are stacked like their parameters:
+With scanned layers (:mod:`kimi_jax.model.layer_plan`) the entries of the scanned run are stacked like their parameters:
 ``Cache.stack[j]`` holds position ``j`` of the group for every repetition (leading dimension), and those layers'
 ``Cache.layers`` entries are None.
 """
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kimi_jax.config import ModelConfig
-from kimi_jax.layer_plan import layer_plan
+from kimi_jax.model.config import ModelConfig
+from kimi_jax.model.layer_plan import layer_plan
 
 
 @struct.dataclass

@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from kimi_jax import sharding
+from kimi_jax.parallel import sharding
 
 GIB = 2**30
 EXTRA = 'pip install "kimi-jax[aot]"'
@@ -167,7 +167,7 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
     refuses has ``fits`` False and ``error`` (its message) instead of the bytes; ``oom`` says whether the refusal
     was the compiler's own HBM out-of-memory ("does not fit") rather than a failure to compile at all.
     """
-    from kimi_jax import plan
+    from kimi_jax.parallel import plan
 
     mesh = target_mesh(target, **{a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES})
     hbm = hbm_bytes(target)

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax import distributed
-from kimi_jax.cache import Cache, cache_shapes, init_cache
-from kimi_jax.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
+from kimi_jax.model.cache import Cache, cache_shapes, init_cache
+from kimi_jax.parallel import distributed
+from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
@@ -283,7 +283,7 @@ class Generator:
             return cache
         shardings = None
         if self.parallel is not None:
-            from kimi_jax import sharding
+            from kimi_jax.parallel import sharding
 
             shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan)
             shardings = sharding.cache_shardings(self.cfg, shapes, self.parallel.mesh, self.parallel.layout)
@@ -415,7 +415,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
     """Generate from a :class:`~kimi_jax.model.KimiModel`: see :meth:`Generator.generate`.
 
     ``prompts``: a string, a list of token ids, or a list of either (different lengths are fine). ``tokenizer``:
-    a :class:`~kimi_jax.tokenizer.Tokenizer` or a model directory holding tokenizer files (needed for text).
+    a :class:`~kimi_jax.text.tokenizer.Tokenizer` or a model directory holding tokenizer files (needed for text).
     ``max_len``: cache length; by default the smallest power of two >= 256 that fits. The generator (and its
     compiled functions and caches) is kept per model, so repeated calls do not recompile.
     """

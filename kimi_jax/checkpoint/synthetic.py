@@ -5,7 +5,7 @@
     write_checkpoint(path, "kimi_linear")   # Kimi Linear as HF transformers' save_pretrained writes it
     write_checkpoint(path, "llama")         # LlamaForCausalLM, likewise
 
-The tensor inventory is derived here from the raw config keys (independently of ``kimi_jax.config`` and the loader's
+The tensor inventory is derived here from the raw config keys (independently of ``kimi_jax.model.config`` and the loader's
 name table, which it is meant to test). Every tensor gets its own random stream seeded by (seed, crc32(name)), so
 values do not depend on sharding or write order, and shards are written one tensor at a time (bounded memory for
 multi-gigabyte benchmark checkpoints).
@@ -29,8 +29,8 @@ import zlib
 import ml_dtypes
 import numpy as np
 
-from convert.safetensors_write import Entry, write_file
 from kimi_jax import mxfp4
+from kimi_jax.checkpoint.safetensors_write import Entry, write_file
 
 FAMILIES = ("k3", "kimi_linear", "llama")
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output the HF layouts reproduce
@@ -89,7 +89,7 @@ def llama_config_dict() -> dict:
 
 
 def default_config(family: str) -> dict:
-    from kimi_jax.config import tiny_k3_config_dict
+    from kimi_jax.model.config import tiny_k3_config_dict
 
     _check_family(family)
     return {"k3": tiny_k3_config_dict, "kimi_linear": kimi_linear_config_dict, "llama": llama_config_dict}[family]()
@@ -299,7 +299,7 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 def draw(spec: Spec, seed: int, hidden: int) -> np.ndarray:
     """The tensor for ``spec`` (deterministic in (seed, name)), in its safetensors dtype."""
-    from convert.safetensors_write import NUMPY
+    from kimi_jax.checkpoint.safetensors_write import NUMPY
 
     rng = _rng(seed, spec.name)
     shape, kind = spec.shape, spec.init

@@ -26,7 +26,7 @@ import shutil
 import jax
 import numpy as np
 
-from kimi_jax.safetensors_io import CheckpointError
+from kimi_jax.checkpoint.safetensors import CheckpointError
 
 PARAMS = "params"
 PARTIAL = PARAMS + ".partial_save"  # orbax.checkpoint.experimental.v1.partial's session directory for PARAMS
@@ -279,10 +279,10 @@ def restore(path, target: dict, *, check_complete: bool = True) -> dict:
 
 def load_converted(path, cfg, model_factory, *, shardings=None):
     """Build the model for ``cfg`` and fill it from the converted checkpoint at ``path`` (``shardings``: optional
-    {param path: Sharding}, e.g. ``kimi_jax.sharding.param_shardings(...)``)."""
+    {param path: Sharding}, e.g. ``kimi_jax.parallel.sharding.param_shardings(...)``)."""
     from flax import nnx
 
-    from kimi_jax.weights import flat_targets
+    from kimi_jax.checkpoint.names import flat_targets
 
     abstract = nnx.eval_shape(model_factory)
     graphdef, state = nnx.split(abstract)

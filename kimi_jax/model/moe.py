@@ -15,9 +15,9 @@ from flax import nnx
 import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas import matvec
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
-from kimi_jax import expert_parallel
-from kimi_jax.config import MoEConfig
-from kimi_jax.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
+from kimi_jax.model.config import MoEConfig
+from kimi_jax.model.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
+from kimi_jax.parallel import expert_parallel
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -140,7 +140,7 @@ class MoE(nnx.Module):
         idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
         z = linear(x, self.routed_expert_down_proj[...], run) if c.latent is not None else x.astype(run.dtype)
         shared = None
-        if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/expert_parallel.py)
+        if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/parallel/expert_parallel.py)
             out = expert_parallel.routed_experts(self.experts, z, idx, run)
         else:
             out, shared = self._grouped_decode(x, z, idx, run) or (self.experts(z, idx, run), None)  # [N, X, L]

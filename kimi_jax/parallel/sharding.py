@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from kernels_pallas._dispatch import Placement
-from kimi_jax.cache import Cache, KDACache, KVCache, MLACache
-from kimi_jax.config import ModelConfig
+from kimi_jax.model.cache import Cache, KDACache, KVCache, MLACache
+from kimi_jax.model.config import ModelConfig
 
 MESH_AXES = ("data", "expert", "model")
 
@@ -96,7 +96,7 @@ def layout(name_or_layout) -> Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:
-    """How a model runs on many devices (hashable: lives in :class:`~kimi_jax.layers.RunConfig`, static under jit).
+    """How a model runs on many devices (hashable: lives in :class:`~kimi_jax.model.layers.RunConfig`, static under jit).
 
     ``dispatch``: expert-parallel token exchange. ``"auto"`` = ``"ragged"`` (``ragged_all_to_all``) on TPU/GPU and
     ``"capacity"`` (fixed-capacity ``all_to_all``) on CPU, where XLA has no ragged all-to-all;
@@ -270,7 +270,7 @@ class ModuleParams:
 
 
 def module_table(model) -> list[ModuleParams]:
-    """Every module that owns parameters. Modules of a scanned layer stack (``stack.``, :mod:`kimi_jax.layer_plan`)
+    """Every module that owns parameters. Modules of a scanned layer stack (``stack.``, :mod:`kimi_jax.model.layer_plan`)
     hold their parameters stacked over the repetitions: that leading dimension is never split."""
     out = []
     for path, node in nnx.iter_graph(model):

@@ -7,8 +7,8 @@ import sys
 
 
 def _cmd_info(args):
-    from kimi_jax import config as C
-    from kimi_jax.model import abstract_model, param_count
+    from kimi_jax.model import config as C
+    from kimi_jax.model.decoder import abstract_model, param_count
 
     cfg = C.preset(args.model) if args.model in C.PRESETS else C.load(args.model)
     model = abstract_model(cfg)
@@ -20,7 +20,7 @@ def _cmd_info(args):
 def _cmd_make_tiny(args):
     import json
 
-    from convert.synthetic import write_checkpoint
+    from kimi_jax.checkpoint.synthetic import write_checkpoint
 
     config = None
     if args.config:
@@ -32,8 +32,8 @@ def _cmd_make_tiny(args):
 
 
 def _cmd_plan(args):
-    from kimi_jax.aot import CompilerMissing
-    from kimi_jax.plan import run_cli
+    from kimi_jax.parallel.aot import CompilerMissing
+    from kimi_jax.parallel.plan import run_cli
 
     try:
         return run_cli(args)
@@ -45,7 +45,7 @@ def _cmd_plan(args):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    from kimi_jax import generate_cli
+    from kimi_jax.cli import generate as generate_cli
 
     generate_cli.add_demo_arguments(sub.add_parser(
         "demo", help="build a tiny Kimi K3 checkpoint in the released format, load it and generate (no downloads)"))
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "only when both compile and fit (needs the aot extra)")
     pl.add_argument("--scan-layers", action="store_true",
                     help="with --compile: the repeating run of layers as one scan over stacked weights (compiles "
-                         "in a fraction of the time; see kimi_jax/layer_plan.py for what it costs per step)")
+                         "in a fraction of the time; see kimi_jax/model/layer_plan.py for what it costs per step)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=_cmd_plan)

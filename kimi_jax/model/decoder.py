@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kimi_jax.attention import GQA, KDA, MLA, Step
-from kimi_jax.cache import Cache
-from kimi_jax.config import ModelConfig
-from kimi_jax.layer_plan import LayerPlan, layer_plan
-from kimi_jax.layers import MLP, AttnRes, RunConfig, linear, param, rms_norm
-from kimi_jax.moe import MoE
+from kimi_jax.model.attention import GQA, KDA, MLA, Step
+from kimi_jax.model.cache import Cache
+from kimi_jax.model.config import ModelConfig
+from kimi_jax.model.layer_plan import LayerPlan, layer_plan
+from kimi_jax.model.layers import MLP, AttnRes, RunConfig, linear, param, rms_norm
+from kimi_jax.model.moe import MoE
 
 
 @struct.dataclass
@@ -119,7 +119,7 @@ def _mix(res: AttnRes, blocks: Blocks, partial, run: RunConfig):
 
 
 class LayerGroup(nnx.Module):
-    """One repetition of a scanned run of layers (:mod:`kimi_jax.layer_plan`); stacked over repetitions in the model."""
+    """One repetition of a scanned run of layers (:mod:`kimi_jax.model.layer_plan`); stacked over repetitions in the model."""
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, *, param_dtype, rngs):
         self.layers = nnx.List([DecoderLayer(cfg, plan.layer(j, 0), param_dtype=param_dtype, rngs=rngs)

@@ -18,9 +18,9 @@ import kernels_pallas.attention as attn_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
 from kernels_pallas import matvec
-from kimi_jax.cache import KDACache, KVCache, MLACache
-from kimi_jax.config import GQAConfig, KDAConfig, MLAConfig
-from kimi_jax.layers import F32, RunConfig, linear, linear_group, param, rms_norm
+from kimi_jax.model.cache import KDACache, KVCache, MLACache
+from kimi_jax.model.config import GQAConfig, KDAConfig, MLAConfig
+from kimi_jax.model.layers import F32, RunConfig, linear, linear_group, param, rms_norm
 
 
 class Step(NamedTuple):

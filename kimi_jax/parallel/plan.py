@@ -1,7 +1,7 @@
 """Deployment plan: per-chip bytes of a model on a mesh, a roofline decode step time, and which chips it fits.
 
 Everything is computed from the abstract model (exact parameter shapes and dtypes, MXFP4 experts as packed
-bytes) and the partition specs of :mod:`kimi_jax.sharding`, so the plan and the sharded program agree by
+bytes) and the partition specs of :mod:`kimi_jax.parallel.sharding`, so the plan and the sharded program agree by
 construction on parameters and caches. Activations are an estimate of the largest temporaries of one step
 (named below, per kernel family); ``benchmarks/plan_vs_compiler.py`` checks the whole against XLA's own
 per-device memory analysis of the compiled decode step.
@@ -21,11 +21,11 @@ import re
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax import sharding
-from kimi_jax.cache import cache_shapes
-from kimi_jax.config import ModelConfig
-from kimi_jax.layers import RunConfig
-from kimi_jax.model import abstract_model
+from kimi_jax.model.cache import cache_shapes
+from kimi_jax.model.config import ModelConfig
+from kimi_jax.model.decoder import abstract_model
+from kimi_jax.model.layers import RunConfig
+from kimi_jax.parallel import sharding
 
 GB = 1e9
 
@@ -346,9 +346,9 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
 
     ``tokens == 1``: a decode step (``[batch, 1]`` ids after the cached prefix). ``tokens > 1``: a fresh prefill
     chunk of ``[batch, tokens]`` ids into the static cache (``prefix=False``, last position's logits), as
-    :mod:`kimi_jax.generate` runs it. ``mesh`` may hold CPU devices or a deviceless TPU / GPU topology's
-    (:mod:`kimi_jax.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
-    ``scan_layers``: the model with its repeating run of layers scanned (:mod:`kimi_jax.layer_plan`).
+    :mod:`kimi_jax.generation.generate` runs it. ``mesh`` may hold CPU devices or a deviceless TPU / GPU topology's
+    (:mod:`kimi_jax.parallel.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
+    ``scan_layers``: the model with its repeating run of layers scanned (:mod:`kimi_jax.model.layer_plan`).
     Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device,
     ``compile_seconds``, the Pallas kernel calls in the program and the compiler's ``bytes_accessed`` per device.
     """
@@ -387,7 +387,7 @@ def _pallas_calls(text: str) -> int:
 
 def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation, scan_layers=False):
     """(graphdef, parameters, ids [batch, tokens], cache, (logits, cache) shardings), all abstract and sharded
-    by :mod:`kimi_jax.sharding` on ``mesh``."""
+    by :mod:`kimi_jax.parallel.sharding` on ``mesh``."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -442,11 +442,11 @@ def format_comparison(p: Plan, r: Plan, xla: dict) -> str:
 def run_cli(args) -> int:
     """``kimi-jax plan`` (arguments from :mod:`kimi_jax.cli`). Returns the exit status: with ``--compile``, 0 only
     when every compiled program fits the target's HBM."""
-    from kimi_jax import config as C
+    from kimi_jax.model import config as C
 
     target = None
     if args.compile:
-        from kimi_jax import aot
+        from kimi_jax.parallel import aot
 
         target = aot.parse_target(args.compile)  # before any slow work: an unknown target fails at once
         aot.cpu_runtime()  # before the plan's first jnp call starts JAX's backends
@@ -487,7 +487,7 @@ COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typ
 
 def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
     """Compile the decode step and a prefill chunk for ``target``; print them beside the plan; exit status."""
-    from kimi_jax import aot
+    from kimi_jax.parallel import aot
 
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     res = aot.compile_steps(cfg, target, p.sizes, args.layout, batch=args.batch, context=args.context,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import matvec
-from kimi_jax.config import MLPConfig
+from kimi_jax.model.config import MLPConfig
 
 F32 = jnp.float32
 
@@ -31,12 +31,12 @@ class RunConfig:
     ``moe_path``: ``"auto"`` gathers the chosen experts' weights when there are fewer (token, expert) pairs than
     experts (decode) and sorts tokens into a grouped matmul otherwise (prefill); on XLA:CPU with float32 experts,
     batches in between run every expert on every token (``"dense"``, :func:`kernels_pallas.moe_gmm.expert_path`).
-    ``parallel``: a :class:`kimi_jax.sharding.Parallel` (mesh + layout) for multi-device runs; None = one device.
+    ``parallel``: a :class:`kimi_jax.parallel.sharding.Parallel` (mesh + layout) for multi-device runs; None = one device.
     ``kda_chunk``: chunk of the reference (plain-jnp) KDA prefill; 1 runs the token-by-token recurrence; None (the
     default) leaves it to the op (the recurrence on CPU, 64 in the reference; the Pallas kernels tile time
     themselves).
     ``scan_layers``: build the model with the parameters of its longest repeating run of layers stacked and run
-    that run as one ``lax.scan`` (:mod:`kimi_jax.layer_plan`: compile time falls by the repetition count; the
+    that run as one ``lax.scan`` (:mod:`kimi_jax.model.layer_plan`: compile time falls by the repetition count; the
     compilers copy each iteration's weight slice, so off by default). The model's parameter layout follows it.
     """
 
@@ -44,7 +44,7 @@ class RunConfig:
     implementation: str | None = None
     kda_chunk: int | None = None
     moe_path: str = "auto"  # "auto" | "gather" | "sorted" | "dense"
-    parallel: object = None  # kimi_jax.sharding.Parallel | None
+    parallel: object = None  # kimi_jax.parallel.sharding.Parallel | None
     scan_layers: bool = False
 
     @property

@@ -122,7 +122,7 @@ def _model_dir(path, seed=0, keep=None):
             raise FileNotFoundError(f"{path}: no such model directory")
         yield path
         return
-    from kimi_jax.demo import build_demo_checkpoint
+    from kimi_jax.cli.demo import build_demo_checkpoint
 
     if keep:
         yield build_demo_checkpoint(keep, seed=seed)
@@ -133,7 +133,7 @@ def _model_dir(path, seed=0, keep=None):
 
 def _load(path, dtype):
     import kimi_jax
-    from kimi_jax.tokenizer import has_tokenizer, load_tokenizer
+    from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
 
     t0 = time.perf_counter()
     model = kimi_jax.from_pretrained(path, dtype=dtype)
@@ -168,7 +168,7 @@ def run_demo(args):
     import jax
 
     import kimi_jax
-    from kimi_jax.model import param_count
+    from kimi_jax.model.decoder import param_count
 
     with _model_dir(None, seed=args.seed, keep=args.keep) as path:
         model, tok, load_s = _load(path, args.dtype)
@@ -192,7 +192,7 @@ def run_demo(args):
 
 
 def _prompts(args, tok):
-    from kimi_jax import chat
+    from kimi_jax.text import chat
 
     if args.ids:
         try:
@@ -210,7 +210,7 @@ def _prompts(args, tok):
 
 
 def _require_chat(tok):
-    from kimi_jax import chat
+    from kimi_jax.text import chat
 
     missing = [m for m in (chat.OPEN, chat.CLOSE, chat.SEP, chat.END_OF_MSG) if m not in tok.specials]
     if missing:
@@ -220,7 +220,7 @@ def _require_chat(tok):
 def run_generate(args):
     _setup_compile_cache(args)
     import kimi_jax
-    from kimi_jax import chat
+    from kimi_jax.text import chat
 
     with _model_dir(args.model) as path:
         model, tok, _ = _load(path, args.dtype)
@@ -245,8 +245,8 @@ def run_generate(args):
 def run_chat(args, stdin=None):
     _setup_compile_cache(args)
     import kimi_jax
-    from kimi_jax import chat
-    from kimi_jax.generate import GenerationError
+    from kimi_jax.generation.generate import GenerationError
+    from kimi_jax.text import chat
 
     stdin = stdin or sys.stdin
     thinking = not args.no_thinking

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any, Sequence
 
-from kimi_jax.tokenizer import Tokenizer
+from kimi_jax.text.tokenizer import Tokenizer
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 THINKING_EFFORTS = ("low", "medium", "high", "max")

@@ -1,0 +1,1 @@
+"""Generation: sampling and the compiled prefill / decode loop over the static cache."""

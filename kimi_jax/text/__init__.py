@@ -1,0 +1,1 @@
+"""Text: the Kimi tokenizer and the K3 chat format."""
