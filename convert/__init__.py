@@ -1,11 +1,10 @@
-"""Checkpoint conversion (``convert.convert_checkpoint``), synthetic checkpoints in the released layouts
-(``convert.write_checkpoint``) and reading converted checkpoints back (``convert.restore``).
+"""Checkpoint conversion, HF safetensors -> Orbax (``convert.convert_checkpoint``), and ``kimi-jax convert``.
 
-Attributes are imported on first use, so ``kimi_jax.checkpoint.synthetic`` stays light (no Orbax, no torch).
+Built on kimi_jax (its checkpoint reader, name table and Orbax writer); kimi_jax never imports it. Attributes are
+imported on first use, so ``import convert`` stays light (no Orbax, no JAX).
 """
 
-_EXPORTS = {"convert_checkpoint": "convert.converter", "verify_checkpoint": "convert.converter",
-            "write_checkpoint": "kimi_jax.checkpoint.synthetic", "restore": "kimi_jax.checkpoint.orbax", "load_converted": "kimi_jax.checkpoint.orbax"}
+_EXPORTS = {"convert_checkpoint": "convert.converter", "verify_checkpoint": "convert.converter"}
 
 
 def __getattr__(name):

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def register(subparsers):
+    """Entry point of the ``kimi_jax.commands`` group (pyproject.toml): adds ``kimi-jax convert``."""
+    p = subparsers.add_parser("convert", help="convert an HF safetensors checkpoint into a kimi-jax Orbax checkpoint")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def add_arguments(p):
     p.add_argument("src", metavar="SRC", help="HF checkpoint directory (config.json, safetensors shards, tokenizer)")
     p.add_argument("dst", metavar="DST", help="output directory (Orbax checkpoint + config + tokenizer files)")

@@ -42,6 +42,17 @@ def _cmd_plan(args):
         return 2
 
 
+COMMANDS = "kimi_jax.commands"  # entry-point group of commands that packages built on kimi_jax add to the CLI
+
+
+def _plugin_commands():
+    """Entry points of the ``kimi_jax.commands`` group: ``register(subparsers)`` callables. The converter lives above
+    kimi_jax (it imports kimi_jax, never the reverse), so its command arrives this way (pyproject.toml)."""
+    from importlib.metadata import entry_points
+
+    return sorted(entry_points(group=COMMANDS), key=lambda e: e.name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -63,11 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shards", type=int, default=2)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.set_defaults(func=_cmd_make_tiny)
-    c = sub.add_parser("convert", help="convert an HF safetensors checkpoint into a kimi-jax Orbax checkpoint")
-    from convert import cli as convert_cli
-
-    convert_cli.add_arguments(c)
-    c.set_defaults(func=convert_cli.run)
+    for command in _plugin_commands():  # `kimi-jax convert` (the convert package) registers itself here
+        command.load()(sub)
     pl = sub.add_parser("plan", help="per-chip memory and roofline decode time of a model on a (data, expert, model) mesh")
     pl.add_argument("--model", default="k3", help="preset (k3, kimi-linear-48b-a3b, kimi-dense) or model directory")
     pl.add_argument("--mesh", default="data=1,expert=64,model=8", help="AXIS=N,... over data, expert, model")
