@@ -1,4 +1,4 @@
-"""kimi_jax/analysis/inspect.py (what the notebooks show) against oracles: the K3 fixture's golden routing and AttnRes
+"""kimi_jax/analysis (what the notebooks show) against oracles: the K3 fixture's golden routing and AttnRes
 tensors (Moonshot's layer code), cache sizes from the K3 config arithmetic (K3_SPEC / FIELD_NOTES numbers), real
 allocations, and figures that carry titles, labels and units."""
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import kimi_jax
-from kimi_jax.analysis import inspect as ki
+from kimi_jax.analysis import devices, hub, memory, plots, probes, tables
 from kimi_jax.model import config as C
 from kimi_jax.model.cache import KDACache, init_cache
 from tests.parity import assert_close
@@ -28,30 +28,30 @@ def probed(model, k3_golden):
     """Both golden prompts (24 tokens) plus a third row holding the first 10 tokens of prompt 0, right-padded."""
     ids = k3_golden["input_ids"]
     prompts = [ids[0].tolist(), ids[1].tolist(), ids[0, :10].tolist()]
-    padded, lengths = ki.pad_prompts(prompts)
+    padded, lengths = probes.pad_prompts(prompts)
     assert padded.shape == (3, 32) and lengths.tolist() == [24, 24, 10]
-    return ki.probe(model, padded, lengths)
+    return probes.probe(model, padded, lengths)
 
 
 def test_expert_counts_match_golden_routing(model, k3_tiny_a, k3_golden, probed):
     with open(os.path.join(k3_tiny_a, "build_report.json")) as f:
         routing = json.load(f)["routing"]  # counts over the 48 tokens of both golden prompts
-    layers = ki.moe_layers(model.cfg)
+    layers = probes.moe_layers(model.cfg)
     assert layers == k3_golden["router_layers"].tolist()
-    counts = ki.expert_counts(probed, model.cfg.moe.num_experts)
+    counts = probes.expert_counts(probed, model.cfg.moe.num_experts)
     # Row 2 repeats prompt 0's first 10 tokens: causal, so its routing is the golden routing of those tokens.
     extra = np.stack([np.bincount(k3_golden["router_topk_idx_seq0"][j, :10].reshape(-1), minlength=8)
                       for j in range(len(layers))])
     expected = np.stack([routing[f"layer{i}"]["expert_counts"] for i in layers]) + extra
     np.testing.assert_array_equal(counts, expected)  # padded positions (8 + 8 + 22) never counted
     assert (counts.sum(axis=1) == (24 + 24 + 10) * model.cfg.moe.top_k).all()
-    stats = ki.load_stats(counts)
+    stats = probes.load_stats(counts)
     assert stats["max_over_mean"].shape == (len(layers),) and (stats["max_over_mean"] >= 1).all()
 
 
 def test_attn_res_weights_and_labels_reconstruct_golden_mix(model, k3_golden, probed):
     g = k3_golden
-    names, sizes = ki.attn_res_layout(model.cfg)
+    names, sizes = probes.attn_res_layout(model.cfg)
     # 9 layers, blocks sealed at 0, 3, 6: layer 0 has only its MLP mix; 8 attention + 9 MLP mixes + the output.
     assert len(names) == 18 and names[0] == "layer 0 mlp" and names[-1] == "output" and sizes[-1] == 4
     out_w = probed.attn_res[-1][:, 0, :24]  # [4 sources, 24 tokens] of prompt 0's output mix
@@ -59,7 +59,7 @@ def test_attn_res_weights_and_labels_reconstruct_golden_mix(model, k3_golden, pr
     # layer's output) -- mixed with our weights must give the golden output mix.
     sources = np.concatenate([g["attn_res_blocks_seq0"], g["layer_outputs_seq0"][-1:]])
     assert_close(np.einsum("st,std->td", out_w, sources), g["output_attn_res_mix_seq0"], 2e-4, "output AttnRes mix")
-    table = ki.attn_res_table(model.cfg, probed)
+    table = probes.attn_res_table(model.cfg, probed)
     assert table.sources == ["embedding", "block 1", "block 2", "partial sum"]
     assert table.weights.shape == (18, 4)
     np.testing.assert_allclose(np.nansum(table.weights, axis=1), 1.0, rtol=1e-5)  # every mix is a softmax
@@ -71,7 +71,7 @@ def test_attn_res_weights_and_labels_reconstruct_golden_mix(model, k3_golden, pr
 def test_attn_res_layout_rejects_a_mismatch(model, probed):
     cfg = model.cfg.replace(attn_res_block_size=2)
     with pytest.raises(ValueError, match="AttnRes mix"):  # source counts differ from layer 2 on
-        ki.attn_res_table(cfg, probed)
+        probes.attn_res_table(cfg, probed)
 
 
 def _small_k3(path, layer_kinds="KMK"):
@@ -90,7 +90,7 @@ def test_kda_state_norms_chunked_equal_one_prefill(tmp_path):
     model = _small_k3(tmp_path, "KMK")  # a KDA layer after an MLA layer: its state depends on MLA's continued prefill
     rng = np.random.default_rng(0)
     ids = rng.integers(3, model.cfg.vocab_size, (2, 48)).astype(np.int32)
-    s = ki.kda_state_norms(model, ids, chunk=16)
+    s = probes.kda_state_norms(model, ids, chunk=16)
     assert s.layers == [0, 2] and s.positions.tolist() == [16, 32, 48]
     assert s.norms.shape == (3, 2, 2) and (s.norms > 0).all()
     # The oracle: one fresh prefill of all 48 tokens (prefix=False) leaves the same states.
@@ -101,50 +101,50 @@ def test_kda_state_norms_chunked_equal_one_prefill(tmp_path):
     np.testing.assert_allclose(s.norms[-1], np.stack(full, -1), rtol=1e-4)
     assert not np.allclose(s.norms[0], s.norms[-1])  # the states did move between chunks
     with pytest.raises(ValueError, match="must divide"):
-        ki.kda_state_norms(model, ids, chunk=20)
+        probes.kda_state_norms(model, ids, chunk=20)
 
 
 def test_cache_curve_matches_k3_arithmetic():
     k3 = C.preset("k3")
     contexts = [1024, 16384, 1 << 20]
-    c = ki.cache_curve(k3, contexts)
+    c = memory.cache_curve(k3, contexts)
     # K3_SPEC / FIELD_NOTES: 69 KDA layers x 96 heads x 128 x 128 fp32 state; 24 MLA layers x 576 bf16 per token.
     assert k3.attn_types.count("kda") == 69 and k3.attn_types.count("mla") == 24
     assert (c["kda_state"] == 69 * 96 * 128 * 128 * 4).all()
     np.testing.assert_array_equal(c["mla"], [24 * 576 * 2 * n for n in contexts])
-    assert ki.crossover_context(k3) == int(np.ceil(69 * 96 * 128 * 128 * 4 / (24 * 576 * 2)))  # ~15.7K tokens
-    mla = ki.cache_curve(ki.all_mla(k3), contexts)
+    assert memory.crossover_context(k3) == int(np.ceil(69 * 96 * 128 * 128 * 4 / (24 * 576 * 2)))  # ~15.7K tokens
+    mla = memory.cache_curve(memory.all_mla(k3), contexts)
     np.testing.assert_array_equal(mla["total"], [93 * 576 * 2 * n for n in contexts])
-    dense = ki.cache_curve(C.preset("kimi-dense"), contexts)  # 32 layers x K,V x 8 heads x 128 x bf16
+    dense = memory.cache_curve(C.preset("kimi-dense"), contexts)  # 32 layers x K,V x 8 heads x 128 x bf16
     np.testing.assert_array_equal(dense["total"], [32 * 2 * 8 * 128 * 2 * n for n in contexts])
     assert 0.70 < 1 - c["total"][-1] / mla["total"][-1] < 0.80  # "~75% less cache than full MLA" at 1M
 
 
 def test_measured_cache_bytes_equal_computed():
     tiny = C.from_dict(C.tiny_k3_config_dict())
-    for cfg in (tiny, ki.all_mla(tiny)):
+    for cfg in (tiny, memory.all_mla(tiny)):
         for n in (64, 1000):
-            assert ki.measured_cache_bytes(cfg, n, batch=2) == ki.cache_curve(cfg, [n], batch=2)["total"][0]
+            assert memory.measured_cache_bytes(cfg, n, batch=2) == memory.cache_curve(cfg, [n], batch=2)["total"][0]
     with pytest.raises(ValueError, match="no MLA"):
-        ki.all_mla(C.preset("kimi-dense"))
+        memory.all_mla(C.preset("kimi-dense"))
 
 
 def test_memory_report_counts_every_parameter_once_per_device(model):
-    rows = ki.memory_report(model)
-    assert len(rows) == len(ki.devices())
+    rows = devices.memory_report(model)
+    assert len(rows) == len(devices.devices())
     total = sum(np.asarray(v[...]).nbytes for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    assert rows[0]["params_bytes"] == ki.param_bytes(model) == total  # one device holds everything
-    assert ki.mesh_sizes(model.cfg, 8) == {"data": 1, "expert": 8, "model": 1}
-    assert ki.mesh_sizes(model.cfg, 12) == {"data": 1, "expert": 4, "model": 3}
+    assert rows[0]["params_bytes"] == devices.param_bytes(model) == total  # one device holds everything
+    assert devices.mesh_sizes(model.cfg, 8) == {"data": 1, "expert": 8, "model": 1}
+    assert devices.mesh_sizes(model.cfg, 12) == {"data": 1, "expert": 4, "model": 3}
 
 
 def test_markdown_table_and_errors():
-    text = ki.markdown_table([{"a": 1.234, "b": True, "c": None}], {"a": "A", "b": "B", "c": "C"})
+    text = tables.markdown_table([{"a": 1.234, "b": True, "c": None}], {"a": "A", "b": "B", "c": "C"})
     assert text.splitlines() == ["| A | B | C |", "|---|---|---|", "| 1.23 | yes | - |"]
     with pytest.raises(ValueError, match="no rows"):
-        ki.markdown_table([])
+        tables.markdown_table([])
     with pytest.raises(ValueError, match="empty"):
-        ki.pad_prompts([[1, 2], []])
+        probes.pad_prompts([[1, 2], []])
 
 
 def test_figures_have_titles_labels_and_units():
@@ -154,16 +154,16 @@ def test_figures_have_titles_labels_and_units():
     import matplotlib.pyplot as plt
 
     counts = np.array([[3, 1, 0, 4], [2, 2, 2, 2]])
-    table = ki.AttnResTable(np.array([[0.4, np.nan, 0.6], [0.2, 0.3, 0.5]]), ["layer 0 mlp", "output"],
-                            ["embedding", "block 1", "partial sum"])
-    norms = ki.StateNorms(np.array([16, 32]), np.ones((2, 1, 2)), [0, 1])
+    table = probes.AttnResTable(np.array([[0.4, np.nan, 0.6], [0.2, 0.3, 0.5]]), ["layer 0 mlp", "output"],
+                                ["embedding", "block 1", "partial sum"])
+    norms = probes.StateNorms(np.array([16, 32]), np.ones((2, 1, 2)), [0, 1])
     rows = [{"deployment": "x", "params_gb": 1.0, "cache_gb": 0.5, "activations_gb": 0.1, "hbm_gb": 2.0, "fits": True}]
-    figs = [ki.plot_expert_load(counts, [1, 2], tokens=4), ki.plot_attn_res(table), ki.plot_state_norms(norms),
-            ki.plot_cache_curve([1024, 2048], {"a": np.array([1e9, 2e9])}, measured=[("a", 1024, 1e9)],
-                                crossover=1500),
-            ki.plot_plan_memory(rows),
-            ki.plot_roofline({"x": {"batch": np.array([1, 2]), "tokens_per_s": np.array([10.0, 19.0]),
-                                    "fits": np.array([True, False])}}, context=4096)]
+    figs = [plots.plot_expert_load(counts, [1, 2], tokens=4), plots.plot_attn_res(table), plots.plot_state_norms(norms),
+            plots.plot_cache_curve([1024, 2048], {"a": np.array([1e9, 2e9])}, measured=[("a", 1024, 1e9)],
+                                   crossover=1500),
+            plots.plot_plan_memory(rows),
+            plots.plot_roofline({"x": {"batch": np.array([1, 2]), "tokens_per_s": np.array([10.0, 19.0]),
+                                       "fits": np.array([True, False])}}, context=4096)]
     for fig in figs:
         assert figure_problems(fig) == [], figure_problems(fig)
         plt.close(fig)
@@ -180,34 +180,34 @@ def test_layer_subset_converts_like_the_full_checkpoint(tmp_path):
 
     full, part = tmp_path / "full", tmp_path / "part"
     write_checkpoint(full, "k3", config=demo_config(), num_shards=4)  # layers 0-2 | 3-4 | 5-6 | 7-8 + the rest
-    with open(full / ki.INDEX) as f:
+    with open(full / hub.INDEX) as f:
         index = json.load(f)
-    files, weight_map = ki.layer_subset(index["weight_map"], 2)
+    files, weight_map = hub.layer_subset(index["weight_map"], 2)
     assert files == ["model-00001-of-000004.safetensors", "model-00004-of-000004.safetensors"]
     assert set(weight_map.values()) == set(files) and len(weight_map) < len(index["weight_map"])
     part.mkdir()
     for name in files + ["config.json"]:
         shutil.copy(full / name, part / name)
-    with open(part / ki.INDEX, "w") as f:
+    with open(part / hub.INDEX, "w") as f:
         json.dump({"metadata": index["metadata"], "weight_map": weight_map}, f)
     for src in (full, part):
         convert_checkpoint(src, tmp_path / f"{src.name}-orbax", dtype="float32", layers=2, experts=4, progress=False)
     a, b = (kimi_jax.from_pretrained(tmp_path / f"{n}-orbax", dtype="float32") for n in ("full", "part"))
-    pa, pb = (dict(ki._var_arrays(m)) for m in (a, b))
+    pa, pb = (dict(devices._var_arrays(m)) for m in (a, b))
     assert sorted(pa) == sorted(pb) and len(pa) > 20
     for k in pa:
         np.testing.assert_array_equal(np.asarray(pa[k]), np.asarray(pb[k]), err_msg=k)
     with pytest.raises(ValueError, match=">= 1"):
-        ki.layer_subset(index["weight_map"], 0)
+        hub.layer_subset(index["weight_map"], 0)
 
 
 def test_shard_table_on_one_device(model):
-    rows = ki.shard_table(model, ["embed_tokens", "layers.1.mlp.experts.w1_packed"])
+    rows = devices.shard_table(model, ["embed_tokens", "layers.1.mlp.experts.w1_packed"])
     assert rows[0]["shape"] == (512, 128) and rows[0]["shard_shape"] == (512, 128) and rows[0]["distinct_shards"] == 1
     assert rows[1]["dtype"] == "uint8"
-    default = [r["parameter"] for r in ki.shard_table(model)]
+    default = [r["parameter"] for r in devices.shard_table(model)]
     assert default[:2] == ["embed_tokens", "layers.0.self_attn.q_proj"]
     assert sorted(default[2:]) == sorted(f"layers.1.mlp.experts.{w}_{k}" for w in ("w1", "w2", "w3")
                                          for k in ("packed", "scale"))
     with pytest.raises(KeyError, match="no parameter"):
-        ki.shard_table(model, ["layers.99.nothing"])
+        devices.shard_table(model, ["layers.99.nothing"])
