@@ -75,9 +75,10 @@ def decode_weight_bytes(model) -> int:
 
     cfg = model.cfg
     total = 0
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        arr = var.get_value() if hasattr(var, "get_value") else var.value
-        names = [str(p) for p in path]
+    from kimi_jax.model import params
+
+    for path, arr in params.leaves(nnx.state(model, nnx.Param)).items():
+        names = path.split(".")
         nbytes = arr.size * arr.dtype.itemsize
         if names[0] == "embed_tokens":
             total += arr.shape[-1] * arr.dtype.itemsize

@@ -3,11 +3,12 @@
 Order of work:
   1. Validate everything that can be validated without writing: config.json (and the --layers/--experts slice), every
      shard header (JSON, dtypes, offsets, truncation, duplicates -- kimi_jax.checkpoint.safetensors), the name table
-     (every tensor placed exactly once, every parameter filled -- kimi_jax.weights.plan), every shape and dtype
-     against the model (on zero-strided stand-ins, no memory), and the zero padding of every A_log.
+     (every tensor placed exactly once, every parameter filled -- kimi_jax.checkpoint.names), every shape and dtype
+     against the model (on zero-strided stand-ins, no memory), and the zero padding of every A_log: the checkpoint
+     reader's jobs and preflight (kimi_jax.checkpoint.reader), as for loading.
   2. Claim DST: empty, or an unfinished conversion of the same source with the same options (resume), or --overwrite.
   3. Convert parameter by parameter in source-file order. Each output array is allocated 64-byte aligned, filled
-     straight from the shard files (``readinto`` when no transform is needed, so the bytes are copied once) and
+     straight from the shard files by the reader (``preadv`` when no transform is needed: one copy) and
      handed to JAX on the CPU device without a copy; a batch of arrays (at most one large one) becomes one Orbax
      partial save. Peak memory is about one output array plus the batch limit, far under 2x the largest + 1 GB.
      The saves are not fsynced one by one (the kernel writes them back while the next batches are read); DST's
@@ -16,8 +17,8 @@ Order of work:
   4. Sync, config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then
      write ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
 
-Resuming reads which parameters earlier partial saves committed (kimi_jax.checkpoint.orbax.committed_saves) and skips them.
-A killed process leaves its unsynced saves intact in the page cache, so all of them count. The state file holds the
+Resuming reads which parameters earlier partial saves committed (kimi_jax.checkpoint.orbax.committed_saves) and skips
+them. A killed process leaves its unsynced saves intact in the page cache, so all of them count. The state file holds the
 machine's boot id: when it differs at resume (the machine went down, and unsynced data with it), only the saves
 recorded as durable are kept and the others are deleted and redone.
 """
@@ -42,9 +43,12 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.checkpoint import orbax as orbax_io
-from kimi_jax.checkpoint.names import Placement, _identity, canonical, flat_targets, plan, transform
-from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.checkpoint import reader as reader_lib
+from kimi_jax.checkpoint.names import canonical
+from kimi_jax.checkpoint.reader import Job
+from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError
 from kimi_jax.model import config as config_lib
+from kimi_jax.model import params
 from kimi_jax.model.decoder import KimiModel
 from kimi_jax.model.layers import RunConfig
 
@@ -94,20 +98,6 @@ class Summary:
 # -- the plan -------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Job:
-    """One output parameter and the source tensors that fill it."""
-
-    target: str
-    sds: jax.ShapeDtypeStruct
-    group: list  # [Placement]; stacked experts: one per expert, sorted
-    rows: int | None  # router rows kept under --experts (None: whole tensor)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.sds.shape)) * np.dtype(self.sds.dtype).itemsize
-
-
 def _keep(name: str, cfg: config_lib.ModelConfig, layers: int | None, experts: int | None) -> bool:
     cname = canonical(name, cfg) or name
     if layers is not None and (m := _LAYER.match(cname)) and int(m.group(1)) >= layers:
@@ -117,54 +107,14 @@ def _keep(name: str, cfg: config_lib.ModelConfig, layers: int | None, experts: i
     return True
 
 
-def _fake(info: TensorInfo, rows: int | None):
-    """A zero-strided stand-in with the tensor's shape and dtype class, for the name table's checks (no memory)."""
-    from kimi_jax.checkpoint.safetensors_write import NUMPY
-
-    dt = NUMPY.get(info.dtype, np.dtype(np.float32))
-    shape = tuple(info.shape)
-    if rows is not None:
-        shape = (min(rows, shape[0]),) + shape[1:]
-    return np.broadcast_to(np.zeros((), dt), shape)
+def _plan_jobs(ckpt: Checkpoint, cfg, targets, layers, experts) -> tuple[list[Job], list[str]]:
+    """The reader's jobs for the kept tensors (router rows cut to the first ``experts`` under --experts)."""
+    keep = [n for n in ckpt.tensors if _keep(n, cfg, layers, experts)]
+    rows = (lambda t: experts if t.endswith(_ROUTER) else None) if experts is not None else None
+    return reader_lib.jobs(ckpt, cfg, targets, tensors=keep, rows=rows)
 
 
-def _plan_jobs(ckpt: Checkpoint, cfg, targets, layers, experts) -> tuple[list[_Job], list[str]]:
-    names = [n for n in ckpt.tensors if _keep(n, cfg, layers, experts)]
-    placements, ignored = plan(names, cfg, targets)
-    by_target: dict[str, list[Placement]] = {}
-    for p in placements:
-        by_target.setdefault(p.target, []).append(p)
-    jobs = []
-    for target, group in by_target.items():
-        rows = experts if (experts is not None and target.endswith(_ROUTER)) else None
-        jobs.append(_Job(target, targets[target], sorted(group, key=lambda p: -1 if p.expert is None else p.expert),
-                         rows))
-    # Source-file order, so shards are read front to back.
-    jobs.sort(key=lambda j: min((ckpt.tensors[p.tensor].file, ckpt.tensors[p.tensor].offset) for p in j.group))
-    return jobs, ignored
-
-
-def _preflight(ckpt: Checkpoint, jobs: list[_Job]):
-    """Every shape and dtype against the model, and the A_log padding, before anything is written."""
-    for job in jobs:
-        for p in job.group:
-            info = ckpt.tensors[p.tensor]
-            if p.transform == "a_log":  # small: check the real values (zero padding) now
-                transform(p, ckpt.get(p.tensor), info, job.sds)
-            else:
-                transform(p, _fake(info, job.rows), info, job.sds)
-
-
-# -- reading one parameter -----------------------------------------------------------------------------------
-
-
-def _aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised array at a 64-byte boundary: jax.device_put on the CPU device then adopts it without a copy."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(n + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    return raw[off:off + n].view(dtype).reshape(shape)
+# -- buffers ---------------------------------------------------------------------------------------------------
 
 
 def _round64(n: int) -> int:
@@ -185,68 +135,10 @@ class _Slab:
 
     def take(self, shape, dtype) -> np.ndarray:
         if self.buf is None:
-            self.buf = _aligned_empty((self.capacity,), np.uint8)
+            self.buf = reader_lib.aligned_empty((self.capacity,), np.uint8)
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         out = self.buf[self.used:self.used + n].view(dtype).reshape(shape)
         self.used += _round64(n)
-        return out
-
-
-class _Reader:
-    """Reads source tensors into output buffers; keeps shard files open."""
-
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self.files: dict[str, object] = {}
-        self.bytes_in = 0
-        self.tensors = 0
-
-    def close(self):
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
-
-    def _raw_into(self, info: TensorInfo, out: np.ndarray):
-        """Copy the tensor's bytes from its shard straight into ``out`` (same dtype and element count)."""
-        f = self.files.get(info.file)
-        if f is None:
-            try:
-                f = self.files[info.file] = open(info.file, "rb", buffering=0)
-            except OSError as e:
-                raise CheckpointError(f"{info.file}: cannot open ({e.strerror or e})") from None
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        done = 0
-        while done < info.nbytes:
-            n = os.preadv(f.fileno(), [view[done:]], info.offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{info.file}: tensor {info.name!r}: file ended after {done} of its "
-                                      f"{info.nbytes} bytes (truncated while converting?)")
-            done += n
-
-    def fill(self, p: Placement, sds, out: np.ndarray, rows: int | None):
-        """Place source tensor ``p.tensor`` (transformed) into ``out``."""
-        info = self.ckpt.tensors[p.tensor]
-        from kimi_jax.checkpoint.safetensors_write import NUMPY
-
-        src_dtype = NUMPY.get(info.dtype)
-        if (p.transform is _identity and rows is None and src_dtype == out.dtype
-                and tuple(info.shape) == out.shape):
-            self._raw_into(info, out)  # the bulk of the bytes: one copy, file -> output array
-            self.bytes_in += info.nbytes
-        else:
-            raw = self.ckpt.get_slice(p.tensor)[:rows] if rows is not None else self.ckpt.get(p.tensor)
-            out[...] = transform(p, np.asarray(raw), info, sds)
-            self.bytes_in += raw.nbytes
-        self.tensors += 1
-
-    def read(self, job: _Job, out: np.ndarray | None = None) -> np.ndarray:
-        out = _aligned_empty(job.sds.shape, job.sds.dtype) if out is None else out
-        if job.group[0].expert is None:
-            (p,) = job.group
-            self.fill(p, job.sds, out, job.rows)
-        else:
-            for p in job.group:
-                self.fill(p, job.sds, out[p.expert], None)
         return out
 
 
@@ -364,14 +256,46 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     """
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
+    source = _validate(src, dtype, layers, experts)  # 1. nothing written yet
+    state = {"format": orbax_io.FORMAT, "source": os.path.abspath(src), "fingerprint": _fingerprint(source.ckpt),
+             "dtype": dtype, "layers": layers, "experts": experts}
+    disk = _Durability(dst, state, sync_bytes)
+    done = disk.claim(src, overwrite, set(source.targets))  # 2.
+    event = on_event or (lambda name, n: None)
+    todo = [j for j in source.jobs if j.target not in done]
+    t_stream = time.perf_counter()
+    reader = _stream(source.ckpt, todo, disk, batch_bytes, _progress(progress, sum(j.nbytes for j in todo), len(todo),
+                                                                   len(done)), len(source.jobs), len(done), event)  # 3.
+    stream_seconds = time.perf_counter() - t_stream
+    _finish(src, dst, source, disk, verify, progress, event)  # 4.
+    summary = Summary(dst, reader.tensors, len(todo), len(done), reader.bytes_in, sum(j.nbytes for j in todo),
+                      time.perf_counter() - t0, peak_rss(), verify, t_stream - t0, stream_seconds)
+    _write_marker(dst, source, state, event)
+    return summary
+
+
+@dataclasses.dataclass
+class _Source:
+    """A validated source: its config (as read and as sliced), the rewritten config.json, the jobs."""
+
+    ckpt: Checkpoint
+    cfg_file: str
+    cfg_out: config_lib.ModelConfig
+    raw_cfg: dict
+    new_raw: dict
+    targets: dict
+    jobs: list
+
+
+def _validate(src: str, dtype: str, layers, experts) -> _Source:
+    """Everything that can be checked before writing: options, config.json and its slice, every header, the name
+    table, every shape and dtype (kimi_jax.checkpoint.reader.preflight)."""
     if dtype not in ("bfloat16", "float32"):
         raise ConvertError(f"--dtype {dtype!r}: choose bfloat16 or float32")
     if not os.path.isdir(src):
         raise FileNotFoundError(f"SRC {src}: no such directory")
     if orbax_io.looks_converted(src):
         raise ConvertError(f"SRC {src} is already a kimi-jax (Orbax) checkpoint")
-
-    # 1. Validate without writing anything.
     cfg_file = os.path.join(src, "config.json")
     cfg = config_lib.load(src)
     if experts is not None and cfg.moe is None:
@@ -385,69 +309,90 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
                            "(the rewritten config does not parse to the sliced model)")
     ckpt = Checkpoint(src)
     abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(dtype)), rngs=nnx.Rngs(0)))
-    targets = flat_targets(nnx.state(abstract))
+    targets = params.leaves(nnx.state(abstract))
     jobs, _ = _plan_jobs(ckpt, cfg, targets, layers, experts)
-    _preflight(ckpt, jobs)
+    reader_lib.preflight(ckpt, jobs)
+    return _Source(ckpt, cfg_file, cfg_out, raw_cfg, new_raw, targets, jobs)
 
-    # 2. Claim DST.
-    state = {"format": orbax_io.FORMAT, "source": os.path.abspath(src), "fingerprint": _fingerprint(ckpt),
-             "dtype": dtype, "layers": layers, "experts": experts}
-    resumed = _claim_dst(dst, src, state, overwrite)
-    params_dir = os.path.join(dst, orbax_io.PARAMS)
-    boot = orbax_io.boot_id()
-    synced = boot is None  # without a boot id a crash cannot be told from a kill: every save is fsynced
-    durable: list[str] = []  # batch ids of partial saves known to be on disk
-    unsynced: list[str] = []  # committed partial saves whose data may still be only in the page cache
-    done = set()
-    if resumed is not None and (resumed.get("phase") == "finalize" or os.path.isdir(params_dir)):
-        done = set(targets)  # every batch was saved (and synced) before the interrupted run began finalizing
-    elif resumed is not None:
-        saves = orbax_io.committed_saves(dst)
-        durable = list(resumed.get("durable", []))
+
+class _Durability:
+    """DST's state file and which partial saves are known to be on disk.
+
+    Saves are not fsynced one by one (unless the machine has no boot id, when a crash cannot be told from a kill):
+    DST's filesystem is synced every ``sync_bytes``, and the state file then records those saves as durable and
+    their pages are dropped from the page cache."""
+
+    def __init__(self, dst: str, state: dict, sync_bytes: int):
+        self.dst, self.state, self.sync_bytes = dst, state, sync_bytes
+        self.file = os.path.join(dst, orbax_io.STATE)
+        self.boot = orbax_io.boot_id()
+        self.synced = self.boot is None
+        self.durable: list[str] = []  # batch ids of partial saves known to be on disk
+        self.unsynced: list[str] = []  # committed partial saves whose data may still be only in the page cache
+        self.dropped: set[str] = set()  # save directories already dropped from the page cache
+        self.since_sync = 0
+
+    def claim(self, src: str, overwrite: bool, targets: set) -> set:
+        """Make DST ours; returns the parameters an interrupted run of the same conversion already saved."""
+        resumed = _claim_dst(self.dst, src, self.state, overwrite)
+        done = set()
+        if resumed is not None and (resumed.get("phase") == "finalize"
+                                    or os.path.isdir(os.path.join(self.dst, orbax_io.PARAMS))):
+            done = set(targets)  # every batch was saved (and synced) before the interrupted run began finalizing
+        elif resumed is not None:
+            done = self._resume(resumed, targets)
+        self.state.update(boot_id=self.boot, durable=self.durable)
+        if done != targets:
+            _write_json(self.file, self.state)
+        return done
+
+    def _resume(self, resumed: dict, targets: set) -> set:
+        saves = orbax_io.committed_saves(self.dst)
+        self.durable = list(resumed.get("durable", []))
         if resumed.get("boot_id") is None:  # that run fsynced every save
-            durable = [i for _, ids, _ in saves for i in ids]
-        elif resumed["boot_id"] != boot:
+            self.durable = [i for _, ids, _ in saves for i in ids]
+        elif resumed["boot_id"] != self.boot:
             # The machine restarted (or a sync failed) after those saves: the page cache that held the unsynced
             # ones is gone, so only saves synced before are trusted; the others are deleted and redone.
-            saves = orbax_io.drop_saves(saves, set(durable))
-        known = set(durable)
-        unsynced = [i for _, ids, _ in saves for i in ids if i not in known]
+            saves = orbax_io.drop_saves(saves, set(self.durable))
+        known = set(self.durable)
+        self.unsynced = [i for _, ids, _ in saves for i in ids if i not in known]
         done = {p for _, _, paths in saves for p in paths}
-        stray = sorted(done - set(targets))
+        stray = sorted(done - targets)
         if stray:
-            raise ConvertError(f"DST {dst}: the unfinished conversion holds parameters {stray[:3]} this model does not "
-                               "have; pass --overwrite")
-    state.update(boot_id=boot, durable=durable)
-    state_file = os.path.join(dst, orbax_io.STATE)
-    if done != set(targets):
-        _write_json(state_file, state)
+            raise ConvertError(f"DST {self.dst}: the unfinished conversion holds parameters {stray[:3]} this model "
+                               "does not have; pass --overwrite")
+        return done
 
-    dropped: set[str] = set()  # save directories already dropped from the page cache
+    def saved(self, batch_id: str, nbytes: int):
+        if self.synced:
+            return
+        self.unsynced.append(batch_id)
+        self.since_sync += nbytes
+        if self.since_sync >= self.sync_bytes:
+            self.make_durable()
 
-    def make_durable():
+    def make_durable(self):
         """Sync DST's filesystem, record every save so far as durable, drop them from the page cache."""
         try:
-            orbax_io.sync_filesystem(dst)
+            orbax_io.sync_filesystem(self.dst)
         except OSError as e:
             with contextlib.suppress(OSError):  # a resumed run must not trust the unsynced saves
-                _write_json(state_file, dict(state, boot_id="sync-failed"))
-            raise ConvertError(f"DST {dst}: writing the converted data to disk failed ({e}); rerun to resume "
+                _write_json(self.file, dict(self.state, boot_id="sync-failed"))
+            raise ConvertError(f"DST {self.dst}: writing the converted data to disk failed ({e}); rerun to resume "
                                "(saves made since the last successful sync are redone)") from e
-        durable.extend(unsynced)
-        unsynced.clear()
-        _write_json(state_file, state)
-        orbax_io.drop_cached(dst, dropped)
+        self.durable.extend(self.unsynced)
+        self.unsynced.clear()
+        self.since_sync = 0
+        _write_json(self.file, self.state)
+        orbax_io.drop_cached(self.dst, self.dropped)
 
-    # 3. Convert.
-    todo = [j for j in jobs if j.target not in done]
-    reader = _Reader(ckpt)
-    bytes_out = sum(j.nbytes for j in todo)
-    bar = _progress(progress, bytes_out, len(todo), len(done))
-    event = on_event or (lambda name, n: None)
-    cpu = jax.devices("cpu")[0]
-    # Batches of parameters, each fitting one slab; a parameter larger than batch_bytes is a batch alone.
+
+def _batches(todo: list[Job], batch_bytes: int) -> tuple[list[list[Job]], int]:
+    """Parameters grouped into batches that each fit one slab (a parameter larger than ``batch_bytes`` is a batch
+    alone), and the slab capacity."""
     capacity = max([batch_bytes] + [_round64(j.nbytes) for j in todo])
-    batches: list[list[_Job]] = []
+    batches: list[list[Job]] = []
     used = capacity
     for job in todo:
         if used + _round64(job.nbytes) > capacity:
@@ -455,8 +400,17 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
             used = 0
         batches[-1].append(job)
         used += _round64(job.nbytes)
-    # Double buffering: a worker thread reads batch n+1 into one slab while Orbax writes batch n from the other
-    # (Orbax partial saves themselves must not overlap: they share one temporary directory).
+    return batches, capacity
+
+
+def _stream(ckpt, todo: list[Job], disk: _Durability, batch_bytes: int, bar, total: int, skipped: int, event):
+    """Read and save every job, in batches. Double buffering: a worker thread reads batch n+1 into one slab while
+    Orbax writes batch n from the other (Orbax partial saves themselves must not overlap: they share one temporary
+    directory). Each array is filled straight from the shard files and handed to JAX without a copy. Returns the
+    reader (its counts)."""
+    reader = reader_lib.Reader(ckpt)
+    cpu = jax.devices("cpu")[0]
+    batches, capacity = _batches(todo, batch_bytes)
     slabs = [_Slab(capacity), _Slab(capacity)]
 
     def read_batch(i):
@@ -464,34 +418,29 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
         slab.used = 0
         out = {}
         for job in batches[i]:
-            arr = reader.read(job, slab.take(job.sds.shape, job.sds.dtype))
+            arr = reader.read(job, out=slab.take(job.sds.shape, job.sds.dtype))
             out[job.target] = jax.device_put(arr, cpu)  # 64-byte aligned: adopted without a copy
             if bar is not None:
                 bar.update(job.nbytes)
         return out
 
-    written = since_sync = 0
-    t_stream = time.perf_counter()
+    written = 0
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kimi-jax-convert-read")
+    nxt = None
     try:
         nxt = pool.submit(read_batch, 0) if batches else None
         for i in range(len(batches)):
             arrays = nxt.result()
             nxt = pool.submit(read_batch, i + 1) if i + 1 < len(batches) else None
             batch_id = f"{time.time_ns()}-{i}"
-            orbax_io.save_batch(dst, arrays, batch_id, synced=synced)
+            orbax_io.save_batch(disk.dst, arrays, batch_id, synced=disk.synced)
             written += len(arrays)
-            if not synced:
-                unsynced.append(batch_id)
-                since_sync += sum(j.nbytes for j in batches[i])
-                if since_sync >= sync_bytes:
-                    make_durable()
-                    since_sync = 0
+            disk.saved(batch_id, sum(j.nbytes for j in batches[i]))
             for a in arrays.values():
                 a.delete()  # its slab is refilled two batches from now
             del arrays
             if bar is not None:
-                bar.set_postfix_str(f"tensors {reader.tensors}, params {len(done) + written}/{len(jobs)}", refresh=False)
+                bar.set_postfix_str(f"tensors {reader.tensors}, params {skipped + written}/{total}", refresh=False)
             event("saved", i + 1)
     finally:
         if nxt is not None:
@@ -500,21 +449,22 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
         reader.close()
         if bar is not None:
             bar.close()
-    del slabs
-    stream_seconds = time.perf_counter() - t_stream
+    return reader
 
-    # 4. Config, tokenizer files, finalize, verify, marker (last).
-    if new_raw is raw_cfg:
-        shutil.copyfile(cfg_file, os.path.join(dst, "config.json"))
+
+def _finish(src: str, dst: str, source: _Source, disk: _Durability, verify: bool, progress: bool, event):
+    """Config and tokenizer files, then finalize the Orbax checkpoint, check it holds every parameter, verify."""
+    if source.new_raw is source.raw_cfg:
+        shutil.copyfile(source.cfg_file, os.path.join(dst, "config.json"))
     else:
-        _write_json(os.path.join(dst, "config.json"), new_raw)
+        _write_json(os.path.join(dst, "config.json"), source.new_raw)
     for name in AUX_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
-    if not os.path.isdir(params_dir):
-        if not synced:
-            make_durable()
-        _write_json(state_file, dict(state, phase="finalize"))
+    if not os.path.isdir(os.path.join(dst, orbax_io.PARAMS)):
+        if not disk.synced:
+            disk.make_durable()
+        _write_json(disk.file, dict(disk.state, phase="finalize"))
         event("finalize", 0)
         try:
             orbax_io.finalize(dst)
@@ -522,22 +472,24 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
             raise ConvertError(f"DST {dst}: finalizing the Orbax checkpoint failed ({e}); "
                                "pass --overwrite to convert again") from e
     have = orbax_io.stored(dst)
-    if set(have) != set(targets):
-        raise ConvertError(f"DST {dst}: finalized checkpoint has {len(have)} parameters, the model {len(targets)} "
-                           f"(missing {sorted(set(targets) - set(have))[:3]}); pass --overwrite to convert again")
+    if set(have) != set(source.targets):
+        raise ConvertError(f"DST {dst}: finalized checkpoint has {len(have)} parameters, the model {len(source.targets)} "
+                           f"(missing {sorted(set(source.targets) - set(have))[:3]}); pass --overwrite to convert again")
     if verify:
-        verify_checkpoint(dst, src, _jobs=jobs, _ckpt=ckpt, progress=progress)
-    ckpt.close()
-    summary = Summary(dst, reader.tensors, len(todo), len(done), reader.bytes_in, bytes_out,
-                      time.perf_counter() - t0, peak_rss(), verify, t_stream - t0, stream_seconds)
+        verify_checkpoint(dst, src, _jobs=source.jobs, _ckpt=source.ckpt, progress=progress)
+    source.ckpt.close()
+
+
+def _write_marker(dst: str, source: _Source, state: dict, event):
+    """The completion marker, written last: only now does DST load."""
+    cfg_out, targets = source.cfg_out, source.targets
     marker = dict(state, version=orbax_io.VERSION, family=cfg_out.family, num_layers=cfg_out.num_layers,
                   num_experts=None if cfg_out.moe is None else cfg_out.moe.num_experts, params=len(targets),
                   bytes=sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in targets.values()),
-                  source_files=sorted({os.path.basename(i.file) for i in ckpt.tensors.values()}))
+                  source_files=sorted({os.path.basename(i.file) for i in source.ckpt.tensors.values()}))
     event("marker", 0)
     _write_json(os.path.join(dst, orbax_io.MARKER), marker)
     os.unlink(os.path.join(dst, orbax_io.STATE))
-    return summary
 
 
 def peak_rss() -> int:
@@ -574,8 +526,8 @@ def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None
         cfg_out = config_lib.load(dst)
         abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(meta["dtype"])),
                                                     rngs=nnx.Rngs(0)))
-        jobs, _ = _plan_jobs(ckpt, cfg_src, flat_targets(nnx.state(abstract)), meta["layers"], meta["experts"])
-    reader = _Reader(ckpt)
+        jobs, _ = _plan_jobs(ckpt, cfg_src, params.leaves(nnx.state(abstract)), meta["layers"], meta["experts"])
+    reader = reader_lib.Reader(ckpt)
     bar = _progress(progress, sum(j.nbytes for j in jobs), len(jobs), 0)
     if bar is not None:
         bar.set_description(f"verifying {len(jobs)} params")
@@ -595,7 +547,7 @@ def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None
                 have = np.asarray(got[j.target])
                 if have.dtype != want.dtype or have.shape != want.shape or \
                         not np.array_equal(have.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
-                    srcs = [p.tensor for p in j.group]
+                    srcs = [p.tensor for p in j.sources]
                     raise VerifyError(f"{dst}: parameter {j.target} differs from its source {srcs[:2]}"
                                       f"{' ...' if len(srcs) > 2 else ''} in {os.path.basename(ckpt.tensors[srcs[0]].file)}")
                 if bar is not None:

@@ -102,6 +102,22 @@ def _leaves_with_letters(rule: Rule, args):
                 yield letters, leaf
 
 
+def dividing_prefix(axes, sizes, dims, taken=()) -> tuple[str, ...]:
+    """The longest prefix of ``axes`` (mesh axes of size 1 left out, none of ``taken``) whose product divides every
+    size in ``dims``: how a logical axis is split, for kernel operands here and for parameters and caches
+    (``kimi_jax.parallel.sharding``)."""
+    chosen, n = [], 1
+    for axis in axes:
+        k = sizes.get(axis, 1)
+        if k == 1:
+            continue
+        if axis in taken or any(d % (n * k) for d in dims):
+            break
+        chosen.append(axis)
+        n *= k
+    return tuple(chosen)
+
+
 def split_axes(rule: Rule, placement: Placement, args) -> dict[str, tuple[str, ...]]:
     """Letter -> mesh axes it is split over, for these operands (see :class:`Rule`). Letters of one logical axis
     (query and kv heads) share one decision, made over all their dimensions."""
@@ -112,17 +128,9 @@ def split_axes(rule: Rule, placement: Placement, args) -> dict[str, tuple[str, .
         letters = {c for c, lg in rule.split if lg == logical}
         dims = [leaf.shape[i] for spec, leaf in _leaves_with_letters(rule, args)
                 for i, c in enumerate(spec) if c in letters]
-        chosen, n = [], 1
-        for axis in placement.mesh_axes(logical):
-            k = sizes.get(axis, 1)
-            if k == 1:
-                continue
-            if axis in taken or any(d % (n * k) for d in dims):
-                break
-            chosen.append(axis)
-            n *= k
+        chosen = dividing_prefix(placement.mesh_axes(logical), sizes, dims, taken)
         if dims and chosen:
-            out.update(dict.fromkeys(letters, tuple(chosen)))
+            out.update(dict.fromkeys(letters, chosen))
             taken.update(chosen)
     return out
 

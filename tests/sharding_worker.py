@@ -89,7 +89,6 @@ def prompts(vocab, golden_rows: bool, seed=0):
 
 def greedy(model, ids, lengths, steps, cache_sharding=None, scan=False):
     """Prefill (logits [B, T, V]) then ``steps - 1`` decode steps; returns (logits, tokens [B, steps], cache)."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -117,11 +116,12 @@ def _key(index):
 def shard_report(model):
     from flax import nnx
 
+    from kimi_jax.model import params
+
     out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        a = var.get_value()
+    for name, a in params.leaves(nnx.state(model, nnx.Param)).items():
         shards = a.addressable_shards
-        out[".".join(map(str, path))] = {"shape": list(a.shape), "spec": str(a.sharding.spec),
+        out[name] = {"shape": list(a.shape), "spec": str(a.sharding.spec),
                                          "shard": list(shards[0].data.shape),
                                          "distinct": len({_key(s.index) for s in shards})}
     return out
@@ -230,10 +230,12 @@ def orbax_check(hf_model, mesh, layout, workdir):
     if not os.path.exists(dst):
         convert_checkpoint(K3_FIXTURE, dst, dtype="float32", progress=False)
     model = kimi_jax.from_pretrained(dst, dtype="float32", mesh=mesh, layout=layout)
-    ref = dict((".".join(map(str, p)), v.get_value()) for p, v in nnx.to_flat_state(nnx.state(hf_model, nnx.Param)))
+    from kimi_jax.model import params
+
+    ref = params.leaves(nnx.state(hf_model, nnx.Param))
     rec = {"params": 0, "equal": 0, "same_sharding": 0, "sharded": 0}
-    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        a, b = v.get_value(), ref[".".join(map(str, p))]
+    for name, a in params.leaves(nnx.state(model, nnx.Param)).items():
+        b = ref[name]
         rec["params"] += 1
         rec["equal"] += bool(np.array_equal(np.asarray(a), np.asarray(b)))
         rec["same_sharding"] += bool(a.sharding.is_equivalent_to(b.sharding, a.ndim))
@@ -290,13 +292,14 @@ def run_multihost(cases, paths, out):
     import jax
 
     import kimi_jax
+    from kimi_jax.checkpoint import hf
     from kimi_jax.model.cache import cache_shapes
     from kimi_jax.parallel import distributed, sharding
 
     for model_key, mesh_key, layout, dispatch in cases:
         mesh = sharding.make_mesh(*MESHES[mesh_key])
         model = kimi_jax.from_pretrained(paths[model_key], dtype="float32", mesh=mesh, layout=layout)
-        load = dict(distributed.LAST_LOAD)
+        load = dict(hf.LAST_LOAD)
         if dispatch != "auto":
             model.run = dataclasses.replace(model.run, parallel=dataclasses.replace(model.run.parallel, dispatch=dispatch))
         ids, lengths = prompts(model.cfg.vocab_size, model_key == "k3")
@@ -307,7 +310,7 @@ def run_multihost(cases, paths, out):
 
         g = generate(model, [list(map(int, ids[b, : lengths[b]])) for b in range(B)], STEPS[model_key], stop=(),
                      max_len=CACHE + 16)
-        experts = model.layers[3].mlp.experts.w1_packed[...]
+        experts = model.layers[3].mlp.experts.w1.get_value().packed
         out["cases"].append({
             "model": model_key, "mesh": mesh_key, "layout": layout, "dispatch": model.run.parallel.dispatch,
             "tokens": distributed.process_allgather(tokens).tolist(),

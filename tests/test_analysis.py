@@ -13,6 +13,7 @@ from flax import nnx
 import kimi_jax
 from kimi_jax.analysis import devices, hub, memory, plots, probes, tables
 from kimi_jax.model import config as C
+from kimi_jax.model import params
 from kimi_jax.model.cache import KDACache, init_cache
 from tests.parity import assert_close
 from tests.test_notebooks import figure_problems
@@ -132,7 +133,7 @@ def test_measured_cache_bytes_equal_computed():
 def test_memory_report_counts_every_parameter_once_per_device(model):
     rows = devices.memory_report(model)
     assert len(rows) == len(devices.devices())
-    total = sum(np.asarray(v[...]).nbytes for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    total = sum(np.asarray(v).nbytes for v in params.leaves(nnx.state(model, nnx.Param)).values())
     assert rows[0]["params_bytes"] == devices.param_bytes(model) == total  # one device holds everything
     assert devices.mesh_sizes(model.cfg, 8) == {"data": 1, "expert": 8, "model": 1}
     assert devices.mesh_sizes(model.cfg, 12) == {"data": 1, "expert": 4, "model": 3}
@@ -202,12 +203,12 @@ def test_layer_subset_converts_like_the_full_checkpoint(tmp_path):
 
 
 def test_shard_table_on_one_device(model):
-    rows = devices.shard_table(model, ["embed_tokens", "layers.1.mlp.experts.w1_packed"])
+    rows = devices.shard_table(model, ["embed_tokens", "layers.1.mlp.experts.w1.packed"])
     assert rows[0]["shape"] == (512, 128) and rows[0]["shard_shape"] == (512, 128) and rows[0]["distinct_shards"] == 1
     assert rows[1]["dtype"] == "uint8"
     default = [r["parameter"] for r in devices.shard_table(model)]
     assert default[:2] == ["embed_tokens", "layers.0.self_attn.q_proj"]
-    assert sorted(default[2:]) == sorted(f"layers.1.mlp.experts.{w}_{k}" for w in ("w1", "w2", "w3")
+    assert sorted(default[2:]) == sorted(f"layers.1.mlp.experts.{w}.{k}" for w in ("w1", "w2", "w3")
                                          for k in ("packed", "scale"))
     with pytest.raises(KeyError, match="no parameter"):
         devices.shard_table(model, ["layers.99.nothing"])

@@ -44,6 +44,6 @@ def test_bf16_model_runs_and_keeps_f32_params(k3_tiny_a):
     assert attn.q_proj[...].dtype == jnp.bfloat16
     for p in (attn.A_log, attn.dt_bias, attn.q_conv1d, attn.o_norm, m.layers[1].mlp.e_score_correction_bias):
         assert p[...].dtype == jnp.float32  # released as F32, kept F32
-    assert m.layers[1].mlp.experts.w1_packed[...].dtype == jnp.uint8  # MXFP4 stays packed
+    assert m.layers[1].mlp.experts.w1.get_value().packed.dtype == jnp.uint8  # MXFP4 stays packed
     out = m(jnp.ones((1, 8), jnp.int32))
     assert out.logits.dtype == jnp.float32 and bool(jnp.isfinite(out.logits).all())

@@ -17,14 +17,14 @@ from convert.converter import ConvertError, convert_checkpoint
 from kimi_jax.checkpoint import orbax as orbax_io
 from kimi_jax.checkpoint.safetensors import Checkpoint
 from kimi_jax.model import config as config_lib
+from kimi_jax.model import params
 from tests.parity import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def flat_params(model) -> dict[str, np.ndarray]:
-    return {".".join(str(k) for k in p): np.asarray(v.get_value())
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {k: np.asarray(v) for k, v in params.leaves(nnx.state(model, nnx.Param)).items()}
 
 
 def assert_same_params(a: dict, b: dict, what=""):
@@ -66,8 +66,8 @@ def test_bfloat16_conversion_keeps_mxfp4_packed(k3_tiny_a, tmp_path):
     src_u8 = sum(i.nbytes for i in ck.tensors.values() if i.dtype == "U8")
     out_u8 = sum(int(np.prod(s.shape)) for s in stored.values() if s.dtype == np.uint8)
     assert out_u8 == src_u8, "expert bytes on disk must equal the source's packed bytes"
-    assert stored["layers.1.mlp.experts.w1_packed"].shape == (8, 64, 32)
-    assert stored["layers.1.mlp.experts.w2_scale"].shape == (8, 64, 2)
+    assert stored["layers.1.mlp.experts.w1.packed"].shape == (8, 64, 32)
+    assert stored["layers.1.mlp.experts.w2.scale"].shape == (8, 64, 2)
     # a bf16 checkpoint restores exactly into a float32 model (cast on read)
     f32 = flat_params(kimi_jax.from_pretrained(dst, dtype="float32"))
     for k, v in hf.items():
@@ -331,17 +331,18 @@ import sys
 import numpy as np
 from flax import nnx
 import kimi_jax
+from kimi_jax.model import params
 from kimi_jax.parallel.sharding import make_mesh
 dst, src = sys.argv[1], sys.argv[2]
 mesh = make_mesh(expert=2, model=2)
-flat = lambda m: {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+flat = lambda m: params.leaves(nnx.state(m, nnx.Param))
 conv = flat(kimi_jax.from_pretrained(dst, dtype="float32", mesh=mesh))
 hf = flat(kimi_jax.from_pretrained(src, dtype="float32", mesh=mesh))
 assert conv.keys() == hf.keys()
 for k in conv:
     assert conv[k].sharding == hf[k].sharding, (k, conv[k].sharding, hf[k].sharding)
     assert np.array_equal(np.asarray(conv[k]), np.asarray(hf[k])), k
-w = conv[("layers", 1, "mlp", "experts", "w1_packed")]
+w = conv["layers.1.mlp.experts.w1.packed"]
 assert len(w.sharding.device_set) == 4, w.sharding
 print("ok", w.sharding.spec)
 """

@@ -6,7 +6,6 @@ import os
 import struct
 
 import ml_dtypes
-import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -132,7 +131,7 @@ def test_dtype_mismatch(src, tmp_path):
 
     rewrite_tensors(os.path.join(src, SHARD1), to_bf16)
     fails(src, tmp_path / "dst", rf"tensor '{PACKED}' in {SHARD1}: dtype BF16 cannot fill parameter "
-                                 r"layers.1.mlp.experts.w1_packed of dtype uint8")
+                                 r"layers.1.mlp.experts.w1.packed of dtype uint8")
 
 
 def test_nonzero_a_log_padding(src, tmp_path):
@@ -163,14 +162,14 @@ def test_dst_not_writable(src, tmp_path):
 
 def test_source_truncated_during_conversion(src, tmp_path, monkeypatch):
     """A shard that shrinks after validation (e.g. a copy still in progress) fails naming file and tensor."""
-    from convert import converter
+    from kimi_jax.checkpoint import reader
 
-    real = converter._preflight
+    real = reader.preflight
 
     def preflight_then_truncate(ckpt, jobs):
         real(ckpt, jobs)
         path = os.path.join(src, SHARD2)
         os.truncate(path, os.path.getsize(path) // 2)
 
-    monkeypatch.setattr(converter, "_preflight", preflight_then_truncate)
+    monkeypatch.setattr(reader, "preflight", preflight_then_truncate)
     fails(src, tmp_path / "dst", rf"{SHARD2}: tensor '.*': file ended after")

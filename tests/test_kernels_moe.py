@@ -126,18 +126,16 @@ def test_loaded_k3_experts_stay_packed(k3_tiny_a):
     of scale per weight (0.53125), with no dense copy anywhere in the model state."""
     model = kimi_jax.from_pretrained(k3_tiny_a, dtype="bfloat16")
     logical = stored = 0
-    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = [str(p) for p in path]
         if "experts" not in names or "shared_experts" in names:
             continue
-        arr = leaf.value if hasattr(leaf, "value") else leaf[...]
-        assert isinstance(arr, jax.Array) and arr.dtype == jnp.uint8, f"{'.'.join(names)} is {arr.dtype}"
-        nbytes = sum(s.data.nbytes for s in arr.addressable_shards)
-        stored += nbytes
-        if names[-1].endswith("_packed"):
-            logical += 2 * arr.size
-        else:
-            assert names[-1].endswith("_scale"), names
+        w = var.get_value()
+        assert isinstance(w, MXFP4Weight), f"{'.'.join(names)} is {type(w).__name__}"
+        for arr in w:
+            assert isinstance(arr, jax.Array) and arr.dtype == jnp.uint8, f"{'.'.join(names)} holds {arr.dtype}"
+            stored += sum(s.data.nbytes for s in arr.addressable_shards)
+        logical += 2 * w.packed.size
     cfg = model.cfg
     moe_layers = sum(f == "moe" for f in cfg.ffn_types)
     expected_logical = moe_layers * cfg.moe.num_experts * 3 * cfg.moe.expert_intermediate * cfg.moe.expert_in

@@ -1,4 +1,4 @@
-"""MXFP4 codec (kimi_jax.mxfp4) against compressed-tensors, the library that wrote K3's experts: bit for bit, both
+"""MXFP4 codec (kernels_pallas/mxfp4.py) against compressed-tensors, the library that wrote K3's experts: bit for bit, both
 directions, on random tensors that include zeros of both signs, float32 subnormals, E2M1 rounding ties, values that
 saturate at 6 x scale, and group maxima across the whole E8M0 range."""
 
@@ -7,13 +7,17 @@ import numpy as np
 import pytest
 import torch
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, quantize_and_pack_fp4, unpack_fp4_from_uint8
+from compressed_tensors.compressors.nvfp4.helpers import (
+    pack_fp4_to_uint8,
+    quantize_and_pack_fp4,
+    unpack_fp4_from_uint8,
+)
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-from kimi_jax import mxfp4
+from kernels_pallas import mxfp4
 
 # The weights scheme of the release's quantization_config (config_groups.group_0.weights).
 ARGS = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True,
@@ -114,14 +118,14 @@ def test_explicit_scale_saturation_matches_quantize_and_pack():
 def test_pack_ours_unpack_theirs_and_back():
     rng = np.random.default_rng(4)
     codes = rng.integers(0, 16, (32, 96)).astype(np.uint8)  # every code, -0 (8) included
-    values = mxfp4.E2M1_VALUES[codes]
+    values = mxfp4.E2M1[codes]
     ours = mxfp4.pack_codes_np(codes)
     theirs = pack_fp4_to_uint8(torch.from_numpy(values))
     np.testing.assert_array_equal(ours, theirs.numpy())
     np.testing.assert_array_equal(mxfp4.pack_codes_np(mxfp4.values_to_codes_np(values)), ours)
     # unpack: theirs on our bytes, ours on theirs -- bitwise, so -0.0 must stay -0.0
     back_theirs = unpack_fp4_from_uint8(torch.from_numpy(ours), 32, 96, dtype=torch.float32).numpy()
-    back_ours = mxfp4.E2M1_VALUES[mxfp4.unpack_codes_np(theirs.numpy())]
+    back_ours = mxfp4.E2M1[mxfp4.unpack_codes_np(theirs.numpy())]
     np.testing.assert_array_equal(back_theirs.view(np.uint32), values.view(np.uint32))
     np.testing.assert_array_equal(back_ours.view(np.uint32), values.view(np.uint32))
     np.testing.assert_array_equal(mxfp4.unpack_codes_np(ours), codes)

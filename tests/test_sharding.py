@@ -7,9 +7,11 @@ x 128, 896 routed experts of 3072 x 3584 in MXFP4, MLA latent 512 + 64), not tak
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax.model import config as C
+from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes
 from kimi_jax.model.decoder import abstract_model
 from kimi_jax.parallel import plan, sharding
@@ -68,19 +70,17 @@ def test_k3_full_size_shard_shapes(k3):
         "layers.0.mlp.gate_proj": (33792 // 8, 7168),
         "layers.5.mlp.shared_experts.down_proj": (7168, 2 * 3072 // 8),
         "layers.5.mlp.routed_expert_down_proj": (3584 // 8, 7168),
-        "layers.5.mlp.experts.w1_packed": (896 // 8, 3072 // 8, 3584 // 2),  # EP x TP inside each expert
-        "layers.5.mlp.experts.w1_scale": (896 // 8, 3072 // 8, 3584 // 32),
-        "layers.5.mlp.experts.w2_packed": (896 // 8, 3584, 3072 // 8 // 2),
-        "layers.5.mlp.experts.w2_scale": (896 // 8, 3584, 3072 // 8 // 32),
+        "layers.5.mlp.experts.w1.packed": (896 // 8, 3072 // 8, 3584 // 2),  # EP x TP inside each expert
+        "layers.5.mlp.experts.w1.scale": (896 // 8, 3072 // 8, 3584 // 32),
+        "layers.5.mlp.experts.w2.packed": (896 // 8, 3584, 3072 // 8 // 2),
+        "layers.5.mlp.experts.w2.scale": (896 // 8, 3584, 3072 // 8 // 32),
     }
-    shapes = {k: v.get_value().shape for k, v in
-              ((".".join(map(str, p)), v) for p, v in __import__("flax").nnx.to_flat_state(
-                  __import__("flax").nnx.state(model)))}
+    shapes = {k: v.shape for k, v in params.leaves(nnx.state(model)).items()}
     for name, shape in want.items():
         assert sharding.shard_shape(shapes[name], specs[name], K3_SIZES) == shape, name
     # wide EP (TP16/EP16 on 16 chips): each expert whole on one chip, 56 per chip
     wide = sharding.param_specs(model, dict(data=1, expert=1, model=16), "wide_ep")
-    assert sharding.shard_shape(shapes["layers.5.mlp.experts.w2_packed"], wide["layers.5.mlp.experts.w2_packed"],
+    assert sharding.shard_shape(shapes["layers.5.mlp.experts.w2.packed"], wide["layers.5.mlp.experts.w2.packed"],
                                 dict(data=1, expert=1, model=16)) == (56, 3584, 3072 // 2)
 
 
@@ -91,13 +91,13 @@ def test_divisibility_fallbacks_keep_heads_and_mxfp4_groups_whole(tiny):
     assert tp8["layers.3.self_attn.q_b_proj"] == P(None, None)
     assert tp8["layers.0.mlp.gate_proj"] == P("model", None)  # MLP width 256 can
     # w2's 2 scale groups cannot split 8 ways, so no expert array of that module splits its hidden width
-    assert {tp8[f"layers.3.mlp.experts.{n}"] for n in ("w1_packed", "w1_scale", "w2_packed", "w2_scale")} == {
+    assert {tp8[f"layers.3.mlp.experts.{n}"] for n in ("w1.packed", "w1.scale", "w2.packed", "w2.scale")} == {
         P(None, None, None)}
     mix = sharding.param_specs(model, dict(data=2, expert=2, model=2))
     assert mix["layers.1.self_attn.q_proj"] == P("model", None)
     assert mix["layers.1.self_attn.A_log"] == P("model")
-    assert mix["layers.3.mlp.experts.w2_packed"] == P("expert", None, "model")
-    assert mix["layers.3.mlp.experts.w2_scale"] == P("expert", None, "model")
+    assert mix["layers.3.mlp.experts.w2.packed"] == P("expert", None, "model")
+    assert mix["layers.3.mlp.experts.w2.scale"] == P("expert", None, "model")
     c = sharding.cache_specs(cfg, cache_shapes(cfg, 2, 32), dict(data=2, expert=2, model=2))
     assert c.layers[0].state == P("data", "model", None, None)  # batch 2 splits over data only
     assert c.layers[3].c == P("data", None, None)
@@ -172,10 +172,8 @@ def test_ragged_dispatch_lowers_for_tpu_and_gpu(tiny):
         moe = nnx.eval_shape(lambda: MoE(cfg.moe, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
         specs = sharding.param_specs(moe, mesh, lay)
         graphdef, state = nnx.split(moe)
-        state = nnx.from_flat_state([
-            (p, v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
-                                               sharding=NamedSharding(mesh, specs[".".join(map(str, p))]))))
-            for p, v in nnx.to_flat_state(state)])
+        state = params.fill(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+                                    for k, v in params.leaves(state).items()})
         x = jax.ShapeDtypeStruct((4, 3, cfg.hidden_size), jnp.bfloat16)
         fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, run)[0])
         with jax.sharding.use_abstract_mesh(mesh):

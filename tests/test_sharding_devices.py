@@ -105,7 +105,7 @@ def test_mixed_layout_shards_every_axis(result):
         q = c["params"][f"layers.{layer}.self_attn.o_proj"]
         assert q["shard"][1] == q["shape"][1] // 2
         if model != "llama":
-            w = c["params"]["layers.3.mlp.experts.w1" + ("_packed" if model == "k3" else "")]
+            w = c["params"]["layers.3.mlp.experts.w1" + (".packed" if model == "k3" else "")]
             assert w["shard"][:2] == [w["shape"][0] // 2, w["shape"][1] // 2] and w["distinct"] == 4
         # caches: batch over data x expert (8 / 4 = 2 sequences per device), heads over model
         assert all(c["cache_as_planned"].values()), c["cache_as_planned"]
@@ -130,8 +130,8 @@ def test_scanned_layers_shard_their_stacked_weights(result):
     the stacked cache is split as the unrolled one (batch over data x expert)."""
     c = _case(result, "k3", "mix", "tp_ep", None, True)
     flat = _case(result, "k3", "mix", "tp_ep")
-    w = c["params"]["stack.layers.0.mlp.experts.w1_packed"]
-    ref = flat["params"]["layers.4.mlp.experts.w1_packed"]
+    w = c["params"]["stack.layers.0.mlp.experts.w1.packed"]
+    ref = flat["params"]["layers.4.mlp.experts.w1.packed"]
     assert w["shape"] == [3, *ref["shape"]] and w["shard"] == [3, *ref["shard"]] and w["distinct"] == ref["distinct"]
     assert c["cache"]["stack.0.state"]["shard"][:2] == [3, 2] and all(c["cache_as_planned"].values())
 

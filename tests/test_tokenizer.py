@@ -163,7 +163,14 @@ def test_directory_without_tokenizer(tmp_path):
 def test_hf_tokenizer_json_matches_transformers(tmp_path):
     """A Llama-style tokenizer.json (trained here with the tokenizers library) read by our wrapper and by
     transformers' AutoTokenizer: same ids, same text, BOS added by the post-processor."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import AutoTokenizer
 
     hf = Tokenizer(models.BPE())

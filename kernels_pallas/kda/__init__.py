@@ -19,7 +19,16 @@ On a mesh: sequences split over ``batch`` and heads over ``heads`` (each head's 
 from __future__ import annotations
 
 from kernels_pallas import _native
-from kernels_pallas._dispatch import NATIVE, PALLAS, REFERENCE, XLA_CPU, CpuImpl, Op, Rule, target_platform
+from kernels_pallas._dispatch import (
+    NATIVE,
+    PALLAS,
+    REFERENCE,
+    XLA_CPU,
+    CpuImpl,
+    Op,
+    Rule,
+    target_platform,
+)
 from kernels_pallas.kda import native, pallas, reference
 
 RULE = Rule(args=("BTHK", "BTHK", "BTHV", "BTHK", "BTH", "BHKV"), out=("BTHV", "BHKV"),

@@ -27,7 +27,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas import _native
-from kernels_pallas._dispatch import NATIVE, REFERENCE, XLA_CPU, CpuImpl, Op, target_platform
+from kernels_pallas._dispatch import (
+    NATIVE,
+    REFERENCE,
+    XLA_CPU,
+    CpuImpl,
+    Op,
+    target_platform,
+)
 from kernels_pallas.matvec import native, reference, xla_cpu
 
 _F32 = jnp.float32

@@ -19,7 +19,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas import matvec
-from kernels_pallas._dispatch import NATIVE, PALLAS, REFERENCE, XLA_CPU, CpuImpl, Op, Rule, target_platform
+from kernels_pallas._dispatch import (
+    NATIVE,
+    PALLAS,
+    REFERENCE,
+    XLA_CPU,
+    CpuImpl,
+    Op,
+    Rule,
+    target_platform,
+)
 from kernels_pallas.matvec import native
 from kernels_pallas.moe_gmm import pallas, reference, xla_cpu
 

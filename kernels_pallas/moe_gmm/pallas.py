@@ -27,7 +27,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas._common import F32, cdiv, compiler_params, dot_nt, next_pow2, pad_axis, round_up
+from kernels_pallas._common import (
+    F32,
+    cdiv,
+    compiler_params,
+    dot_nt,
+    next_pow2,
+    pad_axis,
+    round_up,
+)
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
 
 

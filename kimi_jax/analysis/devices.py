@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from kimi_jax.analysis.probes import moe_layers
+from kimi_jax.model import params
 from kimi_jax.model.config import ModelConfig
 
 
@@ -46,8 +47,8 @@ def mesh_sizes(cfg: ModelConfig, n_devices: int) -> dict:
 
 
 def _var_arrays(model):
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        yield ".".join(str(p) for p in path), var.get_value()
+    """(leaf path, array) of every parameter leaf (a packed weight: each field)."""
+    yield from params.leaves(nnx.state(model, nnx.Param)).items()
 
 
 def bytes_per_device(tree) -> dict:
@@ -67,7 +68,7 @@ def param_bytes(model) -> int:
 
 
 def shard_table(model, names: Sequence[str] | None = None) -> list[dict]:
-    """How the named parameters (dotted paths, e.g. ``layers.1.mlp.experts.w1_packed``) are laid out: global shape,
+    """How the named parameters (leaf paths, e.g. ``layers.1.mlp.experts.w1.packed``) are laid out: global shape,
     partition spec, the shape of one shard and how many distinct shards the devices hold. Default names: the
     embedding, layer 0's first attention weight and the routed-expert arrays of the first MoE layer (packed MXFP4
     bytes and scales, or dense weights, whichever the checkpoint has)."""

@@ -8,7 +8,7 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax.checkpoint.names import load_hf
+from kimi_jax.checkpoint import hf
 from kimi_jax.model import config as config_lib
 from kimi_jax.model.decoder import KimiModel, relayout
 from kimi_jax.model.layers import RunConfig
@@ -54,5 +54,5 @@ def _load(path, cfg, run: RunConfig, converted: bool) -> KimiModel:
             shardings = sharding.param_shardings(nnx.eval_shape(factory), run.parallel.mesh, run.parallel.layout)
         return orbax_io.load_converted(path, cfg, factory, shardings=shardings)
     if run.parallel is not None:
-        return distributed.load_hf_sharded(path, cfg, run, factory)
-    return load_hf(path, cfg, factory)
+        return hf.load_hf_sharded(path, cfg, run, factory)
+    return hf.load_hf(path, cfg, factory)

@@ -1,28 +1,28 @@
-"""The checkpoint name table: one row per tensor kind, mapping checkpoint names to model parameters.
+"""The checkpoint name table: one row per tensor kind, from checkpoint names to model parameter leaves.
 
-A row is (pattern over the checkpoint name with the family prefix stripped, parameter path template,
-transform). Routed experts ``experts.{e}.w{1,2,3}`` land in slot ``e`` of a stacked parameter. The same
-checkpoint name can mean different tensors on different layer kinds (``g_proj`` on KDA vs MLA layers,
-``q_proj`` on KDA vs GQA vs low-rank-less MLA): the parameter path is resolved against the model built for the
-config, and the shape check tells them apart.
+A row is (pattern over the checkpoint name with the family prefix stripped, parameter path template, transform).
+Targets are parameter *leaves* by dotted path (:mod:`kimi_jax.model.params`): ``layers.3.self_attn.q_proj``, or a
+field of a packed weight, ``layers.3.mlp.experts.w1.packed``. This table is the one place that knows how a packed
+weight's fields are named in a file (compressed-tensors' ``weight_packed`` / ``weight_scale``). Routed experts
+``experts.{e}.w{1,2,3}`` land in slot ``e`` of a stacked parameter. The same checkpoint name can mean different
+tensors on different layer kinds (``g_proj`` on KDA vs MLA layers, ``q_proj`` on KDA vs GQA vs low-rank-less MLA):
+the path is resolved against the model built for the config, and the shape check tells them apart.
 
-Every checkpoint tensor is consumed exactly once and every parameter is filled exactly once; anything else is
-an error that names the tensor, the file and the shapes.
+Every checkpoint tensor is consumed exactly once and every parameter is filled exactly once; anything else is an
+error that names the tensor, the file and the shapes. Every transform is a function ``(array, where, shape)`` that
+checks its input and gets the shape of the slot it fills.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError, TensorInfo
+from kimi_jax.checkpoint.safetensors import CheckpointError
 from kimi_jax.model.config import ModelConfig
 
 
@@ -33,33 +33,49 @@ class WeightError(CheckpointError):
 # -- transforms: each checks its input shape -----------------------------------------------------------
 
 
-def _identity(x, name):
+def identity(x, where, shape):
     return x
 
 
-def _conv(x, name):
+def _conv(x, where, shape):
     """``[P, 1, W]`` depthwise conv kernel -> ``[P, W]``."""
     if x.ndim != 3 or x.shape[1] != 1:
-        raise WeightError(f"{name}: expected a depthwise conv kernel [P, 1, W], got {list(x.shape)}")
+        raise WeightError(f"{where}: expected a depthwise conv kernel [P, 1, W], got {list(x.shape)}")
     return x[:, 0, :]
 
 
-def _row_vector(x, name):
+def _row_vector(x, where, shape):
     """``[1, D]`` (a Linear(D -> 1)) -> ``[D]``."""
     if x.ndim != 2 or x.shape[0] != 1:
-        raise WeightError(f"{name}: expected [1, D], got {list(x.shape)}")
+        raise WeightError(f"{where}: expected [1, D], got {list(x.shape)}")
     return x[0]
 
 
-def _flat(x, name):
+def _flat(x, where, shape):
     return x.reshape(-1)
+
+
+def _a_log(x, where, shape):
+    """A_log as released is zero-padded ([128] for 96 heads); HF Kimi Linear writes [1, 1, H, 1]."""
+    heads = shape[0]
+    flat = np.asarray(x, np.float32).reshape(-1)
+    if flat.shape[0] < heads:
+        raise WeightError(f"{where}: A_log has {flat.shape[0]} entries for {heads} heads")
+    if np.any(flat[heads:] != 0):
+        raise WeightError(f"{where}: A_log padding beyond the first {heads} entries must be zero, "
+                          f"found {int(np.count_nonzero(flat[heads:]))} non-zero values")
+    return flat[:heads]
+
+
+# Transforms that must see the tensor's values to check it (read in the preflight, before anything is written).
+CHECKS_VALUES = (_a_log,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
     pattern: str
     target: str  # format string over the pattern's named groups
-    transform: Callable = _identity
+    transform: Callable = identity
     stacked: bool = False  # fills slot `expert` of a stacked parameter
 
     def match(self, name):
@@ -79,7 +95,7 @@ RULES = (
     Rule(L + r"(?P<site>self_attention|mlp)_res_proj\.weight", "layers.{layer}.{site}_res.proj", _row_vector),
     # Attention (KDA / MLA / GQA share the `self_attn.` prefix; the layer's kind decides what exists).
     Rule(L + r"self_attn\.(?P<n>[qkv]_conv1d)\.weight", "layers.{layer}.self_attn.{n}", _conv),
-    Rule(L + r"self_attn\.A_log", "layers.{layer}.self_attn.A_log", "a_log"),
+    Rule(L + r"self_attn\.A_log", "layers.{layer}.self_attn.A_log", _a_log),
     Rule(L + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
     Rule(L + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
          "layers.{layer}.self_attn.{n}"),
@@ -94,8 +110,9 @@ RULES = (
     Rule(L + r"block_sparse_moe\.shared_experts\.(?P<n>gate_proj|up_proj|down_proj)\.weight",
          "layers.{layer}.mlp.shared_experts.{n}"),
     Rule(L + E + r"weight", "layers.{layer}.mlp.experts.{w}", stacked=True),
-    Rule(L + E + r"weight_packed", "layers.{layer}.mlp.experts.{w}_packed", stacked=True),
-    Rule(L + E + r"weight_scale", "layers.{layer}.mlp.experts.{w}_scale", stacked=True),
+    # compressed-tensors MXFP4 (kernels_pallas/mxfp4.py): the two fields of one MXFP4Weight
+    Rule(L + E + r"weight_packed", "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
+    Rule(L + E + r"weight_scale", "layers.{layer}.mlp.experts.{w}.scale", stacked=True),
 )
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
@@ -103,12 +120,13 @@ IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one checkpoint tensor goes."""
+    """Where one checkpoint tensor goes: parameter leaf ``target``, at ``expert`` of its leading dimension when the
+    leaf stacks experts."""
 
     tensor: str
     target: str
     expert: int | None
-    transform: Callable | str
+    transform: Callable
 
 
 def canonical(name: str, cfg: ModelConfig) -> str | None:
@@ -122,32 +140,43 @@ def canonical(name: str, cfg: ModelConfig) -> str | None:
     return name
 
 
-def plan(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct]) -> tuple[list[Placement], list[str]]:
-    """Match checkpoint tensor names to parameters. Returns (placements, ignored names); raises on any mismatch."""
+def _match(name: str, cname: str, targets) -> Placement | None:
+    hits = [(rule, m) for rule in RULES if (m := rule.match(cname))]
+    if len(hits) > 1:
+        raise WeightError(f"tensor {name!r} matches {len(hits)} name-table rows: {[h[0].pattern for h in hits]}")
+    if not hits:
+        return None
+    rule, m = hits[0]
+    groups = m.groupdict()
+    target = rule.target.format(**groups)
+    if target not in targets:
+        return None
+    return Placement(name, target, int(groups["expert"]) if rule.stacked else None, rule.transform)
+
+
+def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct]) -> tuple[list[Placement], list[str]]:
+    """Match checkpoint tensor names to parameter leaves. Returns (placements, ignored names); raises on any tensor
+    that fits nothing, any leaf (or expert slot) filled twice or not at all."""
     placements, ignored, unmatched = [], [], []
     for name in names:
         cname = canonical(name, cfg)
         if cname is None:
             ignored.append(name)
             continue
-        hits = [(rule, m) for rule in RULES if (m := rule.match(cname))]
-        if len(hits) > 1:
-            raise WeightError(f"tensor {name!r} matches {len(hits)} name-table rows: {[h[0].pattern for h in hits]}")
-        if not hits:
+        p = _match(name, cname, targets)
+        if p is None:
             unmatched.append(name)
-            continue
-        rule, m = hits[0]
-        groups = m.groupdict()
-        target = rule.target.format(**groups)
-        if target not in targets:
-            unmatched.append(name)
-            continue
-        expert = int(groups["expert"]) if rule.stacked else None
-        placements.append(Placement(name, target, expert, rule.transform))
+        else:
+            placements.append(p)
     if unmatched:
         raise WeightError(
             f"{len(unmatched)} checkpoint tensor(s) match no parameter of this {cfg.family} model "
-            f"(attention kinds {_kinds(cfg)}): {unmatched[:8]}{' ...' if len(unmatched) > 8 else ''}")
+            f"(attention kinds {sorted(set(cfg.attn_types))}): {unmatched[:8]}{' ...' if len(unmatched) > 8 else ''}")
+    _check_complete(placements, targets)
+    return placements, ignored
+
+
+def _check_complete(placements: list[Placement], targets: dict[str, jax.ShapeDtypeStruct]):
     seen: dict[tuple, str] = {}
     experts: dict[str, set] = {}
     for p in placements:
@@ -169,94 +198,3 @@ def plan(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct]) -> t
                 raise WeightError(f"parameter {target}: checkpoint is missing experts {missing[:8]}")
         elif (target, None) not in seen:
             raise WeightError(f"parameter {target} {list(sds.shape)} has no tensor in the checkpoint")
-    return placements, ignored
-
-
-def _kinds(cfg):
-    return sorted(set(cfg.attn_types))
-
-
-def transform(p: Placement, arr: np.ndarray, info: TensorInfo, sds: jax.ShapeDtypeStruct) -> np.ndarray:
-    """Apply the row's transform, check shape and dtype class, cast to the parameter dtype."""
-    where = f"tensor {p.tensor!r} in {os.path.basename(info.file)}"
-    if p.transform == "a_log":
-        arr = _a_log(arr, sds.shape[0], where)
-    else:
-        arr = p.transform(arr, where)
-    want = tuple(sds.shape[1:]) if p.expert is not None else tuple(sds.shape)
-    if tuple(arr.shape) != want:
-        raise WeightError(f"{where}: shape {list(info.shape)} -> {list(arr.shape)} does not fit parameter "
-                          f"{p.target} {list(want)}")
-    target_int = jnp.issubdtype(sds.dtype, jnp.integer)
-    if target_int != (info.dtype in ("U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "BOOL")):
-        raise WeightError(f"{where}: dtype {info.dtype} cannot fill parameter {p.target} of dtype {sds.dtype}")
-    if target_int and np.dtype(arr.dtype) != np.dtype(sds.dtype):
-        raise WeightError(f"{where}: dtype {info.dtype} but parameter {p.target} is {sds.dtype}")
-    return np.asarray(arr).astype(sds.dtype, copy=False)
-
-
-def _a_log(arr, heads, where):
-    """A_log as released is zero-padded ([128] for 96 heads); HF Kimi Linear writes [1, 1, H, 1]."""
-    flat = np.asarray(arr, np.float32).reshape(-1)
-    if flat.shape[0] < heads:
-        raise WeightError(f"{where}: A_log has {flat.shape[0]} entries for {heads} heads")
-    if np.any(flat[heads:] != 0):
-        raise WeightError(f"{where}: A_log padding beyond the first {heads} entries must be zero, "
-                          f"found {int(np.count_nonzero(flat[heads:]))} non-zero values")
-    return flat[:heads]
-
-
-def flat_targets(abstract_state) -> dict[str, jax.ShapeDtypeStruct]:
-    """Parameter paths ("layers.3.self_attn.q_proj") -> ShapeDtypeStruct."""
-    out = {}
-    for path, var in nnx.to_flat_state(abstract_state):
-        out[".".join(str(k) for k in path)] = var.get_value() if hasattr(var, "get_value") else var.value
-    return out
-
-
-def read_params(ckpt: Checkpoint, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *, progress=None,
-                put: Callable[[str, np.ndarray], object] | None = None) -> dict[str, object]:
-    """Read every parameter (host numpy, or whatever ``put(path, array)`` returns), one tensor at a time."""
-    placements, _ = plan(list(ckpt.tensors), cfg, targets)
-    by_target: dict[str, list[Placement]] = {}
-    for p in placements:
-        by_target.setdefault(p.target, []).append(p)
-    out = {}
-    # Read in file order: sequential I/O over shards.
-    order = sorted(by_target, key=lambda t: min((ckpt.tensors[p.tensor].file, ckpt.tensors[p.tensor].offset)
-                                                for p in by_target[t]))
-    for target in order:
-        sds = targets[target]
-        group = by_target[target]
-        if group[0].expert is None:
-            (p,) = group
-            value = transform(p, ckpt.get(p.tensor), ckpt.tensors[p.tensor], sds)
-        else:
-            value = np.empty(sds.shape, sds.dtype)
-            for p in sorted(group, key=lambda p: p.expert):
-                value[p.expert] = transform(p, ckpt.get(p.tensor), ckpt.tensors[p.tensor], sds)
-        out[target] = put(target, value) if put else value
-        if progress is not None:
-            progress(target, value)
-    return out
-
-
-def load_hf(path, cfg: ModelConfig, model_factory, *, shardings=None):
-    """Build the model for ``cfg`` and fill it from the HF checkpoint at ``path``.
-
-    ``model_factory()`` builds the (small or abstract) model; ``shardings``: optional dict path -> Sharding.
-    """
-    ckpt = Checkpoint(path)
-    abstract = nnx.eval_shape(model_factory)
-    graphdef, state = nnx.split(abstract)
-    targets = flat_targets(state)
-
-    def put(target, value):
-        sharding = None if shardings is None else shardings.get(target)
-        return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
-
-    values = read_params(ckpt, cfg, targets, put=put)
-    ckpt.close()
-    for path_, var in nnx.to_flat_state(state):
-        var.set_value(values[".".join(str(k) for k in path_)])
-    return nnx.merge(graphdef, state)

@@ -5,8 +5,8 @@ A converted directory (DST) holds::
     config.json                   the model config (rewritten when --layers/--experts sliced it)
     tiktoken.model, tokenizer_config.json, ...   copied from the source
     params/                       one Orbax checkpoint: a flat dict {"layers.3.self_attn.q_proj": array, ...} keyed
-                                  by the model's own parameter paths (nnx.state), experts stacked [E, ...], MXFP4 kept
-                                  as the uint8 ``*_packed`` / ``*_scale`` parameters
+                                  by the model's parameter leaves (kimi_jax.model.params), experts stacked [E, ...],
+                                  an MXFP4 weight as its uint8 fields (``...experts.w1.packed``, ``...w1.scale``)
     kimi_jax_checkpoint.json      written last: its presence is what makes DST a complete checkpoint
 
 While a conversion runs, ``params.partial_save/`` accumulates one Orbax partial save per batch of parameters and
@@ -33,7 +33,7 @@ PARTIAL = PARAMS + ".partial_save"  # orbax.checkpoint.experimental.v1.partial's
 MARKER = "kimi_jax_checkpoint.json"
 STATE = "kimi_jax_convert_state.json"
 FORMAT = "kimi-jax-orbax"
-VERSION = 1
+VERSION = 2  # 2: packed weights stored by field (``w1.packed``), not as ``w1_packed`` parameters
 SAVED_KEY = "kimi_jax_saved"  # custom metadata of each partial save: {SAVED_KEY: {batch_id: [param paths]}}
 
 
@@ -83,7 +83,8 @@ def read_marker(path) -> dict:
         raise CheckpointError(f"{marker}: unreadable ({e})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{marker}: format {meta.get('format')!r} version {meta.get('version')!r}; "
-                              f"this kimi-jax reads {FORMAT!r} version {VERSION}")
+                              f"this kimi-jax reads {FORMAT!r} version {VERSION}: convert the source again "
+                              "(kimi-jax convert --overwrite)")
     if not os.path.isdir(os.path.join(path, PARAMS)):
         raise IncompleteCheckpointError(f"{path}: {MARKER} is present but {PARAMS}/ is missing")
     return meta
@@ -282,11 +283,11 @@ def load_converted(path, cfg, model_factory, *, shardings=None):
     {param path: Sharding}, e.g. ``kimi_jax.parallel.sharding.param_shardings(...)``)."""
     from flax import nnx
 
-    from kimi_jax.checkpoint.names import flat_targets
+    from kimi_jax.model import params
 
     abstract = nnx.eval_shape(model_factory)
     graphdef, state = nnx.split(abstract)
-    targets = flat_targets(state)
+    targets = params.leaves(state)
     if shardings:
         targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings.get(k)) for k, v in targets.items()}
     have = stored(path) if os.path.isdir(os.path.join(os.fspath(path), PARAMS)) else {}
@@ -295,6 +296,4 @@ def load_converted(path, cfg, model_factory, *, shardings=None):
         raise CheckpointError(f"{path}: converted checkpoint holds parameters this {cfg.family} model does not have: "
                               f"{extra[:5]} (config.json and params/ disagree)")
     values = restore(path, targets)
-    for p, var in nnx.to_flat_state(state):
-        var.set_value(values[".".join(str(k) for k in p)])
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, params.fill(state, values))

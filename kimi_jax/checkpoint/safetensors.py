@@ -14,11 +14,21 @@ import math
 import os
 import struct
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-          "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+# The dtype table: safetensors dtype names and the numpy dtypes they read as (reader, writer and loaders use it).
+DTYPES = {"BOOL": np.dtype(bool), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "I16": np.dtype(np.int16),
+          "U16": np.dtype(np.uint16), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+          "I32": np.dtype(np.int32), "U32": np.dtype(np.uint32), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+          "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+          "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+
+
+def is_integer(dtype: str) -> bool:
+    """A safetensors dtype of integers or booleans (which can fill integer parameters, never float ones)."""
+    return DTYPES[dtype].kind in "biu"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -70,7 +80,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
         if not all(isinstance(s, int) and s >= 0 for s in shape):
             raise CheckpointError(f"{path}: tensor {name!r}: bad shape {list(shape)}")
-        want = math.prod(shape) * DTYPES[dtype]
+        want = math.prod(shape) * DTYPES[dtype].itemsize
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
             raise CheckpointError(f"{path}: tensor {name!r}: bad data_offsets {[begin, end]}")
         if end - begin != want:

@@ -15,16 +15,12 @@ import os
 import struct
 from typing import Callable, Iterable
 
-import ml_dtypes
 import numpy as np
+
+from kimi_jax.checkpoint.safetensors import DTYPES
 
 # safetensors' Dtype enum order; files list larger ranks first.
 _RANK = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
-NUMPY = {"BOOL": np.dtype(bool), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "I16": np.dtype(np.int16),
-         "U16": np.dtype(np.uint16), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-         "I32": np.dtype(np.int32), "U32": np.dtype(np.uint32), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
-         "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-         "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +31,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * NUMPY[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
 def ordered(entries: Iterable[Entry]) -> list[Entry]:
@@ -68,7 +64,7 @@ def write_file(path: str, entries: Iterable[Entry], produce: Callable[[Entry], n
             f.write(header_bytes(entries, {"format": "pt"} if metadata is None else metadata))
             for e in entries:
                 arr = np.ascontiguousarray(produce(e))
-                if arr.dtype != NUMPY[e.dtype] or tuple(arr.shape) != tuple(e.shape):
+                if arr.dtype != DTYPES[e.dtype] or tuple(arr.shape) != tuple(e.shape):
                     raise ValueError(f"{path}: tensor {e.name!r}: produced {arr.dtype}{list(arr.shape)}, "
                                      f"header says {e.dtype}{list(e.shape)}")
                 f.write(memoryview(arr.reshape(-1).view(np.uint8)))

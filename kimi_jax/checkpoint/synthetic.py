@@ -29,7 +29,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 
-from kimi_jax import mxfp4
+from kernels_pallas import mxfp4
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
 
 FAMILIES = ("k3", "kimi_linear", "llama")
@@ -299,7 +299,7 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 def draw(spec: Spec, seed: int, hidden: int) -> np.ndarray:
     """The tensor for ``spec`` (deterministic in (seed, name)), in its safetensors dtype."""
-    from kimi_jax.checkpoint.safetensors_write import NUMPY
+    from kimi_jax.checkpoint.safetensors import DTYPES
 
     rng = _rng(seed, spec.name)
     shape, kind = spec.shape, spec.init
@@ -327,7 +327,7 @@ def draw(spec: Spec, seed: int, hidden: int) -> np.ndarray:
         x = x.reshape(shape)
     else:
         raise AssertionError(kind)
-    return x.astype(NUMPY[spec.dtype])
+    return x.astype(DTYPES[spec.dtype])
 
 
 _EXPERT_CACHE: dict = {}

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from kimi_jax.model import params
 from kimi_jax.model.attention import GQA, KDA, MLA, Step
 from kimi_jax.model.cache import Cache
 from kimi_jax.model.config import ModelConfig
@@ -295,20 +296,8 @@ def abstract_model(cfg: ModelConfig, run: RunConfig | None = None, param_dtype=N
 
 
 def param_count(model: KimiModel, logical: bool = True) -> int:
-    """Number of parameters; with ``logical`` an MXFP4 byte pair counts as the values it encodes."""
-    total = 0
-    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = str(path[-1])
-        n = 1
-        for s in leaf.value.shape if hasattr(leaf, "value") else leaf.shape:
-            n *= int(s)
-        if name.endswith("_packed"):
-            total += 2 * n if logical else n
-        elif name.endswith("_scale") and logical:
-            continue
-        else:
-            total += n
-    return total
+    """Number of parameters; with ``logical`` a packed (MXFP4) weight counts the values it encodes."""
+    return params.count(model, logical)
 
 
 def relayout(model: KimiModel, *, scan_layers: bool, consume: bool = False) -> KimiModel:
@@ -330,13 +319,13 @@ def relayout(model: KimiModel, *, scan_layers: bool, consume: bool = False) -> K
         if scan_layers and path[0] == "stack":  # ("stack", "layers", j, ...) <- ("layers", layer(j, g), ...)
             j, rest = path[2], path[3:]
             parts = [src[("layers", stacked.layer(j, g), *rest)] for g in range(stacked.count)]
-            value = _stack(parts)
+            value = jax.tree.map(lambda *a: _stack(a), *parts)  # a packed weight: each field
             if consume:
-                for a in parts:
+                for a in jax.tree.leaves(parts):
                     a.delete()
         elif not scan_layers and path[0] == "layers" and stacked.slot(path[1]) is not None:
             j, g = stacked.slot(path[1])
-            value = _unstack(src[("stack", "layers", j, *path[2:])], g)
+            value = jax.tree.map(lambda a: _unstack(a, g), src[("stack", "layers", j, *path[2:])])
         else:
             value = src[path]
         flat.append((path, var.replace(value)))

@@ -61,20 +61,21 @@ class RunConfig:
 # -- parameter declaration -------------------------------------------------------------------------------
 
 
-def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02) -> nnx.Param:
-    """One declaration per parameter: shape, dtype, logical axes (for sharding rules) and initializer."""
+def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02, packed: type | None = None) -> nnx.Param:
+    """One declaration per parameter: shape, dtype, logical axes (for sharding rules) and initializer.
+
+    ``packed``: a packed weight type (:mod:`kernels_pallas.packed`) holding ``shape`` logical values, filled with
+    random codes of the type's own choosing (``packed.random``); ``dtype`` and ``init`` do not apply then."""
     shape = tuple(int(s) for s in shape)
     if len(axes) != len(shape):
         raise ValueError(f"parameter of shape {shape} declared with axes {axes}")
+    if packed is not None:
+        return nnx.Param(packed.random(rngs.params(), shape), axes=tuple(axes))
     dtype = jnp.dtype(dtype)
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
-    elif init == "bytes":  # packed MXFP4 nibbles: any byte is a valid pair of codes
-        value = jax.random.randint(rngs.params(), shape, 0, 256, jnp.int32).astype(dtype)
-    elif init == "scale":  # E8M0 bytes near 2**-6, a plausible expert weight scale
-        value = jax.random.randint(rngs.params(), shape, 119, 123, jnp.int32).astype(dtype)
     elif init == "normal":
         value = (std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype)
     elif callable(init):

@@ -14,7 +14,8 @@ from flax import nnx
 
 import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas import matvec
-from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
+from kernels_pallas import packed as packed_types
+from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax.model.config import MoEConfig
 from kimi_jax.model.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
 from kimi_jax.parallel import expert_parallel
@@ -42,7 +43,7 @@ def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
 class Experts(nnx.Module):
     """Routed experts stacked per layer: w1 (gate) / w3 (up) ``[E, F, L]``, w2 (down) ``[E, L, F]``.
 
-    With MXFP4 each weight is two uint8 arrays (``*_packed [.., in/2]``, ``*_scale [.., in/32]``), kept packed in
+    With MXFP4 each weight is one :class:`~kernels_pallas.mxfp4.MXFP4Weight` (uint8 codes and scales), kept packed in
     device memory and decoded next to the matmul.
     """
 
@@ -52,21 +53,21 @@ class Experts(nnx.Module):
         shapes = {"w1": ((E, F, L), ("expert", "expert_mlp", None)),
                   "w3": ((E, F, L), ("expert", "expert_mlp", None)),
                   "w2": ((E, L, F), ("expert", None, "expert_mlp"))}
+        packed = MXFP4Weight if cfg.quant == "mxfp4" else None
         for name, (shape, axes) in shapes.items():
-            if cfg.quant == "mxfp4":
-                *lead, k = shape
-                setattr(self, f"{name}_packed", param(rngs, (*lead, k // 2), axes, jnp.uint8, init="bytes"))
-                setattr(self, f"{name}_scale", param(rngs, (*lead, k // GROUP), axes, jnp.uint8, init="scale"))
-            else:
-                setattr(self, name, param(rngs, shape, axes, param_dtype))
+            setattr(self, name, param(rngs, shape, axes, param_dtype, packed=packed))
 
     def weight(self, name):
-        if self.cfg.quant == "mxfp4":
-            return MXFP4Weight(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...])
-        return getattr(self, name)[...]
+        """A float array or a packed weight (:mod:`kernels_pallas.packed`)."""
+        return getattr(self, name).get_value()
+
+    @property
+    def packed(self) -> bool:
+        """The expert weights are a packed type (MXFP4), not float arrays."""
+        return packed_types.is_packed(self.weight("w1"))
 
     def _auto_path(self, pairs: int, run: RunConfig) -> str:
-        float32 = self.cfg.quant != "mxfp4" and jnp.dtype(run.dtype) == F32
+        float32 = not self.packed and jnp.dtype(run.dtype) == F32
         return gmm_kernels.expert_path(pairs, self.cfg.num_experts, float32=float32, implementation=run.implementation,
                                        placement=run.placement)
 
@@ -94,7 +95,7 @@ class Experts(nnx.Module):
         act = lambda a, b: self.act(a, b, run)
         kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
         if path == "dense":
-            if c.quant == "mxfp4":
+            if self.packed:
                 raise ValueError("moe_path='dense' needs float expert weights (MXFP4 experts use 'gather' or 'sorted')")
             # every expert on every token, each expert read once
             y = gmm_kernels.dense_experts(z_NL.astype(run.dtype), w["w1"], w["w3"], w["w2"], act=act,
@@ -161,7 +162,7 @@ class MoE(nnx.Module):
         the op would not run them that way (then each part runs on its own)."""
         N, X = idx_NX.shape
         ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
-        if self.cfg.quant == "mxfp4" or ex.path(N * X, run) != "gather":
+        if ex.packed or ex.path(N * X, run) != "gather":
             return None
         dt, ids = run.dtype, idx_NX.reshape(N * X)
         zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)

@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas._dispatch import target_platform
-from kernels_pallas.mxfp4 import MXFP4Weight
-from kimi_jax.model.layers import F32, RunConfig, glu
+from kimi_jax.model.layers import RunConfig, glu
 from kimi_jax.parallel import sharding
 
 _WEIGHTS = ("w1", "w3", "w2")
@@ -40,14 +39,11 @@ def _axes(part) -> tuple[str, ...]:
     return () if part is None else ((part,) if isinstance(part, str) else tuple(part))
 
 
-def _names(quant):
-    return [f"{w}_{k}" for w in _WEIGHTS for k in ("packed", "scale")] if quant == "mxfp4" else list(_WEIGHTS)
-
-
 def plan_axes(experts, par: sharding.Parallel):
-    """(ep axes, tp axes, weight specs) of an :class:`~kimi_jax.model.moe.Experts` module under ``par``."""
-    specs = sharding.module_specs(experts, par.sizes, par.layout)
-    first = specs["w1_packed" if experts.cfg.quant == "mxfp4" else "w1"]
+    """(ep axes, tp axes, weight specs shaped like the weights) of an :class:`~kimi_jax.model.moe.Experts` module
+    under ``par``."""
+    specs = sharding.param_value_specs(experts, par.sizes, par.layout)
+    first = jax.tree.leaves(specs["w1"], is_leaf=lambda x: isinstance(x, P))[0]  # every field splits E and F alike
     return _axes(first[0]), _axes(first[1]), specs
 
 
@@ -65,17 +61,15 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
     z = jnp.pad(z_NL, ((0, Np - N), (0, 0)))
     idx = jnp.pad(idx_NX, ((0, Np - N), (0, 0)))
     valid = jnp.arange(Np) < N
-    names = _names(cfg.quant)
-    weights = {n: getattr(experts, n)[...] for n in names}
+    weights = {n: experts.weight(n) for n in _WEIGHTS}
     tok = P(tok_axes or None)
     dispatch = par.dispatch
     if dispatch == "auto":
         dispatch = "ragged" if target_platform(par.placement) in ("tpu", "gpu") else "capacity"
 
     def body(z, idx, valid, w):
-        w = {k: (MXFP4Weight(w[f"{k}_packed"], w[f"{k}_scale"]) if cfg.quant == "mxfp4" else w[k]) for k in _WEIGHTS}
         n_loc = idx.shape[0]
-        e_loc = (w["w1"].packed if cfg.quant == "mxfp4" else w["w1"]).shape[0]
+        e_loc = w["w1"].shape[0]
         local = lambda x, ids: _local_experts(x, ids, w, e_loc, cfg, run, tp)
         e = idx.reshape(-1)
         v = jnp.repeat(valid, X)
@@ -92,7 +86,7 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
             rows = fn(z, e, v, X, e_loc, n, ep, cap, local, emulated=dispatch == "ragged_emulated")
         return rows.reshape(n_loc, X, -1)
 
-    in_specs = (P(tok_axes or None, None), P(tok_axes or None, None), tok, {n: specs[n] for n in names})
+    in_specs = (P(tok_axes or None, None), P(tok_axes or None, None), tok, {n: specs[n] for n in _WEIGHTS})
     out = jax.shard_map(body, mesh=par.mesh, in_specs=in_specs, out_specs=P(tok_axes or None, None, None),
                         check_vma=False)(z, idx, valid, weights)
     return out[:N]

@@ -21,6 +21,7 @@ import re
 import jax.numpy as jnp
 from flax import nnx
 
+from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
@@ -122,7 +123,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     dt = jnp.dtype(dtype)
     model, table = _abstract(cfg, dt.name)
     specs = sharding.param_specs(model, sizes, lay, table=table)
-    shapes = {m.prefix + n: (shape, m.dtypes[n]) for m in table for n, (_, shape) in m.arrays.items()}
+    shapes = {m.prefix + n: (a.shape, a.dtype) for m in table for n, a in m.arrays.items()}
     notes = []
 
     params: dict[str, int] = {}
@@ -218,9 +219,10 @@ def _abstract(cfg: ModelConfig, dtype: str):
 
 
 def _local_experts(model, specs, sizes):
-    """The first routed-expert gate weight's path, and the experts and expert width one chip holds of it."""
-    w1 = next(k for k in specs if k.endswith(".experts.w1") or k.endswith(".experts.w1_packed"))
-    e_loc, f_loc = sharding.shard_shape(_shape(model, w1), specs[w1], sizes)[:2]
+    """The first routed-expert gate weight's leaf path, and the experts and expert width one chip holds of it (every
+    leaf of a packed weight splits experts and width alike)."""
+    w1 = next(k for k in specs if ".experts.w1" in k)
+    e_loc, f_loc = sharding.shard_shape(_leaf_shape(model, w1), specs[w1], sizes)[:2]
     return w1, e_loc, f_loc
 
 
@@ -237,11 +239,8 @@ def _allowed_heads(h, sizes, lay):
     return sharding.group_specs({"h": (("heads",), (h,))}, sizes, lay)["h"][0]
 
 
-def _shape(model, path):
-    node = model
-    for part in path.split("."):
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
-    return node.get_value().shape
+def _leaf_shape(model, path):
+    return params.leaves(nnx.state(model))[path].shape
 
 
 def _prefill_activations(cfg, sizes, lay, specs, model, b_loc, T, dt):
@@ -398,13 +397,9 @@ def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, impleme
     graphdef, state = nnx.split(model)
     specs = sharding.param_specs(model, mesh, lay)
 
-    def with_sharding(path, var):
-        sds = var.get_value()
-        var = var.replace(jax.ShapeDtypeStruct(sds.shape, sds.dtype,
-                                               sharding=NamedSharding(mesh, specs[".".join(str(k) for k in path)])))
-        return path, var
-
-    state = nnx.from_flat_state([with_sharding(p, v) for p, v in nnx.to_flat_state(state)])
+    leaves = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+              for k, v in params.leaves(state).items()}
+    state = params.fill(state, leaves)
     shapes = cache_shapes(cfg, batch, context, dt, scan=scan_layers)
     cshard = sharding.cache_shardings(cfg, shapes, mesh, lay)
     cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, cshard)

@@ -9,7 +9,7 @@ Parameters declare logical axes in their metadata (``nnx.Param(..., axes=(...))`
 (:func:`cache_specs`). Two rules turn a table into specs, each for a reason:
 
 * **Divisibility.** A dimension takes the longest prefix of its mesh axes whose product divides it; the rest
-  is replicated (4 heads cannot be split 8 ways). For MXFP4 arrays the packed input dimension counts in units
+  is replicated (4 heads cannot be split 8 ways). For packed weights (MXFP4) the input dimension counts in units
   of one 32-value scale group, so a packed shard and its scale shard always cover the same columns.
 * **One module, one decision.** Within a module, every array carrying a logical axis shards it the same way
   (the shortest prefix any of them allows). Attention modules add a virtual ``[num_heads]`` array, so heads are
@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from kernels_pallas._dispatch import Placement
+from kernels_pallas import packed
+from kernels_pallas._dispatch import Placement, dividing_prefix
 from kimi_jax.model.cache import Cache, KDACache, KVCache, MLACache
 from kimi_jax.model.config import ModelConfig
 
@@ -167,11 +168,14 @@ def abstract_mesh(data: int = 1, expert: int = 1, model: int = 1) -> jax.shardin
 # -- specs -------------------------------------------------------------------------------------------------
 
 
-def _unit(name: str, dim: int, ndim: int) -> int:
-    """Divisibility unit of a dimension: the packed / scale input dimension of MXFP4 counts in scale groups."""
-    if dim == ndim - 1 and name.endswith("_packed"):
-        return 16  # 16 bytes = 32 nibbles = one scale group
-    return 1
+class Arr(NamedTuple):
+    """One array as the spec rules see it: logical axes per dimension, shape, and the divisibility unit of its last
+    dimension (a packed weight's field counts in quantization groups, :mod:`kernels_pallas.packed`)."""
+
+    axes: tuple
+    shape: tuple
+    unit: int = 1
+    dtype: object = None
 
 
 def _check_conflicts(where: str, axes, lay: Layout):
@@ -185,17 +189,9 @@ def _check_conflicts(where: str, axes, lay: Layout):
 
 
 def _allowed(logical: str, size: int, sizes: Mapping[str, int], lay: Layout) -> tuple[str, ...]:
-    """Longest prefix of the logical axis's mesh axes (size-1 axes left out) whose product divides ``size``."""
-    out, n = [], 1
-    for m in lay.mesh_axes(logical):
-        k = sizes.get(m, 1)
-        if k == 1:
-            continue
-        if size % (n * k):
-            break
-        out.append(m)
-        n *= k
-    return tuple(out)
+    """Longest prefix of the logical axis's mesh axes (size-1 axes left out) whose product divides ``size``: the rule
+    the kernel ops apply to their operands too (:func:`kernels_pallas._dispatch.dividing_prefix`)."""
+    return dividing_prefix(lay.mesh_axes(logical), sizes, [size])
 
 
 def _common_prefix(a: tuple, b: tuple) -> tuple:
@@ -205,9 +201,9 @@ def _common_prefix(a: tuple, b: tuple) -> tuple:
     return a[:n]
 
 
-def group_specs(arrays: Mapping[str, tuple[tuple, tuple]], sizes: Mapping[str, int], lay: Layout,
+def group_specs(arrays: Mapping[str, Arr | tuple], sizes: Mapping[str, int], lay: Layout,
                 virtual: Mapping[str, int] | None = None, where: str = "") -> dict[str, PartitionSpec]:
-    """Specs for the arrays of one module: ``{name: (axes, shape)}``; ``virtual``: extra {logical: size}
+    """Specs for the arrays of one module: ``{name: Arr(axes, shape[, unit])}``; ``virtual``: extra {logical: size}
     constraints (a module's head count). Applies the conflict check and both rules of the module docstring."""
     decided: dict[str, tuple[str, ...]] = {}
 
@@ -215,18 +211,19 @@ def group_specs(arrays: Mapping[str, tuple[tuple, tuple]], sizes: Mapping[str, i
         allowed = _allowed(logical, size, sizes, lay)
         decided[logical] = allowed if logical not in decided else _common_prefix(decided[logical], allowed)
 
-    for name, (axes, shape) in arrays.items():
-        _check_conflicts(f"{where}{name}", axes, lay)
-        for d, (logical, size) in enumerate(zip(axes, shape)):
+    arrays = {name: Arr(*a) for name, a in arrays.items()}
+    for name, a in arrays.items():
+        _check_conflicts(f"{where}{name}", a.axes, lay)
+        for d, (logical, size) in enumerate(zip(a.axes, a.shape)):
             if logical is not None:
-                narrow(logical, int(size) // _unit(name, d, len(shape)))
+                narrow(logical, int(size) // (a.unit if d == len(a.shape) - 1 else 1))
     for logical, size in (virtual or {}).items():
         if logical in decided:
             narrow(logical, size)
     out = {}
-    for name, (axes, _) in arrays.items():
+    for name, a in arrays.items():
         parts = []
-        for logical in axes:
+        for logical in a.axes:
             m = decided.get(logical, ()) if logical is not None else ()
             parts.append(None if not m else (m[0] if len(m) == 1 else m))
         out[name] = PartitionSpec(*parts)
@@ -243,20 +240,40 @@ def _module_virtual(module) -> dict[str, int]:
     return out
 
 
-def _param_arrays(module) -> dict[str, tuple[tuple, tuple]]:
+def _param_arrays(module) -> dict[str, Arr]:
+    """Every parameter leaf of ``module`` (not of its submodules): ``name`` for an array, ``name.field`` for each
+    field of a packed weight, all under the parameter's logical axes."""
     out = {}
-    for name, value in vars(module).items():
-        if isinstance(value, nnx.Param):
-            axes = value.get_metadata().get("axes")
+    for name, var in vars(module).items():
+        if isinstance(var, nnx.Param):
+            axes = var.get_metadata().get("axes")
             if axes is None:
                 raise ShardingError(f"parameter {type(module).__name__}.{name} declares no logical axes")
-            out[name] = (tuple(axes), tuple(value.shape))
+            value = var.get_value()
+            if packed.is_packed(value):
+                for field, leaf, unit in zip(value._fields, value, packed.group_units(value)):
+                    out[f"{name}.{field}"] = Arr(tuple(axes), tuple(leaf.shape), unit, leaf.dtype)
+            else:
+                out[name] = Arr(tuple(axes), tuple(value.shape), 1, value.dtype)
     return out
 
 
 def module_specs(module, sizes: Mapping[str, int], lay: Layout, prefix: str = "") -> dict[str, PartitionSpec]:
-    """Specs of one module's own parameters, keyed by attribute name."""
+    """Specs of one module's own parameter leaves (``name``, or ``name.field`` of a packed weight)."""
     return group_specs(_param_arrays(module), sizes, lay, _module_virtual(module), prefix)
+
+
+def param_value_specs(module, sizes: Mapping[str, int], lay: Layout) -> dict:
+    """Specs of one module's own parameters shaped like their values: a ``PartitionSpec`` for an array, the packed
+    type holding one spec per field for a packed weight (what ``shard_map`` takes for that value)."""
+    leaves = module_specs(module, sizes, lay)
+    out = {}
+    for name, var in vars(module).items():
+        if isinstance(var, nnx.Param):
+            value = var.get_value()
+            out[name] = (type(value)(*(leaves[f"{name}.{f}"] for f in value._fields)) if packed.is_packed(value)
+                         else leaves[name])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +281,7 @@ class ModuleParams:
     """One module's parameters as the spec rules see them (computed once per model, reused for every mesh)."""
 
     prefix: str  # "layers.3.self_attn."
-    arrays: dict  # name -> (logical axes, shape)
+    arrays: dict  # leaf name -> Arr
     virtual: dict  # logical axis -> size (head counts)
     dtypes: dict  # name -> dtype
 
@@ -277,15 +294,16 @@ def module_table(model) -> list[ModuleParams]:
         if isinstance(node, nnx.Module):
             arrays = _param_arrays(node)
             if arrays and path and path[0] == "stack":
-                arrays = {n: ((None, *axes), shape) for n, (axes, shape) in arrays.items()}
+                arrays = {n: a._replace(axes=(None, *a.axes)) for n, a in arrays.items()}
             if arrays:
-                dtypes = {n: getattr(node, n).dtype for n in arrays}
+                dtypes = {n: a.dtype for n, a in arrays.items()}
                 out.append(ModuleParams("".join(f"{p}." for p in path), arrays, _module_virtual(node), dtypes))
     return out
 
 
 def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP, *, table=None) -> dict[str, PartitionSpec]:
-    """Partition spec of every parameter of ``model`` (real or abstract), keyed "layers.3.self_attn.q_proj"
+    """Partition spec of every parameter leaf of ``model`` (real or abstract), keyed as
+    :func:`kimi_jax.model.params.leaves` keys them: "layers.3.self_attn.q_proj", "layers.3.mlp.experts.w1.packed"
     (``table``: a :func:`module_table` of the model, to skip walking it again)."""
     lay = layout(lay)
     sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
