@@ -168,13 +168,31 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
     dt = q_BGRK.dtype
     bq = block_q or row_block(R, 64, platform, dt)
     bk = block_k or key_block(S, 64 if platform == "gpu" else 512, platform)
-    Rp, Sp = round_up(R, bq), round_up(S, bk)
+    q, k, v, qpos, qpe, kpe, kpos, U = _pad_operands(
+        q_BGRK, k, v, qpos_BR, q_pe_BGRO, k_pe_BSO, k_pos_BS, Rp=round_up(R, bq), Sp=round_up(S, bk), v_is_k=v_is_k,
+        platform=platform)
+    Up = k.shape[-1] if v_is_k else v.shape[-1]
+    kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt))
+    if platform == "tpu":
+        out = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, interpret=interpret, **kw)
+    else:
+        out = _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, num_splits=num_splits, platform=platform,
+                         interpret=interpret, num_warps=num_warps, num_stages=num_stages, **kw)
+    return out[:, :, :R, :U]
 
-    # Pad: rows (positions -1 see nothing), keys (zeros at positions >= S, beyond every query), and on GPU the
-    # head dims to powers of two (zero columns add nothing to a dot).
+
+def _pad_operands(q_BGRK, k, v, qpos_BR, q_pe_BGRO, k_pe_BSO, k_pos_BS, *, Rp, Sp, v_is_k, platform):
+    """Operands padded to whole blocks: rows to ``Rp`` (positions -1 see nothing), keys to ``Sp`` (zeros at
+    positions >= S, beyond every query), and on GPU the head dims to powers of two (zero columns add nothing to a
+    dot). Returns q ``[B, G, Rp, Kp]``, k ``[B, Sp, Gk, Kp]``, v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``),
+    qpos ``[B, Rp, 1]`` int32, q_pe ``[B, G, Rp, Op]`` and k_pe ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]``
+    int32 (or None; padded keys at int32 max) and U, the value width to return (Kp when ``v_is_k``)."""
+
     def heads(x, axis):
         return pad_axis(x, axis, next_pow2(x.shape[axis])) if platform == "gpu" else x
 
+    has_pe = q_pe_BGRO is not None
+    K = q_BGRK.shape[-1]
     q = heads(pad_axis(q_BGRK, 2, Rp), 3)
     qpos = pad_axis(qpos_BR.astype(jnp.int32), 1, Rp, -1)[..., None]  # [B, Rp, 1]
     k = heads(pad_axis(k, 1, Sp), 3)
@@ -184,20 +202,51 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
     U = k.shape[-1] if v_is_k else v.shape[-1]
     if not v_is_k:
         v = heads(pad_axis(v, 1, Sp), 3)
-    Up = k.shape[-1] if v_is_k else v.shape[-1]
     qpe = heads(pad_axis(q_pe_BGRO, 2, Rp), 3) if has_pe else None
     kpe = heads(pad_axis(k_pe_BSO, 1, Sp), 2) if has_pe else None
-    kpos = pad_axis(k_pos_BS.astype(jnp.int32), 1, Sp, _I32_MAX)[:, None, :] if has_kpos else None  # [B, 1, Sp]
-    n_blocks = Sp // bk
-    kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt))
-    if platform == "tpu":
-        out = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, interpret=interpret, **kw)
-        return out[:, :, :R, :U]
+    kpos = pad_axis(k_pos_BS.astype(jnp.int32), 1, Sp, _I32_MAX)[:, None, :] if k_pos_BS is not None else None
+    return q, k, v, qpos, qpe, kpe, kpos, U
 
+
+def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, num_splits, platform, interpret, num_warps, num_stages,
+               has_pe, v_is_k, has_kpos, **kw):
+    """GPU (and interpret) launch: grid (B, G, row blocks, kv splits) over the padded operands of
+    :func:`_pad_operands`; each program loops over its share of the key blocks. Returns ``[B, G, Rp, Up]``
+    float32; split partial results are merged here."""
+    B, G, Rp = q.shape[:3]
+    n_blocks = k.shape[1] // bk
     splits = max(1, min(int(num_splits), n_blocks))
     per_split = cdiv(n_blocks, splits)
-    splits = cdiv(n_blocks, per_split)
-    grid = (B, G, Rp // bq, splits)
+    splits = cdiv(n_blocks, per_split)  # no empty split
+    args, in_specs = _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, bq=bq, Up=Up, has_pe=has_pe, v_is_k=v_is_k,
+                                 has_kpos=has_kpos)
+    split = splits > 1
+    if split:
+        out_shape = [jax.ShapeDtypeStruct((B, G, splits, Rp, Up), F32),
+                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32),
+                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32)]
+        part = lambda d: pl.BlockSpec((None, None, None, bq, d), lambda b, g, i, j: (b, g, j, i, 0))
+        out_specs = [part(Up), part(1), part(1)]
+    else:
+        out_shape = jax.ShapeDtypeStruct((B, G, Rp, Up), F32)
+        out_specs = pl.BlockSpec((None, None, bq, Up), lambda b, g, i, j: (b, g, i, 0))
+
+    kernel = functools.partial(_kernel, bk=bk, blocks_per_split=per_split, split=split, has_pe=has_pe,
+                               v_is_k=v_is_k, has_kpos=has_kpos, **kw)
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(B, G, Rp // bq, splits), in_specs=in_specs, out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages),
+        name="flash_attention",
+    )(*args)
+    return _merge_splits(*out) if split else out
+
+
+def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, *, bq, Up, has_pe, v_is_k, has_kpos):
+    """The operands in :func:`_kernel`'s order and their block specs over the grid (b, g, i, j): a row block of q
+    (and q_pe, qpos), the whole key sequence of group g (k, k_pe, v, k_pos)."""
+    G, Kp = q.shape[1], q.shape[-1]
+    Sp, Gk = k.shape[1], k.shape[2]
     row_spec = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, g, i, j: (b, g, i, 0))
     # Triton takes the strided [B, S, Gk, K] cache as it is: no transposed copy of a static cache per step
     kv_spec = lambda d: pl.BlockSpec(
@@ -218,31 +267,16 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
     if has_kpos:
         args.append(kpos)
         in_specs.append(pl.BlockSpec((None, 1, Sp), lambda b, g, i, j: (b, 0, 0)))
+    return args, in_specs
 
-    split = splits > 1
-    if split:
-        out_shape = [jax.ShapeDtypeStruct((B, G, splits, Rp, Up), F32),
-                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32),
-                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32)]
-        part = lambda d: pl.BlockSpec((None, None, None, bq, d), lambda b, g, i, j: (b, g, j, i, 0))
-        out_specs = [part(Up), part(1), part(1)]
-    else:
-        out_shape = jax.ShapeDtypeStruct((B, G, Rp, Up), F32)
-        out_specs = row_spec(Up)
 
-    kernel = functools.partial(_kernel, bk=bk, blocks_per_split=per_split, split=split, **kw)
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
-        compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages),
-        name="flash_attention",
-    )(*args)
-    if split:
-        acc, m, l = out
-        m_all = jnp.max(m, axis=2, keepdims=True)
-        w = jnp.exp(m - m_all)
-        num, den = jnp.sum(w * acc, axis=2), jnp.sum(w * l, axis=2)
-        out = num / jnp.where(den > 0, den, 1.0)
-    return out[:, :, :R, :U]
+def _merge_splits(acc, m, l):
+    """Flash-decoding epilogue: unnormalised partials acc ``[B, G, splits, Rp, Up]`` with their running max m and
+    sum l ``[B, G, splits, Rp, 1]`` -> normalised ``[B, G, Rp, Up]`` (rows that saw no key: zeros)."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)
+    num, den = jnp.sum(w * acc, axis=2), jnp.sum(w * l, axis=2)
+    return num / jnp.where(den > 0, den, 1.0)
 
 
 def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, v_is_k, has_kpos, **kw):

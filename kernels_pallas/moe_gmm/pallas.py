@@ -22,6 +22,7 @@ only that expert's tile is copied to VMEM.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,60 @@ def _split_even_odd(x):
     return x[..., 0::2], x[..., 1::2]
 
 
+class _TilePlan(NamedTuple):
+    """Rows sorted by expert cut into tiles of ``bm`` rows, each tile within one group (arrays int32)."""
+
+    bm: int
+    n_tiles: int  # static bound on the tiles used: cdiv(M, bm) + min(E, M)
+    gs: jax.Array  # [E] group sizes
+    starts: jax.Array  # [E] first sorted row of each group
+    tiles: jax.Array  # [E] tiles of each group: ceil(gs / bm), 0 for an empty group
+    tile_end: jax.Array  # [E] cumulative tiles: group e owns tiles tile_end[e] - tiles[e] .. tile_end[e] - 1
+    used: jax.Array  # [] tiles in use
+    tile_e: jax.Array  # [n_tiles] expert of each tile
+    active: jax.Array  # [n_tiles] 1 for a used tile, 0 past the last one
+
+
+def _tile_plan(group_sizes_E, M: int, E: int, bm: int) -> _TilePlan:
+    """Group e gets ceil(size_e / bm) tiles; n_tiles bounds the total statically."""
+    gs = group_sizes_E.astype(jnp.int32)
+    starts = jnp.cumsum(gs) - gs
+    tiles = (gs + bm - 1) // bm
+    tile_end = jnp.cumsum(tiles)
+    used = tile_end[-1]
+    n_tiles = cdiv(M, bm) + min(E, M)
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    tile_e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1).astype(jnp.int32)
+    # unused tiles repeat the last used expert, so a pipelined (TPU) kernel does not fetch new weights for them
+    last_e = tile_e[jnp.maximum(used - 1, 0)]
+    tile_e = jnp.where(t < used, tile_e, last_e)
+    active = (t < used).astype(jnp.int32)
+    return _TilePlan(bm, n_tiles, gs, starts, tiles, tile_end, used, tile_e, active)
+
+
+def _tile_rows(x_MK, plan: _TilePlan, dt):
+    """Sorted rows ``[M, K]`` -> tiled rows ``[n_tiles * bm, K]`` in ``dt``: padded row p <- sorted row src (or
+    zeros)."""
+    bm, tiles, tile_end = plan.bm, plan.tiles, plan.tile_end
+    p = jnp.arange(plan.n_tiles * bm, dtype=jnp.int32)
+    pe = plan.tile_e[p // bm]
+    off = (p // bm - (tile_end[pe] - tiles[pe])) * bm + p % bm
+    valid = (p // bm < plan.used) & (off < plan.gs[pe])
+    src = jnp.where(valid, plan.starts[pe] + off, 0)
+    return jnp.where(valid[:, None], x_MK[src].astype(dt), jnp.zeros((), dt))
+
+
+def _untile_rows(out, plan: _TilePlan, M: int, E: int, N: int):
+    """Kernel output ``[n_tiles * bm, Np]`` -> ``[M, N]``: sorted row r from its padded position; rows past
+    sum(group_sizes) give zeros."""
+    bm, gs, starts, tiles, tile_end = plan.bm, plan.gs, plan.starts, plan.tiles, plan.tile_end
+    r = jnp.arange(M, dtype=jnp.int32)
+    re = jnp.minimum(jnp.searchsorted(starts + gs, r, side="right"), E - 1)
+    pos = (tile_end[re] - tiles[re]) * bm + (r - starts[re])
+    keep = r < jnp.sum(gs)
+    return jnp.where(keep[:, None], out[jnp.where(keep, pos, 0), :N], 0.0)
+
+
 def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", interpret=False, block_m=None,
         block_n=None, block_k=None, num_warps=None, num_stages=None):
     """Grouped matmul; same contract as :func:`kernels_pallas.moe_gmm.reference.gmm`. Returns ``[M, N]`` f32."""
@@ -169,30 +224,21 @@ def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", inter
     # 258 KiB of the 227 KiB an H100/H200 block may use (compiled for both), so wide row tiles take shorter steps.
     bn, bk = _blocks(N, K, quant=quant, platform=platform, block_n=block_n, block_k=block_k,
                      k_target=min(512, 16384 // bm))
-
-    # Tile plan: group e gets ceil(size_e / bm) tiles; n_tiles bounds the total statically.
-    gs = group_sizes_E.astype(jnp.int32)
-    starts = jnp.cumsum(gs) - gs
-    tiles = (gs + bm - 1) // bm
-    tile_end = jnp.cumsum(tiles)
-    used = tile_end[-1]
-    n_tiles = cdiv(M, bm) + min(E, M)
-    t = jnp.arange(n_tiles, dtype=jnp.int32)
-    tile_e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1).astype(jnp.int32)
-    # unused tiles repeat the last used expert, so a pipelined (TPU) kernel does not fetch new weights for them
-    last_e = tile_e[jnp.maximum(used - 1, 0)]
-    tile_e = jnp.where(t < used, tile_e, last_e)
-    active = (t < used).astype(jnp.int32)
-    # padded row p <- sorted row src (or zeros)
-    p = jnp.arange(n_tiles * bm, dtype=jnp.int32)
-    pe = tile_e[p // bm]
-    off = (p // bm - (tile_end[pe] - tiles[pe])) * bm + p % bm
-    valid = (p // bm < used) & (off < gs[pe])
-    src = jnp.where(valid, starts[pe] + off, 0)
-    xs = jnp.where(valid[:, None], x_MK[src].astype(dt), jnp.zeros((), dt))  # [n_tiles * bm, K]
+    plan = _tile_plan(group_sizes_E, M, E, bm)
+    xs = _tile_rows(x_MK, plan, dt)  # [n_tiles * bm, K]
     K0, K = K, round_up(K, bk)
     xs, warrs = _pad_k(xs, warrs, K0, K, quant)
+    out = _gmm_call(xs, warrs, plan.tile_e, plan.active, E=E, N=N, bm=bm, bn=bn, bk=bk, quant=quant, dt=dt,
+                    platform=platform, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return _untile_rows(out, plan, M, E, N)
 
+
+def _gmm_call(xs, warrs, tile_e, active, *, E, N, bm, bn, bk, quant, dt, platform, interpret, num_warps,
+              num_stages):
+    """The grouped-matmul launch over tiled rows xs ``[n_tiles * bm, K]`` (K a multiple of bk) and the weight
+    arrays of :func:`_weight_arrays` (K-padded), grid (tiles, output blocks). Returns ``[n_tiles * bm, Np]``
+    float32, N padded to a multiple of bn."""
+    n_tiles, K = tile_e.shape[0], xs.shape[1]
     Np = round_up(N, bn)
     if Np != N:
         warrs = tuple(pad_axis(a, 1, Np) for a in warrs)
@@ -215,26 +261,19 @@ def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", inter
         from jax.experimental.pallas import tpu as pltpu
 
         w_specs = [pl.BlockSpec((None, bn, s[1]), lambda i, j, ids, act: (ids[i], j, 0)) for s in wshapes]
-        out = pl.pallas_call(
+        return pl.pallas_call(
             kernel, out_shape=out_shape, interpret=interpret, compiler_params=params, name="moe_gmm",
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=2, grid=grid, in_specs=[*x_specs, *w_specs],
                 out_specs=pl.BlockSpec((bm, bn), lambda i, j, ids, act: (i, j))),
         )(tile_e, active, *xargs, *warrs)
-    else:
-        w_specs = [pl.BlockSpec((E, bn, s[1]), lambda i, j: (0, j, 0)) for s in wshapes]
-        meta = pl.BlockSpec((n_tiles,), lambda i, j: (0,))
-        out = pl.pallas_call(
-            kernel, out_shape=out_shape, grid=grid, in_specs=[meta, meta, *x_specs, *w_specs],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)), interpret=interpret, compiler_params=params,
-            name="moe_gmm",
-        )(tile_e, active, *xargs, *warrs)
-    # sorted row r -> its padded position; rows past sum(group_sizes) give zeros
-    r = jnp.arange(M, dtype=jnp.int32)
-    re = jnp.minimum(jnp.searchsorted(starts + gs, r, side="right"), E - 1)
-    pos = (tile_end[re] - tiles[re]) * bm + (r - starts[re])
-    keep = r < jnp.sum(gs)
-    return jnp.where(keep[:, None], out[jnp.where(keep, pos, 0), :N], 0.0)
+    w_specs = [pl.BlockSpec((E, bn, s[1]), lambda i, j: (0, j, 0)) for s in wshapes]
+    meta = pl.BlockSpec((n_tiles,), lambda i, j: (0,))
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=[meta, meta, *x_specs, *w_specs],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)), interpret=interpret, compiler_params=params,
+        name="moe_gmm",
+    )(tile_e, active, *xargs, *warrs)
 
 
 # -- gathered matrix-vector products (decode-shaped) ------------------------------------------------------

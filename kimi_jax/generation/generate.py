@@ -211,6 +211,24 @@ def _per_seq(value, n: int, name: str, dtype):
     return arr
 
 
+def _per_prompt_values(n: int, max_new_tokens, temperature, top_k, top_p):
+    """The per-prompt arguments of :meth:`Generator.generate` as checked ``[n]`` arrays: (budget int64,
+    temperature float32, top_k int64, top_p float32)."""
+    budget = _per_seq(max_new_tokens, n, "max_new_tokens", np.int64)
+    if np.any(budget <= 0):
+        raise GenerationError(f"max_new_tokens must be positive, got {budget.tolist()}")
+    temp = _per_seq(temperature, n, "temperature", np.float32)
+    if np.any(~np.isfinite(temp)) or np.any(temp < 0):
+        raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {temp.tolist()}")
+    topk = _per_seq(top_k, n, "top_k", np.int64)
+    if np.any(topk < 0):
+        raise GenerationError(f"top_k must be >= 0 (0 = off), got {topk.tolist()}")
+    topp = _per_seq(top_p, n, "top_p", np.float32)
+    if np.any(~(topp > 0)) or np.any(topp > 1):
+        raise GenerationError(f"top_p must be in (0, 1], got {topp.tolist()}")
+    return budget, temp, topk, topp
+
+
 def encode_prompts(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[int]]:
     """Prompts (a string, a list of ids, or a list of either) as lists of ids, validated."""
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -300,19 +318,30 @@ class Generator:
         is called every ``stream_every`` decode steps with each sequence's new tokens (and text).
         """
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
-        n = len(ids)
-        budget = _per_seq(max_new_tokens, n, "max_new_tokens", np.int64)
-        if np.any(budget <= 0):
-            raise GenerationError(f"max_new_tokens must be positive, got {budget.tolist()}")
-        temp = _per_seq(temperature, n, "temperature", np.float32)
-        if np.any(~np.isfinite(temp)) or np.any(temp < 0):
-            raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {temp.tolist()}")
-        topk = _per_seq(top_k, n, "top_k", np.int64)
-        if np.any(topk < 0):
-            raise GenerationError(f"top_k must be >= 0 (0 = off), got {topk.tolist()}")
-        topp = _per_seq(top_p, n, "top_p", np.float32)
-        if np.any(~(topp > 0)) or np.any(topp > 1):
-            raise GenerationError(f"top_p must be in (0, 1], got {topp.tolist()}")
+        budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
+        stop = self._check_request(ids, budget, stop, seed, stream_every)
+        B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
+
+        t0 = time.perf_counter()
+        st = prefill(self.graphdef, self.params, self._cache(B), tokens, lengths, samp, out_len=self.max_len,
+                     record_logits=record_logits)
+        st.count.block_until_ready()
+        t1 = time.perf_counter()
+        max_budget = int(budget.max())
+        if stream is None:
+            st = decode(self.graphdef, self.params, st, samp, np.int32(max_budget))
+        else:
+            st = self._decode_streaming(st, samp, len(ids), stop, stream, stream_every)
+        st.count.block_until_ready()
+        t2 = time.perf_counter()
+        return self._result(st, ids, stop, record_logits, B, T, t1 - t0, t2 - t1)
+
+    def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
+                       stream_every: int) -> list[int]:
+        """Checks what :func:`_per_prompt_values` does not (before anything is compiled or a cache donated).
+
+        ``budget`` [n] int64. Returns the stop ids (the default ones when ``stop`` is None).
+        """
         if stream_every < 1:
             raise GenerationError(f"stream_every must be >= 1, got {stream_every}")
         for i, p in enumerate(ids):
@@ -328,7 +357,13 @@ class Generator:
             raise GenerationError(f"stop ids {bad} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
         if not 0 <= int(seed) < 2**32:
             raise GenerationError(f"seed must be in [0, 2**32), got {seed}")
+        return stop
 
+    def _batch(self, ids: list[list[int]], budget, temp, topk, topp, stop: list[int],
+               seed: int) -> tuple[int, int, np.ndarray, np.ndarray, Sampling]:
+        """The request padded to the compiled shapes: (B, T, tokens ``[B, T]`` int32 right-padded, lengths ``[B]``
+        int32 (0 for unused slots), :class:`Sampling` with ``[B]`` values and the stop ids padded with -1)."""
+        n = len(ids)
         B = _bucket(n, self.batch_buckets, "batch size")
         T = _bucket(max(len(p) for p in ids), self.prompt_buckets, "prompt length")
         tokens = np.zeros((B, T), np.int32)
@@ -341,37 +376,36 @@ class Generator:
         stop_arr[: len(stop)] = stop
         samp = Sampling(pad(temp, 0, np.float32), pad(topk, 0, np.int32), pad(topp, 1, np.float32),
                         pad(budget, 0, np.int32), stop_arr, np.uint32(seed))
+        return B, T, tokens, lengths, samp
 
-        t0 = time.perf_counter()
-        st = prefill(self.graphdef, self.params, self._cache(B), tokens, lengths, samp, out_len=self.max_len,
-                     record_logits=record_logits)
-        st.count.block_until_ready()
-        t1 = time.perf_counter()
-        max_budget = int(budget.max())
-        if stream is None:
-            st = decode(self.graphdef, self.params, st, samp, np.int32(max_budget))
-        else:
-            decoders = [self.tokenizer.stream_decoder() for _ in range(n)] if self.tokenizer else None
-            sent = np.zeros((n,), np.int64)
+    def _decode_streaming(self, st: DecodeState, samp: Sampling, n: int, stop: list[int], stream,
+                          stream_every: int) -> DecodeState:
+        """Decode ``stream_every`` steps per compiled call until every sequence is done, handing each call's new
+        tokens (and text, stop ids left out) of the ``n`` real sequences to ``stream``."""
+        decoders = [self.tokenizer.stream_decoder() for _ in range(n)] if self.tokenizer else None
+        sent = np.zeros((n,), np.int64)
 
-            def emit(st, final=False):
-                count, out = _host(st.count)[:n], _host(st.out)[:n]
-                new = [out[i, sent[i] : count[i]].tolist() for i in range(n)]
-                sent[:] = count
-                text = None
-                if decoders is not None:
-                    text = [decoders[i].push([t for t in new[i] if t not in stop]) + (decoders[i].flush() if final else "")
-                            for i in range(n)]
-                if any(new) or (final and text and any(text)):
-                    stream(new, text)
+        def emit(st, final=False):
+            count, out = _host(st.count)[:n], _host(st.out)[:n]
+            new = [out[i, sent[i] : count[i]].tolist() for i in range(n)]
+            sent[:] = count
+            text = None
+            if decoders is not None:
+                text = [decoders[i].push([t for t in new[i] if t not in stop]) + (decoders[i].flush() if final else "")
+                        for i in range(n)]
+            if any(new) or (final and text and any(text)):
+                stream(new, text)
 
-            emit(st)
-            while not bool(np.all(_host(st.done))):
-                st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
-                emit(st, final=bool(np.all(_host(st.done))))
-        st.count.block_until_ready()
-        t2 = time.perf_counter()
+        emit(st)
+        while not bool(np.all(_host(st.done))):
+            st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
+            emit(st, final=bool(np.all(_host(st.done))))
+        return st
 
+    def _result(self, st: DecodeState, ids: list[list[int]], stop: list[int], record_logits: bool, B: int, T: int,
+                prefill_s: float, decode_s: float) -> Generation:
+        """The finished decode state as a :class:`Generation`; keeps its cache for the next request of bucket B."""
+        n = len(ids)
         count, out, done = _host(st.count), _host(st.out), _host(st.done)
         logits = _host(st.logits) if record_logits else None
         self._caches[B] = st.cache
@@ -385,7 +419,7 @@ class Generator:
         return Generation(
             tokens=new, text=text, prompt_tokens=ids, finish_reason=reasons,
             logits=None if logits is None else [logits[i, : count[i]] for i in range(n)],
-            timings={"prefill": t1 - t0, "decode": t2 - t1, "new_tokens": int(count[:n].sum()),
+            timings={"prefill": prefill_s, "decode": decode_s, "new_tokens": int(count[:n].sum()),
                      "decode_steps": int(count[:n].max()) - 1, "batch_bucket": B, "prompt_bucket": T},
         )
 

@@ -275,24 +275,22 @@ def _quant(q: Mapping[str, Any] | None, where: str) -> str | None:
     return "mxfp4"
 
 
-def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, Any], strict: bool) -> ModelConfig:
-    where = "config.json text_config" if k3_wrapper else "config.json"
-    r = _Reader(text, where)
-    r.expect("model_type", {"kimi_linear", "kimi_k3"})
-    is_k3 = k3_wrapper or any(r.has(k) for k in _K3_KEYS)
-    n = r.get("num_hidden_layers", required=True)
-    d = r.get("hidden_size", required=True)
-    eps = float(r.get("rms_norm_eps", 1e-6))
+def _kimi_activation(r: _Reader) -> tuple[str, float, float | None]:
+    """(hidden_act, situ_beta, situ_linear_beta): SiTU-GLU (K3) or SiLU-GLU (Kimi Linear).
 
-    # Activation: SiTU-GLU (K3) or SiLU-GLU (Kimi Linear). The KDA short conv always uses SiLU.
+    The KDA short conv always uses SiLU, whatever this says.
+    """
     act = r.expect("hidden_act", {"silu", "situ"}, "silu")
     situ_beta = float(r.get("activation_situ_beta", 4.0))
     situ_linear_beta = r.get("activation_situ_linear_beta", 25.0 if act == "situ" else None)
     situ_linear_beta = None if situ_linear_beta is None else float(situ_linear_beta)
+    return act, situ_beta, situ_linear_beta
 
-    # Layer schedule ------------------------------------------------------------------------------------
-    lac = dict(r.get("linear_attn_config", {}) or {})
-    la = _Reader(lac, f"{where} linear_attn_config")
+
+def _kimi_attn_schedule(r: _Reader, la: _Reader, n: int) -> tuple[str, ...]:
+    """Attention kind of each of the ``n`` layers ("kda" | "mla"), from the first schedule the config gives:
+    ``linear_attn_config.kda_layers``, then ``layer_types``, then ``linear_attn_config.full_attn_layers``."""
+    where = r.where
     layer_types = r.get("layer_types")
     kda_layers = la.get("kda_layers")
     full_layers = la.get("full_attn_layers")
@@ -324,7 +322,16 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         raise ConfigError(f"{where}: no layer schedule (linear_attn_config.kda_layers or layer_types)")
     if len(attn) != n:
         raise ConfigError(f"{where}: layer_types has {len(attn)} entries, num_hidden_layers is {n}")
+    return attn
 
+
+def _kimi_ffn_schedule(r: _Reader, n: int) -> tuple[tuple[str, ...], Any]:
+    """(FFN kind of each of the ``n`` layers ("dense" | "moe"), the raw ``num_experts`` or None).
+
+    ``mlp_layer_types`` wins; otherwise, with experts, layer i is MoE from ``first_k_dense_replace`` on, every
+    ``moe_layer_freq``-th layer; without experts every layer is dense.
+    """
+    where = r.where
     mlp_types = r.get("mlp_layer_types")
     first_dense = int(r.get("first_k_dense_replace", 1))
     freq = int(r.get("moe_layer_freq", 1))
@@ -342,15 +349,18 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         ffn = tuple("moe" if (i >= first_dense and i % freq == 0) else "dense" for i in range(n))
     else:
         ffn = ("dense",) * n
+    return ffn, num_experts
 
-    # KDA -----------------------------------------------------------------------------------------------
+
+def _kimi_kda(r: _Reader, la: _Reader, attn: tuple[str, ...], d: int, eps: float) -> KDAConfig | None:
+    """The KDA config when any layer is KDA; its keys live in ``linear_attn_config`` (older configs: top level)."""
     kda = None
     if "kda" in attn:
         heads = la.get("num_heads", r.get("linear_num_heads"))
         head_dim = la.get("head_dim", r.get("linear_head_dim"))
         conv = la.get("short_conv_kernel_size", r.get("linear_conv_kernel_dim", 4))
         if heads is None or head_dim is None:
-            raise ConfigError(f"{where}: KDA layers need linear_attn_config.num_heads and head_dim")
+            raise ConfigError(f"{r.where}: KDA layers need linear_attn_config.num_heads and head_dim")
         lb = la.get("gate_lower_bound")
         kda = KDAConfig(
             hidden=d,
@@ -363,10 +373,12 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         )
     for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
         r.read.add(key)
-    if strict:
-        la.finish()
+    return kda
 
-    # MLA -----------------------------------------------------------------------------------------------
+
+def _kimi_mla(r: _Reader, attn: tuple[str, ...], d: int) -> MLAConfig | None:
+    """The MLA config when any layer is full attention (NoPE only); rejects attention biases either way."""
+    where = r.where
     mla = None
     nope = r.get("mla_use_nope", True)
     if "mla" in attn:
@@ -388,66 +400,113 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         r.read.add(key)
     if r.get("attention_bias", False):
         raise ConfigError(f"{where}: attention_bias=True is not supported (Kimi has no biases)")
+    return mla
 
-    # FFN -------------------------------------------------------------------------------------------------
+
+def _kimi_ffn(r: _Reader, top: Mapping[str, Any], ffn: tuple[str, ...], num_experts, d: int, eps: float,
+              act: tuple[str, float, float | None]) -> tuple[MLPConfig | None, MoEConfig | None]:
+    """(dense MLP config, MoE config): each present when some layer uses it. ``act`` is :func:`_kimi_activation`'s.
+
+    The quantization config may sit in the text config or, for K3, in the wrapper (``top``); it only applies to
+    routed experts, so a model without them must not carry one.
+    """
     mlp = None
     if "dense" in ffn:
-        mlp = MLPConfig(d, int(r.get("intermediate_size", required=True)), act, situ_beta, situ_linear_beta)
+        mlp = MLPConfig(d, int(r.get("intermediate_size", required=True)), *act)
     r.read.add("intermediate_size")
     moe = None
-    quant = _quant(r.get("quantization_config", top.get("quantization_config")), where)
+    quant = _quant(r.get("quantization_config", top.get("quantization_config")), r.where)
     if "moe" in ffn:
-        r.expect("moe_router_activation_func", {"sigmoid"}, "sigmoid")
-        r.expect("topk_method", {"noaux_tc"}, "noaux_tc")
-        r.get("use_grouped_topk")
-        n_shared = int(r.get("num_shared_experts", r.get("n_shared_experts", 0)))
-        r.read.add("n_shared_experts")
-        inter = int(r.get("moe_intermediate_size", required=True))
-        latent = r.get("routed_expert_hidden_size")
-        top_k = r.get("num_experts_per_token", r.get("num_experts_per_tok"))
-        r.read.add("num_experts_per_tok")
-        if num_experts is None or top_k is None:
-            raise ConfigError(f"{where}: MoE layers need num_experts and num_experts_per_token")
-        moe = MoEConfig(
-            hidden=d,
-            num_experts=int(num_experts),
-            top_k=int(top_k),
-            expert_intermediate=inter,
-            num_shared=n_shared,
-            shared_intermediate=inter * n_shared,
-            act=act,
-            situ_beta=situ_beta,
-            situ_linear_beta=situ_linear_beta,
-            latent=None if latent is None else int(latent),
-            latent_norm=bool(r.get("latent_moe_use_norm", False)),
-            norm_eps=eps,
-            renormalize=bool(r.get("moe_renormalize", r.get("norm_topk_prob", True))),
-            scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
-            n_group=int(r.get("num_expert_group", r.get("n_group", 1)) or 1),
-            topk_group=int(r.get("topk_group", 1) or 1),
-            quant=quant,
-        )
-        if moe.top_k > moe.num_experts:
-            raise ConfigError(f"{where}: num_experts_per_token={moe.top_k} > num_experts={moe.num_experts}")
-        if moe.num_experts % moe.n_group or moe.topk_group > moe.n_group:
-            raise ConfigError(f"{where}: num_expert_group={moe.n_group} / topk_group={moe.topk_group} do not divide {moe.num_experts} experts")
-        if quant == "mxfp4" and (moe.expert_in % 32 or moe.expert_intermediate % 32):
-            raise ConfigError(f"{where}: MXFP4 experts need input widths divisible by 32 (got {moe.expert_in}, {moe.expert_intermediate})")
+        moe = _kimi_moe(r, num_experts, d, eps, act, quant)
     elif quant is not None:
-        raise ConfigError(f"{where}: quantization_config present but the model has no routed experts")
+        raise ConfigError(f"{r.where}: quantization_config present but the model has no routed experts")
     for key in ("moe_router_activation_func", "topk_method", "use_grouped_topk", "num_expert_group", "n_group", "topk_group",
                 "moe_renormalize", "norm_topk_prob", "routed_scaling_factor", "moe_intermediate_size", "latent_moe_use_norm",
                 "routed_expert_hidden_size", "num_shared_experts", "num_experts_per_token", "num_experts", "moe_layer_freq",
                 "first_k_dense_replace", "activation_situ_beta", "activation_situ_linear_beta"):
         r.read.add(key)
+    return mlp, moe
+
+
+def _kimi_moe(r: _Reader, num_experts, d: int, eps: float, act: tuple[str, float, float | None],
+              quant: str | None) -> MoEConfig:
+    """The routed-expert config (sigmoid router, noaux_tc top-k; K3: latent experts), checked for consistency."""
+    where = r.where
+    r.expect("moe_router_activation_func", {"sigmoid"}, "sigmoid")
+    r.expect("topk_method", {"noaux_tc"}, "noaux_tc")
+    r.get("use_grouped_topk")
+    n_shared = int(r.get("num_shared_experts", r.get("n_shared_experts", 0)))
+    r.read.add("n_shared_experts")
+    inter = int(r.get("moe_intermediate_size", required=True))
+    latent = r.get("routed_expert_hidden_size")
+    top_k = r.get("num_experts_per_token", r.get("num_experts_per_tok"))
+    r.read.add("num_experts_per_tok")
+    if num_experts is None or top_k is None:
+        raise ConfigError(f"{where}: MoE layers need num_experts and num_experts_per_token")
+    act_name, situ_beta, situ_linear_beta = act
+    moe = MoEConfig(
+        hidden=d,
+        num_experts=int(num_experts),
+        top_k=int(top_k),
+        expert_intermediate=inter,
+        num_shared=n_shared,
+        shared_intermediate=inter * n_shared,
+        act=act_name,
+        situ_beta=situ_beta,
+        situ_linear_beta=situ_linear_beta,
+        latent=None if latent is None else int(latent),
+        latent_norm=bool(r.get("latent_moe_use_norm", False)),
+        norm_eps=eps,
+        renormalize=bool(r.get("moe_renormalize", r.get("norm_topk_prob", True))),
+        scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
+        n_group=int(r.get("num_expert_group", r.get("n_group", 1)) or 1),
+        topk_group=int(r.get("topk_group", 1) or 1),
+        quant=quant,
+    )
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"{where}: num_experts_per_token={moe.top_k} > num_experts={moe.num_experts}")
+    if moe.num_experts % moe.n_group or moe.topk_group > moe.n_group:
+        raise ConfigError(f"{where}: num_expert_group={moe.n_group} / topk_group={moe.topk_group} "
+                          f"do not divide {moe.num_experts} experts")
+    if quant == "mxfp4" and (moe.expert_in % 32 or moe.expert_intermediate % 32):
+        raise ConfigError(f"{where}: MXFP4 experts need input widths divisible by 32 "
+                          f"(got {moe.expert_in}, {moe.expert_intermediate})")
+    return moe
+
+
+def _kimi_extras(r: _Reader) -> int | None:
+    """Rejects multi-token-prediction layers; returns K3's ``attn_res_block_size`` (None: no attention residuals)."""
+    where = r.where
     mtp = r.get("num_nextn_predict_layers", 0) or 0
     if mtp:
         raise ConfigError(f"{where}: num_nextn_predict_layers={mtp}: multi-token-prediction layers are not supported")
-
     block = r.get("attn_res_block_size")
     if block is not None and int(block) < 1:
         raise ConfigError(f"{where}: attn_res_block_size={block!r} must be a positive integer or null")
+    return None if block is None else int(block)
 
+
+def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, Any], strict: bool) -> ModelConfig:
+    where = "config.json text_config" if k3_wrapper else "config.json"
+    r = _Reader(text, where)
+    r.expect("model_type", {"kimi_linear", "kimi_k3"})
+    is_k3 = k3_wrapper or any(r.has(k) for k in _K3_KEYS)
+    n = r.get("num_hidden_layers", required=True)
+    d = r.get("hidden_size", required=True)
+    eps = float(r.get("rms_norm_eps", 1e-6))
+    act = _kimi_activation(r)
+
+    la = _Reader(dict(r.get("linear_attn_config", {}) or {}), f"{where} linear_attn_config")
+    attn = _kimi_attn_schedule(r, la, n)
+    ffn, num_experts = _kimi_ffn_schedule(r, n)
+    kda = _kimi_kda(r, la, attn, d, eps)
+    if strict:  # the schedule and KDA are the only readers of linear_attn_config
+        la.finish()
+    mla = _kimi_mla(r, attn, d)
+    mlp, moe = _kimi_ffn(r, top, ffn, num_experts, d, eps, act)
+    block = _kimi_extras(r)
+
+    # A K3 wrapper's own token ids and tying win over its text_config's.
     bos = _first_id(top.get("bos_token_id", r.get("bos_token_id")))
     eos = _first_id(top.get("eos_token_id", r.get("eos_token_id")))
     pad = _first_id(top.get("pad_token_id", r.get("pad_token_id")))
@@ -464,7 +523,7 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         kda=kda,
         mla=mla,
         moe=moe,
-        attn_res_block_size=None if block is None else int(block),
+        attn_res_block_size=block,
         tie_word_embeddings=tie,
         bos_token_id=bos,
         eos_token_id=eos,
