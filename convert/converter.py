@@ -514,6 +514,11 @@ def _progress(enabled: bool, total: int, n: int, skipped: int):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
 
 
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.reshape(-1).view(np.uint8),
+                                                                        b.reshape(-1).view(np.uint8))
+
+
 def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None):
     """Reread every stored parameter of ``dst`` and compare it bit for bit with the source tensors, transformed as
     conversion transforms them (MXFP4 bytes are copied, so they must be identical bytes)."""
@@ -545,8 +550,7 @@ def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None
             for j in chunk:
                 want = reader.read(j)
                 have = np.asarray(got[j.target])
-                if have.dtype != want.dtype or have.shape != want.shape or \
-                        not np.array_equal(have.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+                if not _same_bytes(have, want):
                     srcs = [p.tensor for p in j.sources]
                     raise VerifyError(f"{dst}: parameter {j.target} differs from its source {srcs[:2]}"
                                       f"{' ...' if len(srcs) > 2 else ''} in {os.path.basename(ckpt.tensors[srcs[0]].file)}")

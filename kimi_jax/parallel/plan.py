@@ -118,42 +118,65 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     ``"reference"`` (the jnp kernels, what CPU runs: one layer's local experts dequantized, the MLA latent cache
     of one layer upcast to float32).
     """
+    if kernels not in ("pallas", "reference"):
+        raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
     lay = sharding.layout(layout)
     sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
     dt = jnp.dtype(dtype)
     model, table = _abstract(cfg, dt.name)
     specs = sharding.param_specs(model, sizes, lay, table=table)
-    shapes = {m.prefix + n: (a.shape, a.dtype) for m in table for n, a in m.arrays.items()}
-    notes = []
+    params, weights_read, expert_local = _param_bytes(table, specs, sizes)
+    cache, b_loc, notes = _cache_bytes(cfg, batch, context, dt, sizes, lay)
+    act = _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt, kernels, bool(expert_local))
+    read = {"weights (non-expert)": weights_read, "embedding rows": b_loc * cfg.hidden_size * dt.itemsize}
+    if expert_local:
+        moe = cfg.moe
+        group_tokens = batch // sizes["data"] if batch % sizes["data"] == 0 else batch
+        p_used = 1 - (1 - moe.top_k / moe.num_experts) ** group_tokens  # expected share of local experts used
+        read["routed experts (used)"] = int(sum(tot * p_used for tot in expert_local.values()))
+    read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
+    read["MLA / KV cache"] = cache["mla"] + cache["kv"]
+    prefill = _prefill_activations(cfg, sizes, lay, specs, model, b_loc, prefill_chunk, dt) if prefill_chunk else {}
+    return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
+                prefill, notes)
 
+
+def _param_bytes(table, specs, sizes) -> tuple[dict, int, dict]:
+    """(bytes per chip by category, bytes of the non-expert weights a decode step reads (all but the embedding),
+    {MoE layer: bytes per chip of its local experts})."""
     params: dict[str, int] = {}
-    read: dict[str, int] = {}
-    expert_local = {}  # layer prefix -> (local bytes of all local experts, local experts)
-    for key, (shape, dtype) in shapes.items():
-        b = sharding.shard_bytes(shape, dtype, specs[key], sizes)
-        cat = _category(key)
-        params[cat] = params.get(cat, 0) + b
-        if cat == "routed experts":
-            layer = key.split(".experts.")[0]
-            tot, _ = expert_local.get(layer, (0, 0))
-            e_loc = sharding.shard_shape(shape, specs[key], sizes)[0]
-            expert_local[layer] = (tot + b, e_loc)
-        elif key != "embed_tokens":
-            read["weights (non-expert)"] = read.get("weights (non-expert)", 0) + b
+    read = 0
+    expert_local: dict[str, int] = {}
+    for m in table:
+        for name, a in m.arrays.items():
+            key = m.prefix + name
+            b = sharding.shard_bytes(a.shape, a.dtype, specs[key], sizes)
+            cat = _category(key)
+            params[cat] = params.get(cat, 0) + b
+            if cat == "routed experts":
+                layer = key.split(".experts.")[0]
+                expert_local[layer] = expert_local.get(layer, 0) + b
+            elif key != "embed_tokens":
+                read += b
+    return params, read, expert_local
 
-    # Caches ---------------------------------------------------------------------------------------------
+
+_CACHE_KIND = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv", "conv_v": "kda_conv",
+               "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}
+
+
+def _cache_bytes(cfg, batch, context, dt, sizes, lay) -> tuple[dict, int, list]:
+    """(cache bytes per chip by kind, sequences per chip, notes on what the layout cannot split)."""
     cshapes = cache_shapes(cfg, batch, context, dt)
     cspecs = sharding.cache_specs(cfg, cshapes, sizes, lay)
     cache = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
-    b_loc = sharding.shard_shape((batch,), cspecs.lengths, sizes)[0]
-    for kind, entry, spec in zip(cfg.attn_types, cshapes.layers, cspecs.layers):
+    for entry, spec in zip(cshapes.layers, cspecs.layers):
         for field in dataclasses.fields(entry):
             sds, sp = getattr(entry, field.name), getattr(spec, field.name)
-            nbytes = sharding.shard_bytes(sds.shape, sds.dtype, sp, sizes)
-            name = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv", "conv_v": "kda_conv",
-                    "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}[field.name]
-            cache[name] += nbytes
+            cache[_CACHE_KIND[field.name]] += sharding.shard_bytes(sds.shape, sds.dtype, sp, sizes)
     cache["lengths"] = sharding.shard_bytes(cshapes.lengths.shape, cshapes.lengths.dtype, cspecs.lengths, sizes)
+    b_loc = sharding.shard_shape((batch,), cspecs.lengths, sizes)[0]
+    notes = []
     rep = [a for a in sharding.replicated_over(cspecs.lengths, sizes) if a in lay.mesh_axes("batch")]
     if rep:
         notes.append(f"batch {batch} does not split over {'x'.join(rep)}: caches replicated there")
@@ -161,55 +184,39 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
         notes.append("the MLA latent cache has no head axis: it is replicated over the model axis")
     for kind, sub in (("kda", cfg.kda), ("mla", cfg.mla), ("gqa", cfg.gqa)):
         if sub is not None and kind in cfg.attn_types and sizes["model"] > 1:
-            heads_axes = _allowed_heads(sub.num_heads, sizes, lay)
-            if not heads_axes:
+            if not _allowed_heads(sub.num_heads, sizes, lay):
                 notes.append(f"{kind}: {sub.num_heads} heads do not divide the model axis: attention replicated")
+    return cache, b_loc, notes
 
-    # Decode-step activations: the logits, the residual stream and AttnRes blocks, the expert exchange buffers; with
-    # the jnp reference kernels, also the largest per-layer workspace they may materialise (layers run in turn).
+
+def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt, kernels, moe: bool) -> dict:
+    """Decode-step activations: the logits, the residual stream and AttnRes blocks, the expert exchange buffers; with
+    the jnp reference kernels, also the largest per-layer workspace they may materialise (layers run in turn)."""
     V, D = cfg.vocab_size, cfg.hidden_size
     head = "lm_head" if "lm_head" in specs else "embed_tokens"
     v_loc = V // math.prod(sizes[a] for a in _spec_axes(specs[head][0]))
     act = {"logits (f32)": b_loc * v_loc * 4}
     blocks = cfg.num_layers // cfg.attn_res_block_size + 2 if cfg.attn_res else 2
     act["residual stream + AttnRes blocks"] = b_loc * D * blocks * 4
-    if expert_local:
+    work = {}
+    if moe:
         w1, e_loc, f_loc = _local_experts(model, specs, sizes)
         rows = _exchange_rows(cfg, specs[w1], e_loc, sizes, lay, batch)
         L = cfg.moe.expert_in
         act["expert exchange (lossless)"] = rows * (L * (2 * dt.itemsize + 4) + 2 * f_loc * dt.itemsize)
-    if kernels == "reference":
-        work = {}
-        if expert_local:
-            # one weight decoded to dense, its transposed copy, and a dense product of every received row with
-            # every local expert before the selection: an upper estimate of the jnp reference grouped matmul as
-            # XLA:CPU compiled it at full size (at small shapes XLA:CPU loops over experts instead)
-            work["workspace: expert dequant (ref.)"] = (
-                2 * e_loc * f_loc * L + rows * e_loc * max(f_loc, L)) * dt.itemsize
-        if cfg.mla is not None and "mla" in cfg.attn_types:
-            # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for
-            # the value read; the rope key part once.
-            m = cfg.mla
-            work["workspace: MLA upcast (ref.)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
-        if work:
-            name = max(work, key=work.get)
-            act[name] = work[name]  # the largest; the others are of other layers
-    elif kernels != "pallas":
-        raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
-
-    # Decode-step reads -------------------------------------------------------------------------------------
-    read["embedding rows"] = b_loc * cfg.hidden_size * dt.itemsize
-    if expert_local:
-        moe = cfg.moe
-        group_tokens = batch // sizes["data"] if batch % sizes["data"] == 0 else batch
-        p_used = 1 - (1 - moe.top_k / moe.num_experts) ** group_tokens
-        read["routed experts (used)"] = int(sum(tot * p_used for tot, _ in expert_local.values()))
-    read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
-    read["MLA / KV cache"] = cache["mla"] + cache["kv"]
-
-    prefill = _prefill_activations(cfg, sizes, lay, specs, model, b_loc, prefill_chunk, dt) if prefill_chunk else {}
-    return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
-                prefill, notes)
+        # one weight decoded to dense, its transposed copy, and a dense product of every received row with every
+        # local expert before the selection: an upper estimate of the jnp reference grouped matmul as XLA:CPU
+        # compiled it at full size (at small shapes XLA:CPU loops over experts instead)
+        work["workspace: expert dequant (ref.)"] = (2 * e_loc * f_loc * L + rows * e_loc * max(f_loc, L)) * dt.itemsize
+    if cfg.mla is not None and "mla" in cfg.attn_types:
+        # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for the
+        # value read; the rope key part once.
+        m = cfg.mla
+        work["workspace: MLA upcast (ref.)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
+    if kernels == "reference" and work:
+        name = max(work, key=work.get)
+        act[name] = work[name]  # the largest; the others are of other layers
+    return act
 
 
 @functools.lru_cache(maxsize=4)
