@@ -5,7 +5,7 @@ Block-shape rules the kernels follow (JAX_NOTES §1.6):
 * GPU (Triton): every array in a kernel has power-of-two sizes, and ``jnp.dot`` wants each side >= 16. So the
   wrappers pad head dims to powers of two and row blocks to >= 16; padding with zeros never changes a dot.
 * TPU (Mosaic): the last two block dims are multiples of (8, 128) or the whole array dim. The wrappers use
-  whole-array trailing dims (head dims, K) and row blocks that are multiples of 8 (16 for bf16).
+  whole-array trailing dims (head dims, the contraction dim) and row blocks that are multiples of 8 (16 for bf16).
 
 Sizes that do not divide the block are padded in the wrapper, never read out of bounds: Pallas does not mask
 loads past the end of an array (the interpreter clamps them, Triton reads foreign memory).
@@ -87,12 +87,12 @@ def compiler_params(platform: str, interpret: bool, *, num_warps=None, num_stage
 
 
 def dot_nt(a, b, precision=None):
-    """``a [M, K] @ b [N, K]^T`` with a float32 result."""
+    """``a [M, I] @ b [J, I]^T`` with a float32 result."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=precision)
 
 
 def dot_tn(a, b, precision=None):
-    """``a [K, M]^T @ b [K, N]`` with a float32 result."""
+    """``a [I, M]^T @ b [I, J]`` with a float32 result."""
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32, precision=precision)
 
 

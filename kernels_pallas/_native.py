@@ -2,7 +2,7 @@
 
 A decode step on XLA:CPU is a chain of few-row products, each streaming its weight once; XLA runs them one by one
 (the small ones at about half the memory rate of the large ones) and first copies a chosen expert out of its
-stacked ``[E, N, K]`` array. A few lines of C++ stream several products as one piece of work and read chosen
+stacked ``[E, J, I]`` array. A few lines of C++ stream several products as one piece of work and read chosen
 experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``), written against XLA's FFI headers, which ship with jaxlib
 (``jax.ffi.include_dir()``); they are compiled with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``/
 ``clang++``) for this CPU, once per source, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native``

@@ -27,11 +27,11 @@ PAIR = np.stack([E2M1[np.arange(256) & 0xF], E2M1[np.arange(256) >> 4]], axis=-1
 
 
 class MXFP4Weight(NamedTuple):
-    """One MXFP4 weight (a packed weight type, :mod:`kernels_pallas.packed`): ``[..., N, K]`` logical values as
-    ``packed [..., N, K/2]`` nibble pairs and ``scale [..., N, K/32]`` E8M0 bytes."""
+    """One MXFP4 weight (a packed weight type, :mod:`kernels_pallas.packed`): ``[..., J, I]`` logical values as
+    ``packed [..., J, I/2]`` nibble pairs and ``scale [..., J, I/32]`` E8M0 bytes."""
 
-    packed: jax.Array  # uint8 [..., N, K/2]
-    scale: jax.Array  # uint8 [..., N, K/32]
+    packed: jax.Array  # uint8 [..., J, I/2]
+    scale: jax.Array  # uint8 [..., J, I/32]
 
     @property
     def shape(self):
@@ -52,7 +52,7 @@ class MXFP4Weight(NamedTuple):
 
 
 def dequantize(w: MXFP4Weight, dtype=jnp.bfloat16) -> jax.Array:
-    """Decode to ``[..., N, K]``: a 256-entry byte->pair table, times the power-of-two scale (exact)."""
+    """Decode to ``[..., J, I]``: a 256-entry byte->pair table, times the power-of-two scale (exact)."""
     packed, scale = w
     if packed.shape[-1] * 2 != scale.shape[-1] * GROUP or packed.shape[:-1] != scale.shape[:-1]:
         raise ValueError(f"MXFP4 packed {packed.shape} and scale {scale.shape} do not match")

@@ -147,29 +147,29 @@ def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, preci
         o_ref[...] = acc_sc[...] / jnp.where(l > 0, l, 1.0)
 
 
-def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_BS=None, v_is_k=False,
+def flash(q_BGAK, k, v, qpos_BA, *, scale, q_pe_BGAO=None, k_pe_BSO=None, k_pos_BS=None, v_is_k=False,
           platform="gpu", interpret=False, block_q=None, block_k=None, num_splits=1, num_warps=None,
           num_stages=None):
-    """The kernel over query rows grouped by kv head. Returns o ``[B, G, R, U]`` float32.
+    """The kernel over query rows grouped by kv head. Returns o ``[B, G, A, U]`` float32.
 
-    q ``[B, G, R, K]`` (R rows per kv group), k ``[B, S, Gk, K]``, v ``[B, S, Gk, U]`` with Gk = G (or 1, shared
-    by every group), qpos ``[B, R]`` int32 (row positions, the same for every group). Optional split key dims:
-    q_pe ``[B, G, R, O]`` against k_pe ``[B, S, O]`` (shared by all groups). ``v_is_k``: values are the keys
+    q ``[B, G, A, K]`` (A rows per kv group), k ``[B, S, Gk, K]``, v ``[B, S, Gk, U]`` with Gk = G (or 1, shared
+    by every group), qpos ``[B, A]`` int32 (row positions, the same for every group). Optional split key dims:
+    q_pe ``[B, G, A, O]`` against k_pe ``[B, S, O]`` (shared by all groups). ``v_is_k``: values are the keys
     (absorbed MLA reads its latent cache once per block). ``num_splits`` applies on GPU only.
     """
-    B, G, R, K = q_BGRK.shape
+    B, G, A, K = q_BGAK.shape
     S, Gk = k.shape[1], k.shape[2]
     if Gk not in (1, G):
         raise ValueError(f"flash: k has {Gk} kv groups for q with {G}")
-    has_pe = q_pe_BGRO is not None
+    has_pe = q_pe_BGAO is not None
     has_kpos = k_pos_BS is not None
     if not v_is_k and v.shape[:3] != k.shape[:3]:
         raise ValueError(f"flash: v {v.shape} does not match k {k.shape}")
-    dt = q_BGRK.dtype
-    bq = block_q or row_block(R, 64, platform, dt)
+    dt = q_BGAK.dtype
+    bq = block_q or row_block(A, 64, platform, dt)
     bk = block_k or key_block(S, 64 if platform == "gpu" else 512, platform)
     q, k, v, qpos, qpe, kpe, kpos, U = _pad_operands(
-        q_BGRK, k, v, qpos_BR, q_pe_BGRO, k_pe_BSO, k_pos_BS, Rp=round_up(R, bq), Sp=round_up(S, bk), v_is_k=v_is_k,
+        q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, Ap=round_up(A, bq), Sp=round_up(S, bk), v_is_k=v_is_k,
         platform=platform)
     Up = k.shape[-1] if v_is_k else v.shape[-1]
     kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt))
@@ -178,23 +178,23 @@ def flash(q_BGRK, k, v, qpos_BR, *, scale, q_pe_BGRO=None, k_pe_BSO=None, k_pos_
     else:
         out = _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, num_splits=num_splits, platform=platform,
                          interpret=interpret, num_warps=num_warps, num_stages=num_stages, **kw)
-    return out[:, :, :R, :U]
+    return out[:, :, :A, :U]
 
 
-def _pad_operands(q_BGRK, k, v, qpos_BR, q_pe_BGRO, k_pe_BSO, k_pos_BS, *, Rp, Sp, v_is_k, platform):
-    """Operands padded to whole blocks: rows to ``Rp`` (positions -1 see nothing), keys to ``Sp`` (zeros at
+def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, Sp, v_is_k, platform):
+    """Operands padded to whole blocks: rows to ``Ap`` (positions -1 see nothing), keys to ``Sp`` (zeros at
     positions >= S, beyond every query), and on GPU the head dims to powers of two (zero columns add nothing to a
-    dot). Returns q ``[B, G, Rp, Kp]``, k ``[B, Sp, Gk, Kp]``, v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``),
-    qpos ``[B, Rp, 1]`` int32, q_pe ``[B, G, Rp, Op]`` and k_pe ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]``
+    dot). Returns q ``[B, G, Ap, Kp]``, k ``[B, Sp, Gk, Kp]``, v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``),
+    qpos ``[B, Ap, 1]`` int32, q_pe ``[B, G, Ap, Op]`` and k_pe ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]``
     int32 (or None; padded keys at int32 max) and U, the value width to return (Kp when ``v_is_k``)."""
 
     def heads(x, axis):
         return pad_axis(x, axis, next_pow2(x.shape[axis])) if platform == "gpu" else x
 
-    has_pe = q_pe_BGRO is not None
-    K = q_BGRK.shape[-1]
-    q = heads(pad_axis(q_BGRK, 2, Rp), 3)
-    qpos = pad_axis(qpos_BR.astype(jnp.int32), 1, Rp, -1)[..., None]  # [B, Rp, 1]
+    has_pe = q_pe_BGAO is not None
+    K = q_BGAK.shape[-1]
+    q = heads(pad_axis(q_BGAK, 2, Ap), 3)
+    qpos = pad_axis(qpos_BA.astype(jnp.int32), 1, Ap, -1)[..., None]  # [B, Ap, 1]
     k = heads(pad_axis(k, 1, Sp), 3)
     Kp = q.shape[-1]
     if k.shape[-1] != Kp:
@@ -202,7 +202,7 @@ def _pad_operands(q_BGRK, k, v, qpos_BR, q_pe_BGRO, k_pe_BSO, k_pos_BS, *, Rp, S
     U = k.shape[-1] if v_is_k else v.shape[-1]
     if not v_is_k:
         v = heads(pad_axis(v, 1, Sp), 3)
-    qpe = heads(pad_axis(q_pe_BGRO, 2, Rp), 3) if has_pe else None
+    qpe = heads(pad_axis(q_pe_BGAO, 2, Ap), 3) if has_pe else None
     kpe = heads(pad_axis(k_pe_BSO, 1, Sp), 2) if has_pe else None
     kpos = pad_axis(k_pos_BS.astype(jnp.int32), 1, Sp, _I32_MAX)[:, None, :] if k_pos_BS is not None else None
     return q, k, v, qpos, qpe, kpe, kpos, U
@@ -211,9 +211,9 @@ def _pad_operands(q_BGRK, k, v, qpos_BR, q_pe_BGRO, k_pe_BSO, k_pos_BS, *, Rp, S
 def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, num_splits, platform, interpret, num_warps, num_stages,
                has_pe, v_is_k, has_kpos, **kw):
     """GPU (and interpret) launch: grid (B, G, row blocks, kv splits) over the padded operands of
-    :func:`_pad_operands`; each program loops over its share of the key blocks. Returns ``[B, G, Rp, Up]``
+    :func:`_pad_operands`; each program loops over its share of the key blocks. Returns ``[B, G, Ap, Up]``
     float32; split partial results are merged here."""
-    B, G, Rp = q.shape[:3]
+    B, G, Ap = q.shape[:3]
     n_blocks = k.shape[1] // bk
     splits = max(1, min(int(num_splits), n_blocks))
     per_split = cdiv(n_blocks, splits)
@@ -222,19 +222,19 @@ def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, num_splits, platfor
                                  has_kpos=has_kpos)
     split = splits > 1
     if split:
-        out_shape = [jax.ShapeDtypeStruct((B, G, splits, Rp, Up), F32),
-                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32),
-                     jax.ShapeDtypeStruct((B, G, splits, Rp, 1), F32)]
+        out_shape = [jax.ShapeDtypeStruct((B, G, splits, Ap, Up), F32),
+                     jax.ShapeDtypeStruct((B, G, splits, Ap, 1), F32),
+                     jax.ShapeDtypeStruct((B, G, splits, Ap, 1), F32)]
         part = lambda d: pl.BlockSpec((None, None, None, bq, d), lambda b, g, i, j: (b, g, j, i, 0))
         out_specs = [part(Up), part(1), part(1)]
     else:
-        out_shape = jax.ShapeDtypeStruct((B, G, Rp, Up), F32)
+        out_shape = jax.ShapeDtypeStruct((B, G, Ap, Up), F32)
         out_specs = pl.BlockSpec((None, None, bq, Up), lambda b, g, i, j: (b, g, i, 0))
 
     kernel = functools.partial(_kernel, bk=bk, blocks_per_split=per_split, split=split, has_pe=has_pe,
                                v_is_k=v_is_k, has_kpos=has_kpos, **kw)
     out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(B, G, Rp // bq, splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, out_shape=out_shape, grid=(B, G, Ap // bq, splits), in_specs=in_specs, out_specs=out_specs,
         interpret=interpret,
         compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages),
         name="flash_attention",
@@ -271,8 +271,8 @@ def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, *, bq, Up, has_pe, v_is_k, has_kp
 
 
 def _merge_splits(acc, m, l):
-    """Flash-decoding epilogue: unnormalised partials acc ``[B, G, splits, Rp, Up]`` with their running max m and
-    sum l ``[B, G, splits, Rp, 1]`` -> normalised ``[B, G, Rp, Up]`` (rows that saw no key: zeros)."""
+    """Flash-decoding epilogue: unnormalised partials acc ``[B, G, splits, Ap, Up]`` with their running max m and
+    sum l ``[B, G, splits, Ap, 1]`` -> normalised ``[B, G, Ap, Up]`` (rows that saw no key: zeros)."""
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_all)
     num, den = jnp.sum(w * acc, axis=2), jnp.sum(w * l, axis=2)
@@ -284,9 +284,9 @@ def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, 
     number of key blocks each row block needs scalar-prefetched into SMEM."""
     from jax.experimental.pallas import tpu as pltpu
 
-    B, G, Rp, Kp = q.shape
+    B, G, Ap, Kp = q.shape
     Sp, Gk = k.shape[1], k.shape[2]
-    nq, nk = Rp // bq, Sp // bk
+    nq, nk = Ap // bq, Sp // bk
     if has_kpos:
         need = jnp.full((B * nq,), nk, jnp.int32)
     else:
@@ -315,7 +315,7 @@ def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, 
         in_specs.append(pl.BlockSpec((None, 1, bk), lambda b, g, i, j, need: (b, 0, last(b, i, j, need))))
     kernel = functools.partial(_tpu_kernel, bk=bk, n_q=nq, has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, **kw)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((B, G, Rp, Up), F32), interpret=interpret, name="flash_attention",
+        kernel, out_shape=jax.ShapeDtypeStruct((B, G, Ap, Up), F32), interpret=interpret, name="flash_attention",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(B, G, nq, nk), in_specs=in_specs, out_specs=row_spec(Up),
             scratch_shapes=[pltpu.VMEM((bq, 128), F32), pltpu.VMEM((bq, 128), F32), pltpu.VMEM((bq, Up), F32)]),
@@ -323,11 +323,11 @@ def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, 
     )(need.astype(jnp.int32), *args)
 
 
-def default_splits(platform: str, B: int, G: int, R: int, S: int, bk: int) -> int:
+def default_splits(platform: str, B: int, G: int, A: int, S: int, bk: int) -> int:
     """Flash-decoding split count: enough programs to fill a GPU when few rows meet a long cache."""
     if platform != "gpu":
         return 1
-    programs = B * G * cdiv(R, 64)
+    programs = B * G * cdiv(A, 64)
     want = max(1, 256 // max(programs, 1))
     return max(1, min(want, S // max(bk * 4, 1)))
 
@@ -347,7 +347,7 @@ def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None, q_pe_BT
     rep = H // G
     if q_pe_BTHO is not None and rep != 1:
         raise ValueError("attention: split rope dims (q_pe/k_pe) need one kv head per query head (MLA)")
-    # rows of group g: (t, r) flattened t-major, so row // rep is the token
+    # rows of group g: (t, h) flattened t-major, so row // rep is the token
     to_rows = lambda x: jnp.transpose(x.reshape(B, T, G, rep, x.shape[-1]), (0, 2, 1, 3, 4)).reshape(B, G, T * rep, -1)
     qpos = jnp.repeat(q_pos_BT.astype(jnp.int32), rep, axis=1)  # [B, T*rep]
     dt = q_BTHK.dtype
@@ -356,7 +356,7 @@ def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None, q_pe_BT
     if num_splits is None:
         num_splits = default_splits(platform, B, G, T * rep, S, bk) if T * rep <= 64 else 1
     o = flash(to_rows(q_BTHK), k_BSGK, v_BSGU, qpos, scale=scale,
-              q_pe_BGRO=None if q_pe_BTHO is None else to_rows(q_pe_BTHO), k_pe_BSO=k_pe_BSO, k_pos_BS=k_pos_BS,
+              q_pe_BGAO=None if q_pe_BTHO is None else to_rows(q_pe_BTHO), k_pe_BSO=k_pe_BSO, k_pos_BS=k_pos_BS,
               platform=platform, interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits)
     U = o.shape[-1]
     return jnp.transpose(o.reshape(B, G, T, rep, U), (0, 2, 1, 3, 4)).reshape(B, T, H, U)

@@ -31,11 +31,12 @@ def attention(q_BTHK, k_BSGK, v_BSGU, q_pos_BT, *, scale, k_pos_BS=None, q_pe_BT
         O = q_pe_BTHO.shape[-1]
         q = jnp.concatenate([q, q_pe_BTHO.astype(_F32)], axis=-1)
         k = jnp.concatenate([k, jnp.broadcast_to(k_pe_BSO.astype(_F32)[:, :, None], (B, S, G, O))], axis=-1)
-    s = jnp.einsum("btgrk,bsgk->bgrts", q.reshape(B, T, G, rep, -1), k, precision=_HI)
+    # h: the rep query heads of kv group g (H split as G x rep)
+    s = jnp.einsum("btghk,bsgk->bghts", q.reshape(B, T, G, rep, -1), k, precision=_HI)
     s = s * scale
     k_pos = jnp.arange(S)[None] if k_pos_BS is None else k_pos_BS
     mask = k_pos[:, None, None, None, :] <= q_pos_BT[:, None, None, :, None]
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bgrts,bsgu->btgru", p, v_BSGU.astype(_F32), precision=_HI)
+    o = jnp.einsum("bghts,bsgu->btghu", p, v_BSGU.astype(_F32), precision=_HI)
     return o.reshape(B, T, H, v_BSGU.shape[-1])

@@ -1,7 +1,7 @@
 """Kimi Delta Attention: chunked prefill and recurrent decode.
 
-Shapes: q, k ``[B, T, H, K]`` (L2-normalised), v ``[B, T, H, V]``, g ``[B, T, H, K]`` (log decay, <= 0),
-beta ``[B, T, H]``, state ``[B, H, K, V]`` float32. Both functions return ``(o [B, T, H, V] float32, state)``.
+Shapes: q, k ``[B, T, H, K]`` (L2-normalised), v ``[B, T, H, U]``, g ``[B, T, H, K]`` (log decay, <= 0),
+beta ``[B, T, H]``, state ``[B, H, K, U]`` float32. Both functions return ``(o [B, T, H, U] float32, state)``.
 
 ``chunk_size`` is the chunk of the reference's chunked form (None: 64, or the recurrence where the automatic
 choice prefers it, on CPU); the Pallas kernel tiles time with its own block
@@ -31,7 +31,7 @@ from kernels_pallas._dispatch import (
 )
 from kernels_pallas.kda import native, pallas, reference
 
-RULE = Rule(args=("BTHK", "BTHK", "BTHV", "BTHK", "BTH", "BHKV"), out=("BTHV", "BHKV"),
+RULE = Rule(args=("BTHK", "BTHK", "BTHU", "BTHK", "BTH", "BHKU"), out=("BTHU", "BHKU"),
             split=(("B", "batch"), ("H", "heads")))
 
 

@@ -1,7 +1,7 @@
 // KDA recurrence for XLA:CPU, float32: the token-by-token form of kernels_pallas/kda/reference.py (kda_recurrent).
 //
-// q, k, a [B, T, H, K], v [B, T, H, V], beta, kq [B, T, H], state [B, H, K, V] -> o [B, T, H, V], new state
-// [B, H, K, V] (written over the input state: XLA aliases the two). a = exp(g) and kq = k . (scale q) come from
+// q, k, a [B, T, H, K], v [B, T, H, U], beta, kq [B, T, H], state [B, H, K, U] -> o [B, T, H, U], new state
+// [B, H, K, U] (written over the input state: XLA aliases the two). a = exp(g) and kq = k . (scale q) come from
 // XLA, computed as the reference computes them. Per head and token:
 //
 //   r_k = S^T (a * k),  r_q = S^T (a * scale * q)
@@ -13,7 +13,7 @@
 // holds one), each block runs all T tokens on its own, and the blocks of every (sequence, head) are shared between
 // the threads. Token t's update and
 // token t + 1's reads share one pass over the block. XLA:CPU runs the same step as a few fused loops per layer and
-// token, each over the whole [B, H, K, V] state. Summation over k runs in order k = 0, 1, ..., per column.
+// token, each over the whole [B, H, K, U] state. Summation over k runs in order k = 0, 1, ..., per column.
 // Built and registered by kernels_pallas/_native.py.
 
 #include <algorithm>
@@ -56,7 +56,7 @@ struct Pass {
 
 // Columns [j0, j0 + NB * kLanes): delta and the read accumulators stay in registers.
 template <int NB, bool kUpdate, bool kRead>
-void Columns(float* __restrict s, int64_t K, int64_t V, int64_t j0, const Pass& p) {
+void Columns(float* __restrict s, int64_t K, int64_t U, int64_t j0, const Pass& p) {
   const float* __restrict a = p.a;
   const float* __restrict k = p.k;
   const float* __restrict ak = p.ak;
@@ -66,7 +66,7 @@ void Columns(float* __restrict s, int64_t K, int64_t V, int64_t j0, const Pass& 
     for (int b = 0; b < NB; ++b) d[b] = Load(p.delta + j0 + b * kLanes);
   }
   for (int64_t i = 0; i < K; ++i) {
-    float* row = s + i * V + j0;
+    float* row = s + i * U + j0;
     const float ai = kUpdate ? a[i] : 0.0f, ki = kUpdate ? k[i] : 0.0f;
     const float aki = kRead ? ak[i] : 0.0f, aqi = kRead ? aq[i] : 0.0f;
     for (int b = 0; b < NB; ++b) {
@@ -90,15 +90,15 @@ void Columns(float* __restrict s, int64_t K, int64_t V, int64_t j0, const Pass& 
 }
 
 template <bool kUpdate, bool kRead>
-void Run(float* s, int64_t K, int64_t V, int64_t j0, int64_t j1, const Pass& p) {
+void Run(float* s, int64_t K, int64_t U, int64_t j0, int64_t j1, const Pass& p) {
   int64_t j = j0;
-  for (; j + 2 * kBlock <= j1; j += 2 * kBlock) Columns<2 * kBlock / kLanes, kUpdate, kRead>(s, K, V, j, p);
-  for (; j + kBlock <= j1; j += kBlock) Columns<kBlock / kLanes, kUpdate, kRead>(s, K, V, j, p);
-  for (; j + kLanes <= j1; j += kLanes) Columns<1, kUpdate, kRead>(s, K, V, j, p);
+  for (; j + 2 * kBlock <= j1; j += 2 * kBlock) Columns<2 * kBlock / kLanes, kUpdate, kRead>(s, K, U, j, p);
+  for (; j + kBlock <= j1; j += kBlock) Columns<kBlock / kLanes, kUpdate, kRead>(s, K, U, j, p);
+  for (; j + kLanes <= j1; j += kLanes) Columns<1, kUpdate, kRead>(s, K, U, j, p);
   for (; j < j1; ++j) {  // columns past the last full vector
     float acc_k = 0.0f, acc_q = 0.0f;
     for (int64_t i = 0; i < K; ++i) {
-      float& x = s[i * V + j];
+      float& x = s[i * U + j];
       if (kUpdate) x = x * p.a[i] + p.k[i] * p.delta[j];
       if (kRead) {
         acc_k += x * p.ak[i];
@@ -112,26 +112,26 @@ void Run(float* s, int64_t K, int64_t V, int64_t j0, int64_t j1, const Pass& p) 
 struct Problem {
   const float *q, *k, *v, *a, *beta, *kq;
   float *state, *o;
-  int64_t B, T, H, K, V;
+  int64_t B, T, H, K, U;
   float scale;
 
   // Columns per part: with several tokens, blocks that stay in the L1 cache for all of them; a single token (decode)
   // streams each head's state from memory twice (read, then update), whole rows at a time.
-  int64_t Width() const { return T > 1 ? std::min(V, kBlock) : V; }
-  int64_t Blocks() const { return (V + Width() - 1) / Width(); }
+  int64_t Width() const { return T > 1 ? std::min(U, kBlock) : U; }
+  int64_t Blocks() const { return (U + Width() - 1) / Width(); }
   int64_t Scratch() const { return 2 * K + 3 * Width() + (T > 1 ? K * Width() : 0); }
 
   // All T tokens of sequence b, head h, on the columns of block c. With several tokens the block is copied into a
-  // contiguous buffer first: in place, its rows sit V floats apart and fill only a part of the L1 cache's sets.
+  // contiguous buffer first: in place, its rows sit U floats apart and fill only a part of the L1 cache's sets.
   void Part(int64_t b, int64_t h, int64_t c, float* buf) const {
-    const int64_t j0 = c * Width(), w = std::min(V, j0 + Width()) - j0;
-    float* s = state + (b * H + h) * K * V + j0;
+    const int64_t j0 = c * Width(), w = std::min(U, j0 + Width()) - j0;
+    float* s = state + (b * H + h) * K * U + j0;
     float *ak = buf, *aq = buf + K, *rk = buf + 2 * K, *rq = rk + Width(), *delta = rq + Width();
     float* blk = s;
-    int64_t ld = V;
+    int64_t ld = U;
     if (T > 1) {
       blk = delta + Width(), ld = w;
-      for (int64_t i = 0; i < K; ++i) std::copy_n(s + i * V, w, blk + i * w);
+      for (int64_t i = 0; i < K; ++i) std::copy_n(s + i * U, w, blk + i * w);
     }
     auto row = [&](int64_t t) { return (b * T + t) * H + h; };
     auto prepare = [&](int64_t t) {  // ak = a k_t, aq = a scale q_t
@@ -148,7 +148,7 @@ struct Problem {
       for (int64_t i = 0; i < K; i += 64 / sizeof(float)) {
         __builtin_prefetch(q + r * K + i), __builtin_prefetch(k + r * K + i), __builtin_prefetch(a + r * K + i);
       }
-      for (int64_t j = 0; j < w; j += 64 / sizeof(float)) __builtin_prefetch(v + r * V + j0 + j);
+      for (int64_t j = 0; j < w; j += 64 / sizeof(float)) __builtin_prefetch(v + r * U + j0 + j);
     };
     prefetch(1);
     prepare(0);
@@ -156,8 +156,8 @@ struct Problem {
     for (int64_t t = 0; t < T; ++t) {
       prefetch(t + 2);
       const int64_t r = row(t);
-      const float *vt = v + r * V + j0, bt = beta[r], kqt = kq[r];
-      float* ot = o + r * V + j0;
+      const float *vt = v + r * U + j0, bt = beta[r], kqt = kq[r];
+      float* ot = o + r * U + j0;
       for (int64_t j = 0; j < w; ++j) {
         delta[j] = (vt[j] - rk[j]) * bt;
         ot[j] = rq[j] + delta[j] * kqt;
@@ -171,7 +171,7 @@ struct Problem {
       }
     }
     if (blk != s) {
-      for (int64_t i = 0; i < K; ++i) std::copy_n(blk + i * w, w, s + i * V);
+      for (int64_t i = 0; i < K; ++i) std::copy_n(blk + i * w, w, s + i * U);
     }
   }
 };
@@ -179,21 +179,21 @@ struct Problem {
 ffi::Error KdaRecurrent(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, F32x4 a, F32x3 beta, F32x3 kq,
                         F32x4 state, float scale, ffi::Result<F32x4> o, ffi::Result<F32x4> state_out) {
   const auto qd = q.dimensions(), vd = v.dimensions();
-  const int64_t B = qd[0], T = qd[1], H = qd[2], K = qd[3], V = vd[3];
+  const int64_t B = qd[0], T = qd[1], H = qd[2], K = qd[3], U = vd[3];
   auto is = [](auto dims, std::initializer_list<int64_t> want) {
     return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
   };
-  if (!is(k.dimensions(), {B, T, H, K}) || !is(a.dimensions(), {B, T, H, K}) || !is(vd, {B, T, H, V}) ||
-      !is(beta.dimensions(), {B, T, H}) || !is(kq.dimensions(), {B, T, H}) || !is(state.dimensions(), {B, H, K, V}) ||
-      !is(o->dimensions(), {B, T, H, V}) || !is(state_out->dimensions(), {B, H, K, V})) {
-    return ffi::Error::InvalidArgument("kda recurrent: shapes must be q, k, a [B, T, H, K], v [B, T, H, V], "
-                                       "beta, kq [B, T, H], state [B, H, K, V]");
+  if (!is(k.dimensions(), {B, T, H, K}) || !is(a.dimensions(), {B, T, H, K}) || !is(vd, {B, T, H, U}) ||
+      !is(beta.dimensions(), {B, T, H}) || !is(kq.dimensions(), {B, T, H}) || !is(state.dimensions(), {B, H, K, U}) ||
+      !is(o->dimensions(), {B, T, H, U}) || !is(state_out->dimensions(), {B, H, K, U})) {
+    return ffi::Error::InvalidArgument("kda recurrent: shapes must be q, k, a [B, T, H, K], v [B, T, H, U], "
+                                       "beta, kq [B, T, H], state [B, H, K, U]");
   }
   float* s = state_out->typed_data();
-  if (s != state.typed_data()) std::copy_n(state.typed_data(), B * H * K * V, s);  // XLA did not alias them
+  if (s != state.typed_data()) std::copy_n(state.typed_data(), B * H * K * U, s);  // XLA did not alias them
   if (T == 0) return ffi::Error::Success();
   const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), a.typed_data(), beta.typed_data(),
-                  kq.typed_data(), s, o->typed_data(), B, T, H, K, V, scale};
+                  kq.typed_data(), s, o->typed_data(), B, T, H, K, U, scale};
   const int64_t blocks = p.Blocks(), parts = B * H * blocks, scratch = p.Scratch();
   auto run = [&p, blocks](int64_t i, float* buf) { p.Part(i / blocks / p.H, i / blocks % p.H, i % blocks, buf); };
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, parts - 1);

@@ -18,12 +18,12 @@ SYMBOL = "KimiKdaRecurrentF32"
 _F32 = jnp.float32
 
 
-def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, *, scale):
-    """Returns (o_BTHV float32, final state_BHKV float32); the state is updated in place when XLA can alias it.
+def kda_recurrent(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU=None, *, scale):
+    """Returns (o_BTHU float32, final state_BHKU float32); the state is updated in place when XLA can alias it.
     Raises :class:`~kernels_pallas._native.NativeUnavailable` when the kernel cannot be built."""
     target = _native.target(SOURCE, SYMBOL)
-    q, k, v, g, beta = (x.astype(_F32) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
-    state = _zeros_state(q, v) if state_BHKV is None else state_BHKV.astype(_F32)
+    q, k, v, g, beta = (x.astype(_F32) for x in (q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH))
+    state = _zeros_state(q, v) if state_BHKU is None else state_BHKU.astype(_F32)
     # the decay and the k.q products as the reference's kda_step computes them (XLA vectorises the exp)
     a, kq = jnp.exp(g), jnp.sum(k * (q * scale), axis=-1)
     out = (jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(state.shape, _F32))

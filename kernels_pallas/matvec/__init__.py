@@ -1,9 +1,9 @@
 """Decode-shaped products: ``group([(x, w, ids), ...])`` (several products per call) and ``per_head`` (absorbed
 MLA's per-head products).
 
-Each item of a group is ``x [S, K]`` with ``w [N, K]`` (a plain weight, checkpoint layout ``[out, in]``) and
-``ids=None``, or ``w [E, N, K]`` (an expert stack) with ``ids [S]`` choosing a matrix per row:
-``out[s] = w[ids[s]] @ x[s]``. Each result is ``[S, N]`` float32, accumulated in float32 from the operands' dtype.
+Each item of a group is ``x [M, I]`` with ``w [J, I]`` (a plain weight, checkpoint layout ``[out, in]``) and
+``ids=None``, or ``w [E, J, I]`` (an expert stack) with ``ids [M]`` choosing a matrix per row:
+``out[m] = w[ids[m]] @ x[m]``. Each result is ``[M, J]`` float32, accumulated in float32 from the operands' dtype.
 
 At a handful of rows (decode) every product streams its weight once, so the step's time is memory bandwidth, and
 XLA:CPU leaves some of it unused. Two CPU implementations, the automatic choice on CPU for float32 operands:
@@ -80,7 +80,7 @@ def fuses(items, *, implementation=None, placement=None) -> bool:
 
 
 def group(items, *, implementation=None, precision=None, placement=None):
-    """``[w @ x_s (or w[ids[s]] @ x_s) for each item]`` as float32 ``[S, N]`` arrays.
+    """``[w @ x_m (or w[ids[m]] @ x_m) for each item]`` as float32 ``[M, J]`` arrays.
 
     ``implementation``: None (automatic, see the module docstring), ``"reference"``, ``"xla_cpu"`` or
     ``"cpu_native"`` (these two raise :class:`KernelUnavailable` where they cannot run). ``precision`` applies to
@@ -91,7 +91,7 @@ def group(items, *, implementation=None, precision=None, placement=None):
 
 
 def per_head(x_BTHI, w, *, transpose_w: bool, implementation=None, precision=None, placement=None):
-    """``x_h @ w_h`` per head (``w [H, I, O]``), or ``x_h @ w_h.T`` with ``transpose_w`` (``w [H, O, I]``) ->
-    ``[B, T, H, O]`` float32."""
+    """``x_h @ w_h`` per head (``w [H, I, J]``), or ``x_h @ w_h.T`` with ``transpose_w`` (``w [H, J, I]``) ->
+    ``[B, T, H, J]`` float32."""
     return PER_HEAD(x_BTHI, w, transpose_w=transpose_w, implementation=implementation, precision=precision,
                     placement=placement)

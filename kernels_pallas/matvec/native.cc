@@ -1,8 +1,8 @@
 // Decode-shaped matrix-vector products for XLA:CPU, float32, several in one call.
 //
-// The arguments come in triples, one per product ("item"): x [S, K], w [E, N, K] (each matrix [out, in], the
-// checkpoint layout), ids [S] int32; item i writes result i, out [S, N], with out[s] = w[ids[s]] @ x[s]. A plain
-// weight is w [1, N, K] with ids all zero; an expert stack is read in place at the chosen expert's rows, where
+// The arguments come in triples, one per product ("item"): x [M, I], w [E, J, I] (each matrix [out, in], the
+// checkpoint layout), ids [M] int32; item i writes result i, out [M, J], with out[m] = w[ids[m]] @ x[m]. A plain
+// weight is w [1, J, I] with ids all zero; an expert stack is read in place at the chosen expert's rows, where
 // XLA:CPU would copy the expert out first (kernels_pallas/matvec/__init__.py). Built and registered by
 // kernels_pallas/_native.py.
 //
@@ -12,8 +12,8 @@
 // from one counter, so the stream never stops between items.
 //
 // Each dot product keeps kLanes partial sums in vector registers, and kRows weight rows share every load of x.
-// Summation order: lane j sums the products at k = j, j + kLanes, ...; the lanes are then added as a pairwise tree,
-// then the tail k >= K - K % kLanes in order. The order does not depend on kRows, the parts or the threads.
+// Summation order: lane l sums the products at i = l, l + kLanes, ...; the lanes are then added as a pairwise tree,
+// then the tail i >= I - I % kLanes in order. The order does not depend on kRows, the parts or the threads.
 
 #include <algorithm>
 #include <atomic>
@@ -52,19 +52,19 @@ inline Lanes Load(const float* p) {
 
 // The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds;
 // adding the lanes one by one took about a tenth of the time of a product over rows of 128-256 floats).
-template <int N>
+template <int Count>
 inline float TreeSum(const float* v) {
-  if constexpr (N == 1) {
+  if constexpr (Count == 1) {
     return v[0];
   } else {
-    typedef float Part __attribute__((vector_size(N / 2 * sizeof(float))));
+    typedef float Part __attribute__((vector_size(Count / 2 * sizeof(float))));
     Part lo, hi;
     std::memcpy(&lo, v, sizeof lo);
-    std::memcpy(&hi, v + N / 2, sizeof hi);
+    std::memcpy(&hi, v + Count / 2, sizeof hi);
     const Part s = lo + hi;
-    float out[N / 2];
+    float out[Count / 2];
     std::memcpy(out, &s, sizeof s);
-    return TreeSum<N / 2>(out);
+    return TreeSum<Count / 2>(out);
   }
 }
 
@@ -96,36 +96,37 @@ inline void TreeSum8(const Lanes* a, float* y) {
   std::memcpy(y, &t, 8 * sizeof(float));
 }
 
-// y[r] = w[r, :] . x for r < R (rows K apart); the R accumulators stay in registers.
-template <int R>
-inline void DotRows(const float* w, const float* x, float* y, int64_t K) {
-  Lanes acc[R] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    const Lanes xk = Load(x + k);
-    for (int r = 0; r < R; ++r) acc[r] += Load(w + r * K + k) * xk;
+// y[r] = w[r, :] . x for r < RowCount (rows I apart); the RowCount accumulators stay in registers.
+template <int RowCount>
+inline void DotRows(const float* w, const float* x, float* y, int64_t I) {
+  Lanes acc[RowCount] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    const Lanes xi = Load(x + i);
+    for (int r = 0; r < RowCount; ++r) acc[r] += Load(w + r * I + i) * xi;
   }
-  float sums[R];
-  if constexpr (R == 8 && kLanes == 16) {
+  float sums[RowCount];
+  if constexpr (RowCount == 8 && kLanes == 16) {
     TreeSum8(acc, sums);
   } else {
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < RowCount; ++r) {
       float lanes[kLanes];
       std::memcpy(lanes, &acc[r], sizeof lanes);
       sums[r] = TreeSum<kLanes>(lanes);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RowCount; ++r) {
     float s = sums[r];
-    for (int64_t t = k; t < K; ++t) s += w[r * K + t] * x[t];
+    for (int64_t t = i; t < I; ++t) s += w[r * I + t] * x[t];
     y[r] = s;
   }
 }
 
-void Matvec(const float* w, const float* x, float* y, int64_t N, int64_t K) {
-  int64_t n = 0;
-  for (; n + kRows <= N; n += kRows) DotRows<kRows>(w + n * K, x, y + n, K);
-  for (; n < N; ++n) DotRows<1>(w + n * K, x, y + n, K);
+// y = w @ x for w [J, I], x [I].
+void Matvec(const float* w, const float* x, float* y, int64_t J, int64_t I) {
+  int64_t j = 0;
+  for (; j + kRows <= J; j += kRows) DotRows<kRows>(w + j * I, x, y + j, I);
+  for (; j < J; ++j) DotRows<1>(w + j * I, x, y + j, I);
 }
 
 struct Item {
@@ -133,17 +134,17 @@ struct Item {
   const float* w;
   const int32_t* ids;
   float* out;
-  int64_t S, N, K;
+  int64_t M, J, I;
 
-  // Rows [n0, n1) of every slot.
-  void Rows(int64_t n0, int64_t n1) const {
-    for (int64_t s = 0; s < S; ++s) Matvec(w + (ids[s] * N + n0) * K, x + s * K, out + s * N + n0, n1 - n0, K);
+  // Output features [j0, j1) of every row.
+  void Rows(int64_t j0, int64_t j1) const {
+    for (int64_t m = 0; m < M; ++m) Matvec(w + (ids[m] * J + j0) * I, x + m * I, out + m * J + j0, j1 - j0, I);
   }
 };
 
 struct Part {
   const Item* item;
-  int64_t n0, n1;
+  int64_t j0, j1;
 };
 
 // Work is cut into parts of about this many weight bytes, claimed one at a time by the threads.
@@ -164,33 +165,33 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
     auto w = args.get<F32Stack>(3 * i + 1);
     auto ids = args.get<Ids>(3 * i + 2);
     auto out = rets.get<F32Matrix>(i);
-    if (!x || !w || !ids || !out) return Invalid(i, "expected x f32[S, K], w f32[E, N, K], ids s32[S], out f32[S, N]");
+    if (!x || !w || !ids || !out) return Invalid(i, "expected x f32[M, I], w f32[E, J, I], ids s32[M], out f32[M, J]");
     const auto wd = w->dimensions();
-    const int64_t E = wd[0], N = wd[1], K = wd[2], S = ids->dimensions()[0];
-    if (x->dimensions()[0] != S || x->dimensions()[1] != K || (*out)->dimensions()[0] != S ||
-        (*out)->dimensions()[1] != N) {
-      return Invalid(i, "shapes must be x [S, K], w [E, N, K], ids [S], out [S, N]");
+    const int64_t E = wd[0], J = wd[1], I = wd[2], M = ids->dimensions()[0];
+    if (x->dimensions()[0] != M || x->dimensions()[1] != I || (*out)->dimensions()[0] != M ||
+        (*out)->dimensions()[1] != J) {
+      return Invalid(i, "shapes must be x [M, I], w [E, J, I], ids [M], out [M, J]");
     }
     const int32_t* id = ids->typed_data();
-    for (int64_t s = 0; s < S; ++s) {
-      if (id[s] < 0 || id[s] >= E) return Invalid(i, "expert id out of range");
+    for (int64_t m = 0; m < M; ++m) {
+      if (id[m] < 0 || id[m] >= E) return Invalid(i, "expert id out of range");
     }
-    items[i] = Item{x->typed_data(), w->typed_data(), id, (*out)->typed_data(), S, N, K};
+    items[i] = Item{x->typed_data(), w->typed_data(), id, (*out)->typed_data(), M, J, I};
   }
-  // Each item's rows are split so that every thread streams its share of each chosen matrix.
+  // Each item's output features are split so that every thread streams its share of each chosen matrix.
   std::vector<Part> parts;
   for (const Item& it : items) {
-    const int64_t bytes = it.S * it.N * it.K * int64_t(sizeof(float));
-    const int64_t n = std::max<int64_t>(1, std::min(bytes / kPartBytes, it.N / kRows));
+    const int64_t bytes = it.M * it.J * it.I * int64_t(sizeof(float));
+    const int64_t n = std::max<int64_t>(1, std::min(bytes / kPartBytes, it.J / kRows));
     for (int64_t p = 0; p < n; ++p) {
-      const int64_t n0 = it.N * p / n / kRows * kRows, n1 = p + 1 == n ? it.N : it.N * (p + 1) / n / kRows * kRows;
-      if (n1 > n0) parts.push_back(Part{&it, n0, n1});
+      const int64_t j0 = it.J * p / n / kRows * kRows, j1 = p + 1 == n ? it.J : it.J * (p + 1) / n / kRows * kRows;
+      if (j1 > j0) parts.push_back(Part{&it, j0, j1});
     }
   }
   const int64_t total = static_cast<int64_t>(parts.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
   if (helpers <= 0) {
-    for (const Part& p : parts) p.item->Rows(p.n0, p.n1);
+    for (const Part& p : parts) p.item->Rows(p.j0, p.j1);
     return ffi::Error::Success();
   }
   // XLA:CPU runs a step's ops one after another, so the pool's threads are mostly idle here. Parts are claimed
@@ -208,7 +209,7 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
   const Part* list = parts.data();
   auto work = [list](State& st) {
     for (int64_t p; (p = st.next.fetch_add(1)) < st.parts;) {
-      list[p].item->Rows(list[p].n0, list[p].n1);
+      list[p].item->Rows(list[p].j0, list[p].j1);
       st.finished.fetch_add(1, std::memory_order_release);
     }
   };

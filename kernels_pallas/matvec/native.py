@@ -23,8 +23,8 @@ def unsupported(items) -> str | None:
         if jnp.dtype(w.dtype) != _F32 or jnp.dtype(x.dtype) != _F32:
             return f"{jnp.dtype(w.dtype).name} weights / {jnp.dtype(x.dtype).name} inputs (the native kernel runs float32)"
         if x.ndim != 2 or w.ndim != (2 if ids is None else 3):
-            return f"shapes x {x.shape}, w {w.shape}{'' if ids is None else ' with ids'} (x [S, K] with w [N, K], " \
-                   f"or w [E, N, K] with ids [S])"
+            return f"shapes x {x.shape}, w {w.shape}{'' if ids is None else ' with ids'} (x [M, I] with w [J, I], " \
+                   f"or w [E, J, I] with ids [M])"
     return None
 
 
@@ -37,8 +37,8 @@ def group(items):
     target = _native.target(SOURCE, SYMBOL)
     operands, shapes = [], []
     for x, w, ids in items:
-        S = x.shape[0]
-        ids = jnp.zeros((S,), jnp.int32) if ids is None else ids.astype(jnp.int32)
+        M = x.shape[0]
+        ids = jnp.zeros((M,), jnp.int32) if ids is None else ids.astype(jnp.int32)
         operands += [x, w[None] if w.ndim == 2 else w, ids]
-        shapes.append(jax.ShapeDtypeStruct((S, w.shape[-2]), _F32))
+        shapes.append(jax.ShapeDtypeStruct((M, w.shape[-2]), _F32))
     return list(jax.ffi.ffi_call(target, shapes)(*operands))

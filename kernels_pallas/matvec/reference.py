@@ -7,11 +7,11 @@ import jax.numpy as jnp
 _F32 = jnp.float32
 
 
-def product(x_SK, w, ids_S=None, *, precision=None):
-    """``x @ w.T`` (``w [N, K]``) or ``x[s] @ w[ids[s]].T`` (``w [E, N, K]``) -> ``[S, N]`` float32."""
-    if ids_S is None:
-        return jnp.einsum("sk,nk->sn", x_SK, w, preferred_element_type=_F32, precision=precision)
-    return jnp.einsum("sk,snk->sn", x_SK, w[ids_S], preferred_element_type=_F32, precision=precision)
+def product(x_MI, w, ids_M=None, *, precision=None):
+    """``x @ w.T`` (``w [J, I]``) or ``x[m] @ w[ids[m]].T`` (``w [E, J, I]``) -> ``[M, J]`` float32."""
+    if ids_M is None:
+        return jnp.einsum("mi,ji->mj", x_MI, w, preferred_element_type=_F32, precision=precision)
+    return jnp.einsum("mi,mji->mj", x_MI, w[ids_M], preferred_element_type=_F32, precision=precision)
 
 
 def group(items, *, precision=None):
@@ -19,7 +19,7 @@ def group(items, *, precision=None):
 
 
 def per_head(x_BTHI, w, *, transpose_w, precision=None):
-    """``x_h @ w_h`` per head (``w [H, I, O]``), or ``x_h @ w_h.T`` with ``transpose_w`` (``w [H, O, I]``) ->
-    ``[B, T, H, O]`` float32."""
-    spec = "bthi,hoi->btho" if transpose_w else "bthi,hio->btho"
+    """``x_h @ w_h`` per head (``w [H, I, J]``), or ``x_h @ w_h.T`` with ``transpose_w`` (``w [H, J, I]``) ->
+    ``[B, T, H, J]`` float32."""
+    spec = "bthi,hji->bthj" if transpose_w else "bthi,hij->bthj"
     return jnp.einsum(spec, x_BTHI, w, precision=precision, preferred_element_type=_F32)

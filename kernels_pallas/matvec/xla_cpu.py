@@ -27,9 +27,9 @@ def skinny(rows: int) -> bool:
     return 1 < rows <= SKINNY_ROWS
 
 
-def w_xT(w_NK, x_SK, precision=None):
-    """``w @ x.T`` -> ``[N, S]`` float32, kept in that orientation."""
-    y = jnp.einsum("nk,sk->ns", w_NK, x_SK, preferred_element_type=_F32, precision=precision)
+def w_xT(w_JI, x_MI, precision=None):
+    """``w @ x.T`` -> ``[J, M]`` float32, kept in that orientation."""
+    y = jnp.einsum("ji,mi->jm", w_JI, x_MI, preferred_element_type=_F32, precision=precision)
     return jax.lax.optimization_barrier(y)
 
 
@@ -44,11 +44,11 @@ def per_head(x_BTHI, w, *, transpose_w, precision=None):
     if not skinny(B * T):
         return reference.per_head(x_BTHI, w, transpose_w=transpose_w, precision=precision)
     x_NHI = x_BTHI.reshape(B * T, H, -1)
-    if transpose_w:  # w [H, O, I]: the weight as the left operand
-        y_HON = jnp.einsum("hoi,hin->hon", w, jnp.transpose(x_NHI, (1, 2, 0)), precision=precision,
+    if transpose_w:  # w [H, J, I]: the weight as the left operand
+        y_HJN = jnp.einsum("hji,hin->hjn", w, jnp.transpose(x_NHI, (1, 2, 0)), precision=precision,
                            preferred_element_type=_F32)
-        y_HNO = jnp.swapaxes(jax.lax.optimization_barrier(y_HON), 1, 2)
+        y_HNJ = jnp.swapaxes(jax.lax.optimization_barrier(y_HJN), 1, 2)
     else:
-        y_HNO = jnp.einsum("hni,hio->hno", jnp.moveaxis(x_NHI, 1, 0), w, precision=precision,
+        y_HNJ = jnp.einsum("hni,hij->hnj", jnp.moveaxis(x_NHI, 1, 0), w, precision=precision,
                            preferred_element_type=_F32)
-    return jnp.moveaxis(y_HNO, 0, 1).reshape(B, T, H, -1)
+    return jnp.moveaxis(y_HNJ, 0, 1).reshape(B, T, H, -1)

@@ -27,7 +27,7 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, pla
     # q_lat is float32 (absorbed in float32 by the caller); the kernel multiplies in the cache dtype.
     dt = c_BSR.dtype
     u = flash(rows(q_lat_BTHR.astype(dt)), c_BSR[:, :, None, :], None, qpos, scale=scale,
-              q_pe_BGRO=rows(q_pe_BTHO.astype(dt)), k_pe_BSO=kpe_BSO.astype(dt), v_is_k=True, platform=platform,
+              q_pe_BGAO=rows(q_pe_BTHO.astype(dt)), k_pe_BSO=kpe_BSO.astype(dt), v_is_k=True, platform=platform,
               interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits,
               num_warps=num_warps or (8 if R > 256 else None))  # 8 warps: room for the [bq, R] accumulator
     return u.reshape(B, T, H, R)

@@ -1,7 +1,8 @@
 """MoE expert matmuls with bf16/f32 or MXFP4-packed weights.
 
-``gmm(x [M, K], w [E, N, K], group_sizes [E])`` for expert-sorted rows (prefill-shaped) and
-``gather_matmul(x [N, X, K], w [E, N_out, K], idx [N, X])`` for few tokens (decode-shaped). Both return float32.
+``gmm(x [M, I], w [E, J, I], group_sizes [E]) -> [M, J]`` for expert-sorted rows (prefill-shaped) and
+``gather_matmul(x [N, X, I], w [E, J, I], idx [N, X]) -> [N, X, J]`` for few tokens (decode-shaped). Both return
+float32.
 ``w`` is a float array or a :class:`kernels_pallas.mxfp4.MXFP4Weight` (kept packed; the kernels decode per tile).
 
 ``gather_matmul`` has a third implementation, ``"cpu_native"`` (:mod:`kernels_pallas.matvec`): on XLA:CPU with float32
@@ -32,8 +33,8 @@ from kernels_pallas._dispatch import (
 from kernels_pallas.matvec import native
 from kernels_pallas.moe_gmm import pallas, reference, xla_cpu
 
-GMM_RULE = Rule(args=("MK", "ENK", "E"), out="MN")
-GATHER_RULE = Rule(args=("NXK", "ENK", "NX"), out="NXO", split=(("N", "batch"),))
+GMM_RULE = Rule(args=("MI", "EJI", "E"), out="MJ")
+GATHER_RULE = Rule(args=("NXI", "EJI", "NX"), out="NXJ", split=(("N", "batch"),))
 
 
 def _native_item(x, w, idx, compute_dtype):

@@ -1,6 +1,6 @@
 """MoE expert matmuls in Pallas, with bf16/f32 weights or MXFP4 weights unpacked inside the kernel.
 
-MXFP4 stays packed in HBM (uint8 ``[E, N, K/2]`` + E8M0 ``[E, N, K/32]``, ~0.53 byte per weight) and is decoded
+MXFP4 stays packed in HBM (uint8 ``[E, J, I/2]`` + E8M0 ``[E, J, I/32]``, ~0.53 byte per weight) and is decoded
 tile by tile next to the multiply. Byte j of a row holds element 2j (low nibble) and 2j+1 (high nibble); rather
 than interleave nibbles in the kernel, the wrapper splits the *activations* into even and odd columns once, and
 the kernel multiplies low nibbles with even columns and high nibbles with odd ones. E2M1 codes decode with a few
@@ -56,18 +56,18 @@ def _decode_e8m0(s):
 
 
 def _expand_scale(sc, width, platform):
-    """[rows, G] scales -> [rows, width] with each scale repeated over its 16 packed bytes."""
-    rows, G = sc.shape
+    """[rows, n_groups] scales -> [rows, width] with each scale repeated over its 16 packed bytes."""
+    rows, n_groups = sc.shape
     if platform == "tpu":  # one-hot matmul: Mosaic reshapes below 128 lanes are not safe
-        onehot = (jax.lax.broadcasted_iota(jnp.int32, (G, width), 1) // (GROUP // 2)
-                  == jax.lax.broadcasted_iota(jnp.int32, (G, width), 0)).astype(F32)
+        onehot = (jax.lax.broadcasted_iota(jnp.int32, (n_groups, width), 1) // (GROUP // 2)
+                  == jax.lax.broadcasted_iota(jnp.int32, (n_groups, width), 0)).astype(F32)
         return jax.lax.dot_general(sc, onehot, (((1,), (0,)), ((), ())), preferred_element_type=F32,
                                    precision=jax.lax.Precision.HIGHEST)
-    return jnp.broadcast_to(sc[:, :, None], (rows, G, GROUP // 2)).reshape(rows, width)
+    return jnp.broadcast_to(sc[:, :, None], (rows, n_groups, GROUP // 2)).reshape(rows, width)
 
 
 def _mxfp4_halves(packed, scale, platform):
-    """Packed bytes [rows, kh] + scale bytes [rows, kh/16] -> (low, high) float32 weights [rows, kh] each."""
+    """Packed bytes [rows, ih] + scale bytes [rows, ih/16] -> (low, high) float32 weights [rows, ih] each (ih = I/2)."""
     b = packed.astype(jnp.int32)
     sc = _expand_scale(_decode_e8m0(scale), b.shape[1], platform)
     return _decode_e2m1(b & 15) * sc, _decode_e2m1(jnp.right_shift(b, 4)) * sc
@@ -116,39 +116,42 @@ def _pow2_divisor(n: int, target: int, minimum: int) -> int | None:
     return None
 
 
-def _blocks(N, K, *, quant, platform, block_n, block_k, k_target=512):
-    """Output and contraction blocks that divide N and K where they can, so the (large) weight arrays are never
-    padded at real sizes; a dimension with no power-of-two factor large enough (the tiny test models' 32-wide
-    MXFP4 experts) takes the smallest block and the wrapper pads it (:func:`_pad_k`)."""
+def _blocks(J, I, *, quant, platform, block_n, block_k, k_target=512):
+    """Output (``block_n``, over J) and contraction (``block_k``, over I) blocks, the tile knobs of :func:`gmm`
+    (with ``block_m`` rows) and :func:`gather_matmul` in GEMM terms, that divide J and I where they can,
+    so the (large) weight arrays are never padded at real sizes; a dimension with no power-of-two factor large
+    enough (the tiny test models' 32-wide MXFP4 experts) takes the smallest block and the wrapper pads it
+    (:func:`_pad_i`)."""
     if platform == "tpu":
-        bn = block_n or next((b for b in (512, 256, 128) if N % b == 0), N)
-        return bn, K  # whole K per step on TPU (no lane-misaligned slices)
+        bn = block_n or next((b for b in (512, 256, 128) if J % b == 0), J)
+        return bn, I  # whole I per step on TPU (no lane-misaligned slices)
     k_min = 64 if quant else 16
-    bn = block_n or _pow2_divisor(N, 64, 16) or 16
-    bk = block_k or _pow2_divisor(K, k_target, k_min) or k_min
+    bn = block_n or _pow2_divisor(J, 64, 16) or 16
+    bk = block_k or _pow2_divisor(I, k_target, k_min) or k_min
     return bn, bk
 
 
-def _pad_k(x, warrs, K, Kp, quant):
-    """Zero columns ``K..Kp`` of the activations and weights (MXFP4: code 0 is +0.0 whatever its scale)."""
-    if Kp == K:
+def _pad_i(x, warrs, I, Ip, quant):
+    """Zero columns ``I..Ip`` of the activations and weights (MXFP4: code 0 is +0.0 whatever its scale)."""
+    if Ip == I:
         return x, warrs
-    x = pad_axis(x, -1, Kp)
+    x = pad_axis(x, -1, Ip)
     if quant:
         packed, scale = warrs
-        return x, (pad_axis(packed, -1, Kp // 2), pad_axis(scale, -1, Kp // GROUP, value=127))
-    return x, tuple(pad_axis(a, -1, Kp) for a in warrs)
+        return x, (pad_axis(packed, -1, Ip // 2), pad_axis(scale, -1, Ip // GROUP, value=127))
+    return x, tuple(pad_axis(a, -1, Ip) for a in warrs)
 
 
 def _weight_arrays(w, dt):
+    """(MXFP4?, the weight's arrays, E, J, I) of a ``[E, J, I]`` weight."""
     if isinstance(w, MXFP4Weight):
         packed, scale = w
-        E, N, kh = packed.shape
-        if scale.shape != (E, N, kh * 2 // GROUP):
+        E, J, ih = packed.shape
+        if scale.shape != (E, J, ih * 2 // GROUP):
             raise ValueError(f"MXFP4 packed {packed.shape} and scale {scale.shape} do not match")
-        return True, (packed, scale), E, N, kh * 2
-    E, N, K = w.shape
-    return False, (w,), E, N, K
+        return True, (packed, scale), E, J, ih * 2
+    E, J, I = w.shape
+    return False, (w,), E, J, I
 
 
 def _split_even_odd(x):
@@ -186,8 +189,8 @@ def _tile_plan(group_sizes_E, M: int, E: int, bm: int) -> _TilePlan:
     return _TilePlan(bm, n_tiles, gs, starts, tiles, tile_end, used, tile_e, active)
 
 
-def _tile_rows(x_MK, plan: _TilePlan, dt):
-    """Sorted rows ``[M, K]`` -> tiled rows ``[n_tiles * bm, K]`` in ``dt``: padded row p <- sorted row src (or
+def _tile_rows(x_MI, plan: _TilePlan, dt):
+    """Sorted rows ``[M, I]`` -> tiled rows ``[n_tiles * bm, I]`` in ``dt``: padded row p <- sorted row src (or
     zeros)."""
     bm, tiles, tile_end = plan.bm, plan.tiles, plan.tile_end
     p = jnp.arange(plan.n_tiles * bm, dtype=jnp.int32)
@@ -195,68 +198,67 @@ def _tile_rows(x_MK, plan: _TilePlan, dt):
     off = (p // bm - (tile_end[pe] - tiles[pe])) * bm + p % bm
     valid = (p // bm < plan.used) & (off < plan.gs[pe])
     src = jnp.where(valid, plan.starts[pe] + off, 0)
-    return jnp.where(valid[:, None], x_MK[src].astype(dt), jnp.zeros((), dt))
+    return jnp.where(valid[:, None], x_MI[src].astype(dt), jnp.zeros((), dt))
 
 
-def _untile_rows(out, plan: _TilePlan, M: int, E: int, N: int):
-    """Kernel output ``[n_tiles * bm, Np]`` -> ``[M, N]``: sorted row r from its padded position; rows past
+def _untile_rows(out, plan: _TilePlan, M: int, E: int, J: int):
+    """Kernel output ``[n_tiles * bm, Jp]`` -> ``[M, J]``: sorted row r from its padded position; rows past
     sum(group_sizes) give zeros."""
     bm, gs, starts, tiles, tile_end = plan.bm, plan.gs, plan.starts, plan.tiles, plan.tile_end
     r = jnp.arange(M, dtype=jnp.int32)
     re = jnp.minimum(jnp.searchsorted(starts + gs, r, side="right"), E - 1)
     pos = (tile_end[re] - tiles[re]) * bm + (r - starts[re])
     keep = r < jnp.sum(gs)
-    return jnp.where(keep[:, None], out[jnp.where(keep, pos, 0), :N], 0.0)
+    return jnp.where(keep[:, None], out[jnp.where(keep, pos, 0), :J], 0.0)
 
 
-def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, platform="gpu", interpret=False, block_m=None,
+def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None, platform="gpu", interpret=False, block_m=None,
         block_n=None, block_k=None, num_warps=None, num_stages=None):
-    """Grouped matmul; same contract as :func:`kernels_pallas.moe_gmm.reference.gmm`. Returns ``[M, N]`` f32."""
-    dt = jnp.dtype(compute_dtype or x_MK.dtype)
-    quant, warrs, E, N, K = _weight_arrays(w_ENK, dt)
-    M = x_MK.shape[0]
-    if x_MK.shape[1] != K:
-        raise ValueError(f"gmm: x {x_MK.shape} does not match weights of input width {K}")
+    """Grouped matmul; same contract as :func:`kernels_pallas.moe_gmm.reference.gmm`. Returns ``[M, J]`` f32."""
+    dt = jnp.dtype(compute_dtype or x_MI.dtype)
+    quant, warrs, E, J, I = _weight_arrays(w_EJI, dt)
+    M = x_MI.shape[0]
+    if x_MI.shape[1] != I:
+        raise ValueError(f"gmm: x {x_MI.shape} does not match weights of input width {I}")
     # Row tile from the average group size: K3 prefill (896 experts, ~10 rows each) wants 16-row tiles, a few
     # big groups want 64. Each tile reads its expert's weights once, so oversized tiles only waste compute.
     bm = block_m or min(64, max(16, next_pow2(M // max(E, 1))))
-    # Triton stages the x and weight tiles of a step in shared memory: 64-row tiles with a 512-wide K step asked
+    # Triton stages the x and weight tiles of a step in shared memory: 64-row tiles with a 512-wide I step asked
     # 258 KiB of the 227 KiB an H100/H200 block may use (compiled for both), so wide row tiles take shorter steps.
-    bn, bk = _blocks(N, K, quant=quant, platform=platform, block_n=block_n, block_k=block_k,
+    bn, bk = _blocks(J, I, quant=quant, platform=platform, block_n=block_n, block_k=block_k,
                      k_target=min(512, 16384 // bm))
     plan = _tile_plan(group_sizes_E, M, E, bm)
-    xs = _tile_rows(x_MK, plan, dt)  # [n_tiles * bm, K]
-    K0, K = K, round_up(K, bk)
-    xs, warrs = _pad_k(xs, warrs, K0, K, quant)
-    out = _gmm_call(xs, warrs, plan.tile_e, plan.active, E=E, N=N, bm=bm, bn=bn, bk=bk, quant=quant, dt=dt,
+    xs = _tile_rows(x_MI, plan, dt)  # [n_tiles * bm, I]
+    xs, warrs = _pad_i(xs, warrs, I, round_up(I, bk), quant)
+    out = _gmm_call(xs, warrs, plan.tile_e, plan.active, E=E, J=J, bm=bm, bn=bn, bk=bk, quant=quant, dt=dt,
                     platform=platform, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
-    return _untile_rows(out, plan, M, E, N)
+    return _untile_rows(out, plan, M, E, J)
 
 
-def _gmm_call(xs, warrs, tile_e, active, *, E, N, bm, bn, bk, quant, dt, platform, interpret, num_warps,
+def _gmm_call(xs, warrs, tile_e, active, *, E, J, bm, bn, bk, quant, dt, platform, interpret, num_warps,
               num_stages):
-    """The grouped-matmul launch over tiled rows xs ``[n_tiles * bm, K]`` (K a multiple of bk) and the weight
-    arrays of :func:`_weight_arrays` (K-padded), grid (tiles, output blocks). Returns ``[n_tiles * bm, Np]``
-    float32, N padded to a multiple of bn."""
-    n_tiles, K = tile_e.shape[0], xs.shape[1]
-    Np = round_up(N, bn)
-    if Np != N:
-        warrs = tuple(pad_axis(a, 1, Np) for a in warrs)
+    """The grouped-matmul launch over tiled rows xs ``[n_tiles * bm, Ip]`` (Ip a multiple of bk) and the weight
+    arrays of :func:`_weight_arrays` (I-padded), grid (tiles, output blocks). Returns ``[n_tiles * bm, Jp]``
+    float32, J padded to a multiple of bn."""
+    n_tiles, Ip = tile_e.shape[0], xs.shape[1]
+    Jp = round_up(J, bn)
+    if Jp != J:
+        warrs = tuple(pad_axis(a, 1, Jp) for a in warrs)
     if quant:
         xe, xo = _split_even_odd(xs)
         xargs = (xe, xo)
-        x_specs = [pl.BlockSpec((bm, K // 2), lambda i, j, *_: (i, 0))] * 2
-        wshapes = [(Np, K // 2), (Np, K // GROUP)]
+        x_specs = [pl.BlockSpec((bm, Ip // 2), lambda i, j, *_: (i, 0))] * 2
+        wshapes = [(Jp, Ip // 2), (Jp, Ip // GROUP)]
     else:
         xargs = (xs,)
-        x_specs = [pl.BlockSpec((bm, K), lambda i, j, *_: (i, 0))]
-        wshapes = [(Np, K)]
-    out_shape = jax.ShapeDtypeStruct((n_tiles * bm, Np), F32)
-    kernel = functools.partial(_gmm_kernel, quant=quant, bk=bk, n_k=K // bk, dt=dt, platform=platform,
+        x_specs = [pl.BlockSpec((bm, Ip), lambda i, j, *_: (i, 0))]
+        wshapes = [(Jp, Ip)]
+    out_shape = jax.ShapeDtypeStruct((n_tiles * bm, Jp), F32)
+    kernel = functools.partial(_gmm_kernel, quant=quant, bk=bk, n_k=Ip // bk, dt=dt, platform=platform,
                                precision=jax.lax.Precision.HIGHEST if dt == jnp.float32 else None)
     params = compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
                              semantics=("parallel", "parallel"))
-    grid = (n_tiles, Np // bn)
+    grid = (n_tiles, Jp // bn)
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -288,7 +290,7 @@ def _gather_kernel(*refs, quant, bk, n_k, dt, platform):
     e = ids_ref[pl.program_id(0)]
     sel = (lambda ref, ks: ref[e, :, ks]) if platform != "tpu" else (lambda ref, ks: ref[:, ks])
 
-    def body(kk, acc):  # acc [bn, 1]: weights x activation row, reduced over K on the vector units
+    def body(kk, acc):  # acc [bn, 1]: weights x activation row, reduced over I on the vector units
         if quant:
             h = bk // 2
             kb = pl.multiple_of(kk * h, h)
@@ -304,40 +306,40 @@ def _gather_kernel(*refs, quant, bk, n_k, dt, platform):
     o_ref[...] = jax.lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, F32))
 
 
-def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, platform="gpu", interpret=False, block_n=None,
+def gather_matmul(x_NXI, w_EJI, idx_NX, *, compute_dtype=None, platform="gpu", interpret=False, block_n=None,
                   block_k=None, num_warps=None, num_stages=None):
-    """Decode-shaped expert matmul; same contract as the reference. Returns ``[N, X, N_out]`` float32.
+    """Decode-shaped expert matmul; same contract as the reference. Returns ``[N, X, J]`` float32.
 
     Products are of compute-dtype values (MXFP4 decodes exactly into any of them), summed in float32.
     """
-    dt = jnp.dtype(compute_dtype or x_NXK.dtype)
-    quant, warrs, E, Nout, K = _weight_arrays(w_ENK, dt)
-    Nt, X, Kx = x_NXK.shape
-    if Kx != K:
-        raise ValueError(f"gather_matmul: x {x_NXK.shape} does not match weights of input width {K}")
-    bn, bk = _blocks(Nout, K, quant=quant, platform=platform, block_n=block_n or (None if platform == "tpu" else 64),
+    dt = jnp.dtype(compute_dtype or x_NXI.dtype)
+    quant, warrs, E, J, I = _weight_arrays(w_EJI, dt)
+    N, X, Ix = x_NXI.shape
+    if Ix != I:
+        raise ValueError(f"gather_matmul: x {x_NXI.shape} does not match weights of input width {I}")
+    bn, bk = _blocks(J, I, quant=quant, platform=platform, block_n=block_n or (None if platform == "tpu" else 64),
                      block_k=block_k)
-    P = Nt * X
-    ids = idx_NX.reshape(P).astype(jnp.int32)
-    x = x_NXK.reshape(P, 1, K).astype(dt)
-    K0, K = K, round_up(K, bk)
-    x, warrs = _pad_k(x, warrs, K0, K, quant)
-    Np = round_up(Nout, bn)
-    if Np != Nout:
-        warrs = tuple(pad_axis(a, 1, Np) for a in warrs)
+    M = N * X  # one program row per (token, chosen expert) slot
+    ids = idx_NX.reshape(M).astype(jnp.int32)
+    x = x_NXI.reshape(M, 1, I).astype(dt)
+    Ip = round_up(I, bk)
+    x, warrs = _pad_i(x, warrs, I, Ip, quant)
+    Jp = round_up(J, bn)
+    if Jp != J:
+        warrs = tuple(pad_axis(a, 1, Jp) for a in warrs)
     if quant:
         xargs = _split_even_odd(x)
-        x_specs = [pl.BlockSpec((None, 1, K // 2), lambda p, j, *_: (p, 0, 0))] * 2
-        wshapes = [(Np, K // 2), (Np, K // GROUP)]
+        x_specs = [pl.BlockSpec((None, 1, Ip // 2), lambda p, j, *_: (p, 0, 0))] * 2
+        wshapes = [(Jp, Ip // 2), (Jp, Ip // GROUP)]
     else:
         xargs = (x,)
-        x_specs = [pl.BlockSpec((None, 1, K), lambda p, j, *_: (p, 0, 0))]
-        wshapes = [(Np, K)]
-    out_shape = jax.ShapeDtypeStruct((P, Np, 1), F32)
-    kernel = functools.partial(_gather_kernel, quant=quant, bk=bk, n_k=K // bk, dt=dt, platform=platform)
+        x_specs = [pl.BlockSpec((None, 1, Ip), lambda p, j, *_: (p, 0, 0))]
+        wshapes = [(Jp, Ip)]
+    out_shape = jax.ShapeDtypeStruct((M, Jp, 1), F32)
+    kernel = functools.partial(_gather_kernel, quant=quant, bk=bk, n_k=Ip // bk, dt=dt, platform=platform)
     params = compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages,
                              semantics=("parallel", "parallel"))
-    grid = (P, Np // bn)
+    grid = (M, Jp // bn)
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -352,8 +354,8 @@ def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, platform="gpu", i
         w_specs = [pl.BlockSpec((E, bn, s[1]), lambda p, j: (0, j, 0)) for s in wshapes]
         out = pl.pallas_call(
             kernel, out_shape=out_shape, grid=grid,
-            in_specs=[pl.BlockSpec((P,), lambda p, j: (0,)), *x_specs, *w_specs],
+            in_specs=[pl.BlockSpec((M,), lambda p, j: (0,)), *x_specs, *w_specs],
             out_specs=pl.BlockSpec((None, bn, 1), lambda p, j: (p, j, 0)), interpret=interpret,
             compiler_params=params, name="moe_gather_matmul",
         )(ids, *xargs, *warrs)
-    return out[:, :Nout, 0].reshape(Nt, X, Nout)
+    return out[:, :J, 0].reshape(N, X, J)

@@ -1,6 +1,6 @@
 """MoE expert matmuls in plain jnp: the oracle for the grouped-matmul kernels and the CPU path.
 
-Weights are ``[E, N, K]`` (checkpoint layout ``[out, in]`` per expert), either a float array or an
+Weights are ``[E, J, I]`` (checkpoint layout ``[out, in]`` per expert), either a float array or an
 :class:`~kernels_pallas.mxfp4.MXFP4Weight` that is decoded here (the kernels decode per tile instead).
 """
 
@@ -14,14 +14,14 @@ from kernels_pallas.mxfp4 import MXFP4Weight, as_dense
 _F32 = jnp.float32
 
 
-def _expert(w_ENK, e, dt):
-    """Expert ``e``'s weight ``[N, K]`` in ``dt`` (an MXFP4 expert is decoded here, only this one)."""
-    if isinstance(w_ENK, MXFP4Weight):
-        return as_dense(MXFP4Weight(w_ENK.packed[e], w_ENK.scale[e]), dt)
-    return w_ENK[e].astype(dt)
+def _expert(w_EJI, e, dt):
+    """Expert ``e``'s weight ``[J, I]`` in ``dt`` (an MXFP4 expert is decoded here, only this one)."""
+    if isinstance(w_EJI, MXFP4Weight):
+        return as_dense(MXFP4Weight(w_EJI.packed[e], w_EJI.scale[e]), dt)
+    return w_EJI[e].astype(dt)
 
 
-def _tile_loop(out, xp, w_ENK, starts_E, counts_E, tile, dt):
+def _tile_loop(out, xp, w_EJI, starts_E, counts_E, tile, dt):
     """Rows ``starts[e] .. starts[e] + counts[e]`` of ``xp`` times expert ``e``, written into ``out``: the
     rows are cut into tiles of ``tile`` and one loop runs over the tiles in use."""
     E = starts_E.shape[0]
@@ -32,7 +32,7 @@ def _tile_loop(out, xp, w_ENK, starts_E, counts_E, tile, dt):
     def body(t, out):
         e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1)
         r0 = starts_E[e] + (t - (tile_end[e] - tiles[e])) * tile
-        y = jnp.einsum("mk,nk->mn", jax.lax.dynamic_slice_in_dim(xp, r0, tile), _expert(w_ENK, e, dt),
+        y = jnp.einsum("mi,ji->mj", jax.lax.dynamic_slice_in_dim(xp, r0, tile), _expert(w_EJI, e, dt),
                        preferred_element_type=_F32)
         keep = (r0 + jnp.arange(tile) < ends[e])[:, None]  # rows past the group belong to the next one
         cur = jax.lax.dynamic_slice_in_dim(out, r0, tile)
@@ -41,55 +41,55 @@ def _tile_loop(out, xp, w_ENK, starts_E, counts_E, tile, dt):
     return jax.lax.fori_loop(0, tile_end[-1], body, out)
 
 
-def gmm(x_MK, w_ENK, group_sizes_E, *, compute_dtype=None, tile=32, capacity=None):
+def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None, tile=32, capacity=None):
     """Grouped matmul: rows of ``x`` are sorted by expert, ``group_sizes[e]`` rows use expert ``e``.
 
-    Rows past ``sum(group_sizes)`` produce zeros. Returns ``[M, N]`` float32.
+    Rows past ``sum(group_sizes)`` produce zeros. Returns ``[M, J]`` float32.
 
     ``lax.ragged_dot`` is this product, but XLA:CPU expands it into a dense product with every expert (15x
     slower for 16 experts at 1024 rows). Here, for float weights, the first ``capacity`` rows of every group
-    (default 1.25x the mean group, so usually all of them) go through one batched ``[E, C, K] x [E, N, K]``
+    (default 1.25x the mean group, so usually all of them) go through one batched ``[E, cap, I] x [E, J, I]``
     product that reads each expert once; the rows past it, and MXFP4 weights (decoded one expert at a time),
     go through a loop over row tiles of ``tile``. Exact either way: nothing is dropped.
     """
-    dt = compute_dtype or x_MK.dtype
-    M, K = x_MK.shape
-    E, N = group_sizes_E.shape[0], w_ENK.shape[1]
+    dt = compute_dtype or x_MI.dtype
+    M, I = x_MI.shape
+    E, J = group_sizes_E.shape[0], w_EJI.shape[1]
     sizes = group_sizes_E.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    xp = jnp.concatenate([x_MK.astype(dt), jnp.zeros((tile, K), dt)])  # a tile may run past row M
-    out = jnp.zeros((M + tile, N), _F32)
-    C = capacity or -(-(5 * M) // (4 * E) // 8) * 8 or 8
+    xp = jnp.concatenate([x_MI.astype(dt), jnp.zeros((tile, I), dt)])  # a tile may run past row M
+    out = jnp.zeros((M + tile, J), _F32)
+    cap = capacity or -(-(5 * M) // (4 * E) // 8) * 8 or 8
     take = jnp.zeros_like(sizes)
-    if not isinstance(w_ENK, MXFP4Weight) and E * C <= 2 * M:
-        take = jnp.minimum(sizes, C)
-        rows = starts[:, None] + jnp.arange(C)[None]  # [E, C]
-        valid = jnp.arange(C)[None] < take[:, None]
+    if not isinstance(w_EJI, MXFP4Weight) and E * cap <= 2 * M:
+        take = jnp.minimum(sizes, cap)
+        rows = starts[:, None] + jnp.arange(cap)[None]  # [E, cap]
+        valid = jnp.arange(cap)[None] < take[:, None]
         xe = jnp.where(valid[..., None], xp[jnp.where(valid, rows, M)], 0)
-        ye = jnp.einsum("eck,enk->ecn", xe, w_ENK.astype(dt), preferred_element_type=_F32)
+        ye = jnp.einsum("emi,eji->emj", xe, w_EJI.astype(dt), preferred_element_type=_F32)
         out = out.at[jnp.where(valid, rows, M + tile)].set(ye, mode="drop")
-    return _tile_loop(out, xp, w_ENK, starts + take, sizes - take, tile, dt)[:M]
+    return _tile_loop(out, xp, w_EJI, starts + take, sizes - take, tile, dt)[:M]
 
 
-def gather_matmul(x_NXK, w_ENK, idx_NX, *, compute_dtype=None, unroll_slots=16):
-    """Decode-shaped expert matmul: token n's slot x uses expert ``idx[n, x]``. Returns ``[N, X, N_out]`` f32.
+def gather_matmul(x_NXI, w_EJI, idx_NX, *, compute_dtype=None, unroll_slots=16):
+    """Decode-shaped expert matmul: token n's slot x uses expert ``idx[n, x]``. Returns ``[N, X, J]`` f32.
 
     Only the chosen experts' weights are read (and, for MXFP4, decoded): at small batch this is the
     bandwidth-optimal form. Each of the N*X slots is one matrix-vector product with its expert's weight; gathering
-    the weights into one ``[N, X, N_out, K]`` array first would copy them (2x slower on XLA:CPU). Up to
+    the weights into one ``[N, X, J, I]`` array first would copy them (2x slower on XLA:CPU). Up to
     ``unroll_slots`` slots are written out as independent products, which XLA:CPU may run concurrently and without
     loop bookkeeping (batch-1 decode of the benchmark model, in-process A/B of 9 runs each: median 30.3 vs 31.2 ms
     per step; one profiled run 27.9 vs 31.8); more slots run in a loop, so the program stays small.
     """
-    dt = compute_dtype or x_NXK.dtype
-    N, X, K = x_NXK.shape
-    xs = x_NXK.reshape(N * X, K).astype(dt)
+    dt = compute_dtype or x_NXI.dtype
+    N, X, I = x_NXI.shape
+    xs = x_NXI.reshape(N * X, I).astype(dt)
     ids = idx_NX.reshape(N * X)
-    product = lambda s: jnp.dot(_expert(w_ENK, ids[s], dt), xs[s], preferred_element_type=_F32)
+    product = lambda m: jnp.dot(_expert(w_EJI, ids[m], dt), xs[m], preferred_element_type=_F32)
     if N * X <= unroll_slots:
-        return jnp.stack([product(s) for s in range(N * X)]).reshape(N, X, -1)
-    out = jax.lax.fori_loop(0, N * X, lambda s, out: out.at[s].set(product(s)),
-                            jnp.zeros((N * X, w_ENK.shape[1]), _F32))
+        return jnp.stack([product(m) for m in range(N * X)]).reshape(N, X, -1)
+    out = jax.lax.fori_loop(0, N * X, lambda m, out: out.at[m].set(product(m)),
+                            jnp.zeros((N * X, w_EJI.shape[1]), _F32))
     return out.reshape(N, X, -1)
 
 

@@ -8,7 +8,7 @@
   sources -- the sealed blocks (block 0 is the token embedding, block j the sum of block j's sublayer outputs) and
   the running partial sum of the current block. Layer 0 has no attention-side mix (nothing to mix yet), so K3 has
   ``2 L`` mixes (``L - 1`` attention, ``L`` MLP, one output).
-* KDA state norms (:func:`kda_state_norms`): the Frobenius norm of each KDA layer's recurrent state ``[H, K, V]``
+* KDA state norms (:func:`kda_state_norms`): the Frobenius norm of each KDA layer's recurrent state ``[H, K, U]``
   after every chunk of a continued prefill (``prefix=True`` over one static cache).
 
 Everything returns plain numpy / dataclasses of numpy so it can be checked in tests."""
@@ -163,7 +163,7 @@ def _continue(graphdef, params, cache, ids_BT):
 
 @dataclasses.dataclass
 class StateNorms:
-    """``norms [n_chunks, B, n_kda]``: Frobenius norm of each KDA layer's state ``[H, K, V]`` after each chunk;
+    """``norms [n_chunks, B, n_kda]``: Frobenius norm of each KDA layer's state ``[H, K, U]`` after each chunk;
     ``positions [n_chunks]``: tokens consumed by then; ``layers``: the KDA layer indices."""
 
     positions: np.ndarray

@@ -82,37 +82,37 @@ class Rule:
         return re.fullmatch(self.pattern, name)
 
 
-L = r"model\.layers\.(?P<layer>\d+)\."
-E = r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<w>w[123])\."
+LAYER = r"model\.layers\.(?P<layer>\d+)\."
+EXPERT = r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<w>w[123])\."
 RULES = (
     Rule(r"model\.embed_tokens\.weight", "embed_tokens"),
     Rule(r"model\.norm\.weight", "norm"),
     Rule(r"lm_head\.weight", "lm_head"),
     Rule(r"model\.output_attn_res_norm\.weight", "output_attn_res.norm"),
     Rule(r"model\.output_attn_res_proj\.weight", "output_attn_res.proj", _row_vector),
-    Rule(L + r"(?P<n>input_layernorm|post_attention_layernorm)\.weight", "layers.{layer}.{n}"),
-    Rule(L + r"(?P<site>self_attention|mlp)_res_norm\.weight", "layers.{layer}.{site}_res.norm"),
-    Rule(L + r"(?P<site>self_attention|mlp)_res_proj\.weight", "layers.{layer}.{site}_res.proj", _row_vector),
+    Rule(LAYER + r"(?P<n>input_layernorm|post_attention_layernorm)\.weight", "layers.{layer}.{n}"),
+    Rule(LAYER + r"(?P<site>self_attention|mlp)_res_norm\.weight", "layers.{layer}.{site}_res.norm"),
+    Rule(LAYER + r"(?P<site>self_attention|mlp)_res_proj\.weight", "layers.{layer}.{site}_res.proj", _row_vector),
     # Attention (KDA / MLA / GQA share the `self_attn.` prefix; the layer's kind decides what exists).
-    Rule(L + r"self_attn\.(?P<n>[qkv]_conv1d)\.weight", "layers.{layer}.self_attn.{n}", _conv),
-    Rule(L + r"self_attn\.A_log", "layers.{layer}.self_attn.A_log", _a_log),
-    Rule(L + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
-    Rule(L + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
+    Rule(LAYER + r"self_attn\.(?P<n>[qkv]_conv1d)\.weight", "layers.{layer}.self_attn.{n}", _conv),
+    Rule(LAYER + r"self_attn\.A_log", "layers.{layer}.self_attn.A_log", _a_log),
+    Rule(LAYER + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
+    Rule(LAYER + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
          "layers.{layer}.self_attn.{n}"),
     # Dense MLP (layer 0 of Kimi models; every Llama layer). HF transformers writes Kimi Linear's dense layer
     # under `block_sparse_moe.` too (its save-time rename maps every `.mlp.` back).
-    Rule(L + r"(?:mlp|block_sparse_moe)\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
+    Rule(LAYER + r"(?:mlp|block_sparse_moe)\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
     # MoE.
-    Rule(L + r"block_sparse_moe\.gate\.weight", "layers.{layer}.mlp.gate"),
-    Rule(L + r"block_sparse_moe\.gate\.e_score_correction_bias", "layers.{layer}.mlp.e_score_correction_bias"),
-    Rule(L + r"block_sparse_moe\.(?P<n>routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)\.weight",
+    Rule(LAYER + r"block_sparse_moe\.gate\.weight", "layers.{layer}.mlp.gate"),
+    Rule(LAYER + r"block_sparse_moe\.gate\.e_score_correction_bias", "layers.{layer}.mlp.e_score_correction_bias"),
+    Rule(LAYER + r"block_sparse_moe\.(?P<n>routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)\.weight",
          "layers.{layer}.mlp.{n}"),
-    Rule(L + r"block_sparse_moe\.shared_experts\.(?P<n>gate_proj|up_proj|down_proj)\.weight",
+    Rule(LAYER + r"block_sparse_moe\.shared_experts\.(?P<n>gate_proj|up_proj|down_proj)\.weight",
          "layers.{layer}.mlp.shared_experts.{n}"),
-    Rule(L + E + r"weight", "layers.{layer}.mlp.experts.{w}", stacked=True),
+    Rule(LAYER + EXPERT + r"weight", "layers.{layer}.mlp.experts.{w}", stacked=True),
     # compressed-tensors MXFP4 (kernels_pallas/mxfp4.py): the two fields of one MXFP4Weight
-    Rule(L + E + r"weight_packed", "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
-    Rule(L + E + r"weight_scale", "layers.{layer}.mlp.experts.{w}.scale", stacked=True),
+    Rule(LAYER + EXPERT + r"weight_packed", "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
+    Rule(LAYER + EXPERT + r"weight_scale", "layers.{layer}.mlp.experts.{w}.scale", stacked=True),
 )
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")

@@ -161,7 +161,7 @@ def k3_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
     if not isinstance(t, dict):
         raise ValueError("K3 config needs a text_config object (the release's top-level kimi_k3 wrapper)")
     dt = _st_dtype(dtype)
-    D, L, V = _req(t, "hidden_size", "text_config"), _req(t, "num_hidden_layers", "text_config"), t["vocab_size"]
+    D, n_layers, V = _req(t, "hidden_size", "text_config"), _req(t, "num_hidden_layers", "text_config"), t["vocab_size"]
     lac = _req(t, "linear_attn_config", "text_config")
     kda = {int(i) - 1 for i in lac.get("kda_layers") or ()}  # 1-based in the release
     H, K, W = lac["num_heads"], lac["head_dim"], lac.get("short_conv_kernel_size", 4)
@@ -183,7 +183,7 @@ def k3_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
                 Spec(pre + "model.output_attn_res_proj.weight", dt, (1, D), "res_proj")]
     if not (config.get("tie_word_embeddings") or t.get("tie_word_embeddings")):
         out.append(Spec(pre + "lm_head.weight", dt, (V, D), "lm_head"))
-    for i in range(L):
+    for i in range(n_layers):
         p = f"{pre}model.layers.{i}."
         out += [Spec(p + "input_layernorm.weight", dt, (D,), "norm", i),
                 Spec(p + "post_attention_layernorm.weight", dt, (D,), "norm", i)]
@@ -208,9 +208,9 @@ def k3_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
             out.append(Spec(m + "routed_expert_up_proj.weight", dt, (D, latent), "linear", i))
         if n_shared:
             out += _mlp_specs(m + "shared_experts.", D, F * n_shared, dt, i)
-        Li = latent or D
+        L = latent or D
         for e in range(E):
-            for w, (rows, cols) in (("w1", (F, Li)), ("w2", (Li, F)), ("w3", (F, Li))):
+            for w, (rows, cols) in (("w1", (F, L)), ("w2", (L, F)), ("w3", (F, L))):
                 q = f"{m}experts.{e}.{w}."
                 if quant:
                     if cols % mxfp4.GROUP:
@@ -227,9 +227,9 @@ def kimi_linear_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
     writes it (the dense layer's MLP under ``block_sparse_moe.``; A_log [1, 1, H, 1]; router weight and bias and
     dt_bias in F32)."""
     c, dt = config, _st_dtype(dtype)
-    D, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    types = c.get("layer_types") or ["linear_attention"] * L
-    mlp_types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (L - 1)
+    D, n_layers, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    types = c.get("layer_types") or ["linear_attention"] * n_layers
+    mlp_types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
     H, K, W = c["linear_num_heads"], c["linear_head_dim"], c.get("linear_conv_kernel_dim", 4)
     E, F, n_shared = c["num_experts"], c["moe_intermediate_size"], c.get("num_shared_experts", 0)
     # transformers keeps these in float32 (`_keep_in_fp32_modules_strict`), so a bf16 save writes them as F32.
@@ -237,7 +237,7 @@ def kimi_linear_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
     out = [Spec("model.embed_tokens.weight", dt, (V, D), "embed"), Spec("model.norm.weight", dt, (D,), "norm")]
     if not c.get("tie_word_embeddings"):
         out.append(Spec("lm_head.weight", dt, (V, D), "lm_head"))
-    for i in range(L):
+    for i in range(n_layers):
         p = f"model.layers.{i}."
         out += [Spec(p + "input_layernorm.weight", dt, (D,), "norm", i),
                 Spec(p + "post_attention_layernorm.weight", dt, (D,), "norm", i)]
@@ -261,14 +261,14 @@ def kimi_linear_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
 
 def llama_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
     c, dt = config, _st_dtype(dtype)
-    D, L, V, I = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
+    D, n_layers, V, F = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
     H = c["num_attention_heads"]
     G = c.get("num_key_value_heads") or H
     hd = c.get("head_dim") or D // H
     out = [Spec("model.embed_tokens.weight", dt, (V, D), "embed"), Spec("model.norm.weight", dt, (D,), "norm")]
     if not c.get("tie_word_embeddings"):
         out.append(Spec("lm_head.weight", dt, (V, D), "lm_head"))
-    for i in range(L):
+    for i in range(n_layers):
         p = f"model.layers.{i}."
         out += [Spec(p + "input_layernorm.weight", dt, (D,), "norm", i),
                 Spec(p + "post_attention_layernorm.weight", dt, (D,), "norm", i),
@@ -276,7 +276,7 @@ def llama_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
                 Spec(p + "self_attn.k_proj.weight", dt, (G * hd, D), "linear", i),
                 Spec(p + "self_attn.v_proj.weight", dt, (G * hd, D), "linear", i),
                 Spec(p + "self_attn.o_proj.weight", dt, (D, H * hd), "linear", i)]
-        out += _mlp_specs(p + "mlp.", D, I, dt, i)
+        out += _mlp_specs(p + "mlp.", D, F, dt, i)
     return out
 
 

@@ -55,7 +55,7 @@ class Sampling:
     top_k: jax.Array  # [B] int32; 0 = no top-k filter
     top_p: jax.Array  # [B] float32 in (0, 1]; 1 = no nucleus filter
     budget: jax.Array  # [B] int32 new tokens allowed (0 for unused batch slots)
-    stop: jax.Array  # [NS] int32 stop ids, -1 = unused slot
+    stop: jax.Array  # [n_stop] int32 stop ids, -1 = unused slot
     seed: jax.Array  # [] uint32
 
 
@@ -106,10 +106,10 @@ def _step_keys(seed, count_B):
 class DecodeState:
     cache: Cache
     token: jax.Array  # [B] int32: last sampled token, the next step's input
-    out: jax.Array  # [B, N] int32: new tokens, row b valid up to count[b]
+    out: jax.Array  # [B, out_len] int32: new tokens, row b valid up to count[b]
     count: jax.Array  # [B] int32: new tokens so far
     done: jax.Array  # [B] bool
-    logits: jax.Array | None = None  # [B, N, V] float32: the logits each new token was drawn from (optional)
+    logits: jax.Array | None = None  # [B, out_len, V] float32: the logits each new token was drawn from (optional)
 
 
 def _accept(st: DecodeState, logits_BV, samp: Sampling, active_B) -> DecodeState:
@@ -120,9 +120,9 @@ def _accept(st: DecodeState, logits_BV, samp: Sampling, active_B) -> DecodeState
         lambda: sample(logits_BV, _step_keys(samp.seed, st.count), samp.temperature, samp.top_k, samp.top_p),
         lambda: argmax(logits_BV))
     tok = jnp.where(active_B, tok, st.token)
-    B, N = st.out.shape
+    B, out_len = st.out.shape
     rows = jnp.arange(B)
-    slot = jnp.where(active_B, st.count, N)  # N: out of range, dropped
+    slot = jnp.where(active_B, st.count, out_len)  # out_len: out of range, dropped
     out = st.out.at[rows, slot].set(tok, mode="drop")
     logits = st.logits
     if logits is not None:

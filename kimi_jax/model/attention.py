@@ -171,21 +171,21 @@ class MLA(nnx.Module):
     def __call__(self, x_BTD, step: Step, cache: MLACache | None, run: RunConfig):
         c = self.cfg
         B, T, _ = x_BTD.shape
-        H, N, O, U, R = c.num_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_dim, c.kv_lora_rank
+        H, K, O, U, R = c.num_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_dim, c.kv_lora_rank
         ws = (self.q_proj if c.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa,
               *((self.g_proj,) if c.output_gate else ()))
         q, ckv, *gate = linear_group([(x_BTD, w[...]) for w in ws], run)
         if c.q_lora_rank is not None:
             q = linear(rms_norm(q, self.q_a_layernorm[...], c.lora_norm_eps, run), self.q_b_proj[...], run)
-        q = q.reshape(B, T, H, N + O)
-        q_nope, q_pe = q[..., :N], q[..., N:]
+        q = q.reshape(B, T, H, K + O)
+        q_nope, q_pe = q[..., :K], q[..., K:]
         lat = rms_norm(ckv[..., :R], self.kv_a_layernorm[...], c.lora_norm_eps, run)  # [B, T, R]
         kpe = ckv[..., R:]  # [B, T, O]: NoPE, used as produced
 
         new_cache = None
         if cache is not None:
             new_cache = MLACache(_write(cache.c, lat, step.positions), _write(cache.kpe, kpe, step.positions))
-        w_kvb = self.kv_b_proj[...].reshape(H, N + U, R)
+        w_kvb = self.kv_b_proj[...].reshape(H, K + U, R)
         if cache is not None and step.prefix:
             # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
             # kv_b (zero-padded q_nope; the unused nope outputs dropped): slicing W_UK / W_UV out of it would copy
@@ -195,12 +195,12 @@ class MLA(nnx.Module):
             q_lat = matvec.per_head(q_pad, w_kvb.astype(run.dtype), transpose_w=False, **heads)
             u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
                                           implementation=run.implementation, placement=run.placement)
-            o = matvec.per_head(u, w_kvb.astype(F32), transpose_w=True, **heads)[..., N:]
+            o = matvec.per_head(u, w_kvb.astype(F32), transpose_w=True, **heads)[..., K:]
         else:
-            kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, N + U)
+            kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, K + U)
             # nope and rope parts scored separately (192 = 128 + 64 is not a power of two for Triton); the
             # shared kpe is never broadcast to heads. Fresh prefill: keys sit at 0..T-1, the kernels' default.
-            o = attn_kernels.attention(q_nope, kv[..., :N], kv[..., N:], step.positions, scale=c.scale, q_pe=q_pe,
+            o = attn_kernels.attention(q_nope, kv[..., :K], kv[..., K:], step.positions, scale=c.scale, q_pe=q_pe,
                                        k_pe=kpe, implementation=run.implementation, placement=run.placement)
         o = o.astype(run.dtype).reshape(B, T, H * U)
         if c.output_gate:

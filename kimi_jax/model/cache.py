@@ -1,10 +1,10 @@
 """Static decode cache: one pytree of fixed-shape arrays per layer, plus per-sequence lengths.
 
 * KDA layer: the last ``W-1`` *pre-conv* q/k/v projection rows (short-conv tails) and the recurrent state
-  ``[B, H, K, V]`` in float32. Independent of context length.
+  ``[B, H, K, U]`` in float32. Independent of context length.
 * MLA layer: the compressed latent ``c [B, S, R]`` (after kv_a_layernorm) and the shared unrotated key part
   ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer.
-* GQA layer: keys (already rotated) and values ``[B, S, G, K]``.
+* GQA layer: keys (already rotated) ``[B, S, G, K]`` and values ``[B, S, G, U]`` (U = K).
 
 With scanned layers (:mod:`kimi_jax.model.layer_plan`) the entries of the scanned run are stacked like their parameters:
 ``Cache.stack[j]`` holds position ``j`` of the group for every repetition (leading dimension), and those layers'
@@ -26,7 +26,7 @@ class KDACache:
     conv_q: jax.Array  # [B, W-1, P] activation dtype
     conv_k: jax.Array  # [B, W-1, P]
     conv_v: jax.Array  # [B, W-1, P]
-    state: jax.Array  # [B, H, K, V] float32
+    state: jax.Array  # [B, H, K, U] float32
 
 
 @struct.dataclass
@@ -38,7 +38,7 @@ class MLACache:
 @struct.dataclass
 class KVCache:
     k: jax.Array  # [B, S, G, K]
-    v: jax.Array  # [B, S, G, K]
+    v: jax.Array  # [B, S, G, U]
 
 
 @struct.dataclass

@@ -38,7 +38,7 @@ class Blocks(NamedTuple):
     """The sealed AttnRes blocks a layer can read.
 
     Unrolled layers: ``arrays`` is a tuple of the sealed sums (``count`` None: all of them valid). Scanned layers:
-    ``arrays`` is one ``[NB, B, T, D]`` buffer with room for every block of the model and ``count`` the traced
+    ``arrays`` is one ``[n_blocks, B, T, D]`` buffer with room for every block of the model and ``count`` the traced
     number sealed so far (slots from ``count`` on are zeros)."""
 
     arrays: tuple | jax.Array

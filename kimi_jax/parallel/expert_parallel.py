@@ -7,7 +7,7 @@ the batch and ``ep`` axes (replicated over ``tp``). Per chip:
 
 1. sort its (token, expert) pairs by global expert id: pairs for one destination chip become contiguous;
 2. exchange them over the ``ep`` axes -- ``ragged_all_to_all`` (TPU/GPU: exactly the rows needed) or, on
-   CPU where XLA has no ragged all-to-all, a fixed-capacity ``all_to_all`` of ``[chips, C, L]`` buffers;
+   CPU where XLA has no ragged all-to-all, a fixed-capacity ``all_to_all`` of ``[chips, cap, L]`` buffers;
 3. run the local experts as one grouped matmul over the received rows (rows sorted by local expert);
    with ``tp`` the down projection's partial sums are ``psum``-ed in float32 before the one rounding, as the
    single-device path rounds once after its float32 accumulation;
@@ -92,13 +92,13 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
     return out[:N]
 
 
-def _local_experts(x_RL, ids_R, w, e_loc, cfg, run: RunConfig, tp):
-    """Rows ``x`` through local expert ``ids`` (``e_loc`` = empty row, output 0): ``[R, L]`` run dtype, in order."""
-    order = jnp.argsort(ids_R, stable=True)
-    group = jnp.zeros((e_loc,), jnp.int32).at[ids_R].add(1, mode="drop")
+def _local_experts(x_ML, ids_M, w, e_loc, cfg, run: RunConfig, tp):
+    """Rows ``x`` through local expert ``ids`` (``e_loc`` = empty row, output 0): ``[M, L]`` run dtype, in order."""
+    order = jnp.argsort(ids_M, stable=True)
+    group = jnp.zeros((e_loc,), jnp.int32).at[ids_M].add(1, mode="drop")
     # Weights do not depend on the tokens, so XLA may schedule every layer's expert decode (the jnp reference
     # dequantises all local experts) at the start of the step, all live at once. Tie them to this layer's rows.
-    xs, w = jax.lax.optimization_barrier((x_RL[order], w))
+    xs, w = jax.lax.optimization_barrier((x_ML[order], w))
     kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
     h = glu(gmm_kernels.gmm(xs, w["w1"], group, **kw).astype(run.dtype),
             gmm_kernels.gmm(xs, w["w3"], group, **kw).astype(run.dtype), cfg.act, cfg.situ_beta,
@@ -146,10 +146,10 @@ def _ragged_dispatch(z, e, v, X, e_loc, n, axes, cap, local, emulated=False):
     sizes = jax.lax.all_gather(send, axes)  # [sender, destination]
     recv = sizes[:, me]
     out_off = (jnp.cumsum(sizes, axis=0) - sizes)[me]  # where my rows start in each destination's buffer
-    R = n * cap  # receive buffer: every sender's worst case
+    M = n * cap  # receive buffer rows: every sender's worst case
     xs = z[order // X]
-    got = a2a(xs, jnp.zeros((R, z.shape[-1]), z.dtype), in_off, send, out_off, recv, axis_name=axes)
-    got_ids = a2a(lid.astype(jnp.int32), jnp.full((R,), e_loc, jnp.int32), in_off, send, out_off, recv, axis_name=axes)
+    got = a2a(xs, jnp.zeros((M, z.shape[-1]), z.dtype), in_off, send, out_off, recv, axis_name=axes)
+    got_ids = a2a(lid.astype(jnp.int32), jnp.full((M,), e_loc, jnp.int32), in_off, send, out_off, recv, axis_name=axes)
     y = local(got, got_ids)
     recv_off = jnp.cumsum(recv) - recv
     back_off = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]  # where each sender's rows for me started
@@ -164,12 +164,12 @@ def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outp
     ``output[output_offsets_s[r] : + ...]``; other output rows keep their value.
     """
     me = jax.lax.axis_index(axis_name)
-    ops = jax.lax.all_gather(operand, axis_name)  # [senders, R_in, ...]
+    ops = jax.lax.all_gather(operand, axis_name)  # [senders, rows_in, ...]
     io = jax.lax.all_gather(input_offsets, axis_name)[:, me]
     ss = jax.lax.all_gather(send_sizes, axis_name)[:, me]
     oo = jax.lax.all_gather(output_offsets, axis_name)[:, me]
     r = jnp.arange(output.shape[0])
-    inside = (r[None] >= oo[:, None]) & (r[None] < (oo + ss)[:, None])  # [senders, R_out]
+    inside = (r[None] >= oo[:, None]) & (r[None] < (oo + ss)[:, None])  # [senders, rows_out]
     src = jnp.argmax(inside, axis=0)
     row = jnp.clip(io[src] + r - oo[src], 0, operand.shape[0] - 1)
     vals = ops[src, row]
