@@ -50,7 +50,7 @@ from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError
 from kimi_jax.model import config as config_lib
 from kimi_jax.model import params
 from kimi_jax.model.decoder import KimiModel
-from kimi_jax.model.layers import RunConfig
+from kimi_jax.model.run import RunConfig
 
 # Files copied from SRC besides the weights (tokenizers, chat/generation settings). config.json is written by us.
 AUX_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "tokenizer.model", "special_tokens_map.json",

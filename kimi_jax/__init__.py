@@ -14,4 +14,4 @@ from kimi_jax.checkpoint.loading import from_pretrained  # noqa: F401
 from kimi_jax.generation.generate import Generation, Generator, generate  # noqa: F401
 from kimi_jax.model.config import ConfigError, ModelConfig, preset  # noqa: F401
 from kimi_jax.model.decoder import KimiModel, ModelOutput, abstract_model, param_count  # noqa: F401
-from kimi_jax.model.layers import RunConfig  # noqa: F401
+from kimi_jax.model.run import RunConfig  # noqa: F401

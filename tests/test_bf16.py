@@ -10,7 +10,7 @@ import pytest
 
 import kimi_jax
 from kimi_jax.model.attention import Step
-from kimi_jax.model.layers import RunConfig
+from kimi_jax.model.run import RunConfig
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from kernels_pallas.kda import reference as kda_ref
 from kernels_pallas.moe_gmm import reference as moe_ref
 from kernels_pallas.mxfp4 import MXFP4Weight, dequantize
-from kimi_jax.model.layers import RunConfig
+from kimi_jax.model.run import RunConfig
 
 
 def _groups_np(x, w, sizes):

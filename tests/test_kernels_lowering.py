@@ -87,7 +87,7 @@ def test_whole_k3_model_lowers_with_kernels(target):
     from kimi_jax.model import config
     from kimi_jax.model.cache import cache_shapes
     from kimi_jax.model.decoder import abstract_model
-    from kimi_jax.model.layers import RunConfig
+    from kimi_jax.model.run import RunConfig
 
     cfg = config.from_dict(config.tiny_k3_config_dict())
     gdef, state = nnx.split(abstract_model(cfg, RunConfig(dtype=BF)))

@@ -18,7 +18,7 @@ from kimi_jax.model import config as C
 from kimi_jax.model.cache import cache_shapes, init_cache
 from kimi_jax.model.decoder import KimiModel, relayout
 from kimi_jax.model.layer_plan import LayerPlan, layer_plan
-from kimi_jax.model.layers import RunConfig
+from kimi_jax.model.run import RunConfig
 from tests.parity import TOL, assert_close
 
 

@@ -157,8 +157,8 @@ def test_ragged_dispatch_lowers_for_tpu_and_gpu(tiny):
     from flax import nnx
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 
-    from kimi_jax.model.layers import RunConfig
     from kimi_jax.model.moe import MoE
+    from kimi_jax.model.run import RunConfig
 
     cfg, _ = tiny
     # TPU with experts over `expert`; GPU with wide EP, experts over `expert` x `model` (a two-axis exchange)

@@ -11,7 +11,7 @@ from flax import nnx
 from kimi_jax.checkpoint import hf
 from kimi_jax.model import config as config_lib
 from kimi_jax.model.decoder import KimiModel, relayout
-from kimi_jax.model.layers import RunConfig
+from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import distributed
 
 

@@ -20,7 +20,8 @@ import kernels_pallas.mla_decode as mla_kernels
 from kernels_pallas import matvec
 from kimi_jax.model.cache import KDACache, KVCache, MLACache
 from kimi_jax.model.config import GQAConfig, KDAConfig, MLAConfig
-from kimi_jax.model.layers import F32, RunConfig, linear, linear_group, param, rms_norm
+from kimi_jax.model.layers import F32, linear, linear_group, param, rms_norm
+from kimi_jax.model.run import RunConfig
 
 
 class Step(NamedTuple):

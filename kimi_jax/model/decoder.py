@@ -21,8 +21,9 @@ from kimi_jax.model.attention import GQA, KDA, MLA, Step
 from kimi_jax.model.cache import Cache
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.layer_plan import LayerPlan, layer_plan
-from kimi_jax.model.layers import MLP, AttnRes, RunConfig, linear, param, rms_norm
+from kimi_jax.model.layers import MLP, AttnRes, linear, param, rms_norm
 from kimi_jax.model.moe import MoE
+from kimi_jax.model.run import RunConfig
 
 
 @struct.dataclass

@@ -8,54 +8,15 @@ gating run in float32. In a float32 model every rounding point is a no-op.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import matvec
 from kimi_jax.model.config import MLPConfig
+from kimi_jax.model.run import RunConfig
 
 F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """How to run a model (not what it is): activation dtype and kernel choices. Hashable, static under jit.
-
-    ``implementation`` applies to every op of ``kernels_pallas`` (attention, mla, kda, moe, the products); ``None``
-    = automatic (Pallas on TPU/GPU; on CPU the native and XLA:CPU-tuned forms where they apply, else the
-    reference), or one of the names the ops offer (``"reference"`` runs every op's plain-jnp oracle, ``"pallas"``,
-    ``"pallas_interpret"``; see ``kernels_pallas/_dispatch.py``).
-    ``moe_path``: ``"auto"`` gathers the chosen experts' weights when there are fewer (token, expert) pairs than
-    experts (decode) and sorts tokens into a grouped matmul otherwise (prefill); on XLA:CPU with float32 experts,
-    batches in between run every expert on every token (``"dense"``, :func:`kernels_pallas.moe_gmm.expert_path`).
-    ``parallel``: a :class:`kimi_jax.parallel.sharding.Parallel` (mesh + layout) for multi-device runs; None = one device.
-    ``kda_chunk``: chunk of the reference (plain-jnp) KDA prefill; 1 runs the token-by-token recurrence; None (the
-    default) leaves it to the op (the recurrence on CPU, 64 in the reference; the Pallas kernels tile time
-    themselves).
-    ``scan_layers``: build the model with the parameters of its longest repeating run of layers stacked and run
-    that run as one ``lax.scan`` (:mod:`kimi_jax.model.layer_plan`: compile time falls by the repetition count; the
-    compilers copy each iteration's weight slice, so off by default). The model's parameter layout follows it.
-    """
-
-    dtype: jnp.dtype = jnp.bfloat16
-    implementation: str | None = None
-    kda_chunk: int | None = None
-    moe_path: str = "auto"  # "auto" | "gather" | "sorted" | "dense"
-    parallel: object = None  # kimi_jax.parallel.sharding.Parallel | None
-    scan_layers: bool = False
-
-    @property
-    def placement(self):
-        """The kernel ops' placement on the mesh (:class:`kernels_pallas._dispatch.Placement`), or None."""
-        return None if self.parallel is None else self.parallel.placement
-
-    @property
-    def precision(self):
-        # float32 models are oracles: ask TPUs for true f32 matmuls instead of bf16 passes.
-        return jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
 
 
 # -- parameter declaration -------------------------------------------------------------------------------

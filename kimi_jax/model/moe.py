@@ -17,7 +17,8 @@ from kernels_pallas import matvec
 from kernels_pallas import packed as packed_types
 from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax.model.config import MoEConfig
-from kimi_jax.model.layers import F32, MLP, RunConfig, glu, linear, param, rms_norm
+from kimi_jax.model.layers import F32, MLP, glu, linear, param, rms_norm
+from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import expert_parallel
 
 

@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import kernels_pallas.moe_gmm as gmm_kernels
 from kernels_pallas._dispatch import target_platform
-from kimi_jax.model.layers import RunConfig, glu
+from kimi_jax.model.layers import glu
+from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import sharding
 
 _WEIGHTS = ("w1", "w3", "w2")

@@ -25,7 +25,7 @@ from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
-from kimi_jax.model.layers import RunConfig
+from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import sharding
 
 GB = 1e9

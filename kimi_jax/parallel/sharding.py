@@ -97,7 +97,7 @@ def layout(name_or_layout) -> Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:
-    """How a model runs on many devices (hashable: lives in :class:`~kimi_jax.model.layers.RunConfig`, static under jit).
+    """How a model runs on many devices (hashable: lives in :class:`~kimi_jax.model.run.RunConfig`, static under jit).
 
     ``dispatch``: expert-parallel token exchange. ``"auto"`` = ``"ragged"`` (``ragged_all_to_all``) on TPU/GPU and
     ``"capacity"`` (fixed-capacity ``all_to_all``) on CPU, where XLA has no ragged all-to-all;
