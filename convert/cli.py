@@ -20,11 +20,14 @@ def add_arguments(p):
     p.add_argument("--overwrite", action="store_true", help="replace whatever DST holds")
     p.add_argument("--verify", action="store_true", help="reread every stored array and compare with its source")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-check-finite", action="store_true",
+                   help="convert tensors holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
 
 
 def run(args):
     from convert.converter import convert_checkpoint
 
     summary = convert_checkpoint(args.src, args.dst, dtype=args.dtype, layers=args.layers, experts=args.experts,
-                                 overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress)
+                                 overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress,
+                                 check_finite=not args.no_check_finite)
     print(summary)

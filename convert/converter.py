@@ -240,7 +240,7 @@ def convert_checkpoint(src, dst, **kw) -> Summary:
 
 def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
              overwrite: bool = False, verify: bool = False, progress: bool = True,
-             batch_bytes: int = BATCH_BYTES, sync_bytes: int = SYNC_BYTES,
+             batch_bytes: int = BATCH_BYTES, sync_bytes: int = SYNC_BYTES, check_finite: bool = True,
              on_event: Callable[[str, int], None] | None = None) -> Summary:
     """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
 
@@ -250,7 +250,8 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     ``verify``: reread every stored array and compare it bit for bit with its source. ``batch_bytes``: parameters
     saved together per Orbax partial save (a larger parameter is saved alone). ``sync_bytes``: partial saves are
     not fsynced one by one; DST's filesystem is synced after this many bytes and before finalizing, and the state
-    file records which saves are durable. ``on_event(event, n)``: called with ("saved", n) after the n-th partial
+    file records which saves are durable. ``check_finite``: refuse tensors holding NaN / Inf (MXFP4: the NaN scale
+    byte), naming tensor and file, before their batch is saved. ``on_event(event, n)``: called with ("saved", n) after the n-th partial
     save of this run, ("finalize", 0) before the Orbax checkpoint is finalized and ("marker", 0) before the
     completion marker is written (tests kill the process there).
     """
@@ -258,14 +259,15 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     src, dst = os.fspath(src), os.fspath(dst)
     source = _validate(src, dtype, layers, experts)  # 1. nothing written yet
     state = {"format": orbax_io.FORMAT, "source": os.path.abspath(src), "fingerprint": _fingerprint(source.ckpt),
-             "dtype": dtype, "layers": layers, "experts": experts}
+             "dtype": dtype, "layers": layers, "experts": experts, "check_finite": check_finite}
     disk = _Durability(dst, state, sync_bytes)
     done = disk.claim(src, overwrite, set(source.targets))  # 2.
     event = on_event or (lambda name, n: None)
     todo = [j for j in source.jobs if j.target not in done]
     t_stream = time.perf_counter()
-    reader = _stream(source.ckpt, todo, disk, batch_bytes, _progress(progress, sum(j.nbytes for j in todo), len(todo),
-                                                                   len(done)), len(source.jobs), len(done), event)  # 3.
+    bar = _progress(progress, sum(j.nbytes for j in todo), len(todo), len(done))
+    reader = reader_lib.Reader(source.ckpt, check_finite=check_finite)
+    _stream(reader, todo, disk, batch_bytes, bar, len(source.jobs), len(done), event)  # 3.
     stream_seconds = time.perf_counter() - t_stream
     _finish(src, dst, source, disk, verify, progress, event)  # 4.
     summary = Summary(dst, reader.tensors, len(todo), len(done), reader.bytes_in, sum(j.nbytes for j in todo),
@@ -403,12 +405,10 @@ def _batches(todo: list[Job], batch_bytes: int) -> tuple[list[list[Job]], int]:
     return batches, capacity
 
 
-def _stream(ckpt, todo: list[Job], disk: _Durability, batch_bytes: int, bar, total: int, skipped: int, event):
+def _stream(reader, todo: list[Job], disk: _Durability, batch_bytes: int, bar, total: int, skipped: int, event):
     """Read and save every job, in batches. Double buffering: a worker thread reads batch n+1 into one slab while
     Orbax writes batch n from the other (Orbax partial saves themselves must not overlap: they share one temporary
-    directory). Each array is filled straight from the shard files and handed to JAX without a copy. Returns the
-    reader (its counts)."""
-    reader = reader_lib.Reader(ckpt)
+    directory). Each array is filled straight from the shard files and handed to JAX without a copy."""
     cpu = jax.devices("cpu")[0]
     batches, capacity = _batches(todo, batch_bytes)
     slabs = [_Slab(capacity), _Slab(capacity)]
@@ -449,7 +449,6 @@ def _stream(ckpt, todo: list[Job], disk: _Durability, batch_bytes: int, bar, tot
         reader.close()
         if bar is not None:
             bar.close()
-    return reader
 
 
 def _finish(src: str, dst: str, source: _Source, disk: _Durability, verify: bool, progress: bool, event):
@@ -532,7 +531,7 @@ def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None
         abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(meta["dtype"])),
                                                     rngs=nnx.Rngs(0)))
         jobs, _ = _plan_jobs(ckpt, cfg_src, params.leaves(nnx.state(abstract)), meta["layers"], meta["experts"])
-    reader = reader_lib.Reader(ckpt)
+    reader = reader_lib.Reader(ckpt, check_finite=False)  # bytes are compared as they are
     bar = _progress(progress, sum(j.nbytes for j in jobs), len(jobs), 0)
     if bar is not None:
         bar.set_description(f"verifying {len(jobs)} params")

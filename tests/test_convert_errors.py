@@ -6,6 +6,7 @@ import os
 import struct
 
 import ml_dtypes
+import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -13,6 +14,7 @@ import kimi_jax
 from convert.converter import convert_checkpoint
 from kimi_jax.checkpoint import orbax as orbax_io
 from kimi_jax.checkpoint import synthetic
+from kimi_jax.checkpoint.safetensors import CheckpointError
 
 SHARD1 = "model-00001-of-000002.safetensors"
 SHARD2 = "model-00002-of-000002.safetensors"
@@ -173,3 +175,22 @@ def test_source_truncated_during_conversion(src, tmp_path, monkeypatch):
 
     monkeypatch.setattr(reader, "preflight", preflight_then_truncate)
     fails(src, tmp_path / "dst", rf"{SHARD2}: tensor '.*': file ended after")
+
+
+def test_non_finite_tensor(src, tmp_path):
+    """A NaN in a source tensor stops the conversion naming tensor and file, before its batch is saved; with
+    --no-check-finite it converts, and loading the result then refuses it (checked on the loaded arrays)."""
+    name = "language_model.model.layers.5.self_attn.o_proj.weight"
+
+    def poison(t):
+        a = t[name].copy()
+        a.reshape(-1)[3] = np.nan
+        t[name] = a
+
+    rewrite_tensors(os.path.join(src, SHARD2), poison)
+    fails(src, tmp_path / "dst", rf"tensor '{name}' in {SHARD2}: 1 NaN / Inf values")
+    dst = tmp_path / "unchecked"
+    convert_checkpoint(src, dst, progress=False, check_finite=False)
+    with pytest.raises(CheckpointError, match=r"parameter layers\.5\.self_attn\.o_proj holds 1 NaN / Inf values"):
+        kimi_jax.from_pretrained(dst, dtype="float32")
+    assert kimi_jax.from_pretrained(dst, dtype="float32", check_finite=False).cfg.num_layers == 9

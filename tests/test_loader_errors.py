@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -40,10 +41,42 @@ def _reindex(path):
 
 
 def test_missing_tensor(ckpt):
+    """The message names the tensor as the checkpoint should have had it, the files searched, then our parameter."""
     _rewrite(ckpt, SHARD1, lambda t: t.pop(LAYER0 + "self_attn.q_proj.weight"))
     _reindex(ckpt)
-    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.q_proj .* has no tensor"):
+    want = rf"checkpoint tensor '{LAYER0}self_attn\.q_proj\.weight' is in none of {SHARD1}, {SHARD2}; it fills " \
+           r"parameter layers\.0\.self_attn\.q_proj \[128, 128\]"
+    with pytest.raises(CheckpointError, match=want):
         kimi_jax.from_pretrained(ckpt, dtype="float32")
+
+
+def test_missing_experts(ckpt):
+    expert = "language_model.model.layers.1.block_sparse_moe.experts.{}.w2.weight_scale"
+    _rewrite(ckpt, SHARD1, lambda t: [t.pop(expert.format(e)) for e in (3, 5)])
+    _reindex(ckpt)
+    want = (f"checkpoint tensor '{expert.format(3)}' (and 1 more experts: [5]) is in none of {SHARD1}, {SHARD2}; "
+            "it fills parameter layers.1.mlp.experts.w2.scale")
+    with pytest.raises(CheckpointError, match=re.escape(want)):
+        kimi_jax.from_pretrained(ckpt, dtype="float32")
+
+
+def test_every_parameter_has_a_checkpoint_name():
+    """The name table answers "which tensor fills this parameter" for every leaf of the three families."""
+    from flax import nnx
+
+    from kimi_jax.checkpoint import names, synthetic
+    from kimi_jax.model import config as C
+    from kimi_jax.model import params
+    from kimi_jax.model.decoder import abstract_model
+
+    for family in ("k3", "kimi_linear", "llama"):
+        cfg = C.from_dict(synthetic.default_config(family))
+        leaves = params.leaves(nnx.state(abstract_model(cfg)))
+        got = {leaf: names.expected_tensor(leaf, cfg) for leaf in leaves}
+        assert all(got.values()), [k for k, v in got.items() if not v]
+        for leaf, name in got.items():  # and the table maps the name back onto the leaf
+            p = names._match(name.format(expert=0), names.canonical(name.format(expert=0), cfg), leaves)
+            assert p is not None and p.target == leaf, (leaf, name)
 
 
 def test_extra_tensor(ckpt):
@@ -124,3 +157,34 @@ def test_missing_shard_and_duplicate_tensor(ckpt):
     _rewrite(ckpt, SHARD1, lambda t: t.update({norm: t2[norm]}))
     with pytest.raises(CheckpointError, match=rf"{norm}.* defined twice"):
         kimi_jax.from_pretrained(ckpt, dtype="float32")
+
+
+@pytest.mark.parametrize("case", ["nan_f32", "inf_bf16", "nan_scale_byte"])
+def test_non_finite_weights_are_refused(ckpt, case):
+    """NaN / Inf in a float tensor, or E8M0's NaN byte in an MXFP4 scale: refused naming tensor and file, unless
+    the caller opts out."""
+    import ml_dtypes
+
+    name, shard = {"nan_f32": (LAYER0 + "self_attn.dt_bias", SHARD1),
+                   "inf_bf16": ("language_model.model.layers.6.self_attn.o_proj.weight", SHARD2),
+                   "nan_scale_byte": ("language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_scale",
+                                      SHARD1)}[case]
+
+    def edit(t):
+        a = t[name].copy()
+        flat = a.reshape(-1)
+        if case == "nan_scale_byte":
+            flat[5] = 255
+        elif case == "inf_bf16":
+            assert a.dtype == ml_dtypes.bfloat16
+            flat[5] = np.inf
+        else:
+            flat[5] = np.nan
+        t[name] = a
+
+    _rewrite(ckpt, shard, edit)
+    what = "E8M0 NaN scale bytes" if case == "nan_scale_byte" else "NaN / Inf values"
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' in {shard}: 1 {what}"):
+        kimi_jax.from_pretrained(ckpt, dtype="float32")
+    model = kimi_jax.from_pretrained(ckpt, dtype="float32", check_finite=False)  # the opt-out loads it as it is
+    assert model.cfg.num_layers == 9

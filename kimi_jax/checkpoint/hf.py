@@ -40,12 +40,13 @@ def _prepare(path, cfg, model_factory):
     return graphdef, state, ckpt, jobs
 
 
-def load_hf(path, cfg, model_factory, *, shardings=None):
+def load_hf(path, cfg, model_factory, *, shardings=None, check_finite: bool = True):
     """Build the model ``model_factory()`` describes and fill it from the HF checkpoint at ``path``.
 
-    ``shardings``: optional {leaf path: Sharding} (default: the default device)."""
+    ``shardings``: optional {leaf path: Sharding} (default: the default device). ``check_finite``: refuse NaN / Inf
+    weights (:class:`~kimi_jax.checkpoint.reader.Reader`)."""
     graphdef, state, ckpt, jobs = _prepare(path, cfg, model_factory)
-    reader = reader_lib.Reader(ckpt)
+    reader = reader_lib.Reader(ckpt, check_finite=check_finite)
     values = {}
     try:
         for job in jobs:
@@ -75,14 +76,14 @@ class _RegionCache:
         return self.cache[key]
 
 
-def load_hf_sharded(path, cfg, run, model_factory):
+def load_hf_sharded(path, cfg, run, model_factory, *, check_finite: bool = True):
     """Build the model for ``cfg`` with every parameter leaf read straight into its sharding (``run.parallel``)."""
     par: sharding.Parallel = run.parallel
     graphdef, state, ckpt, jobs = _prepare(path, cfg, model_factory)
     specs = sharding.param_specs(nnx.merge(graphdef, state), par.mesh, par.layout)
     LAST_LOAD.update(bytes_read=0, bytes_total=sum(j.nbytes for j in jobs), expert_bytes_read=0,
                      expert_bytes_total=sum(j.nbytes for j in jobs if j.stacked))
-    reader = reader_lib.Reader(ckpt)
+    reader = reader_lib.Reader(ckpt, check_finite=check_finite)
     values = {}
     try:
         for job in jobs:

@@ -16,14 +16,17 @@ from kimi_jax.parallel import distributed
 
 
 def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None, strict: bool = True,
-                    run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False) -> KimiModel:
+                    run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False,
+                    check_finite: bool = True) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed).
 
     ``mesh`` (from :func:`kimi_jax.parallel.sharding.make_mesh`): read every parameter straight into its shards under
     ``layout`` (a :mod:`kimi_jax.parallel.sharding` table name); each process reads only its devices' slices.
     ``scan_layers`` (or ``run.scan_layers``): the repeating run of layers stacked and run as one scan
-    (:mod:`kimi_jax.model.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn."""
+    (:mod:`kimi_jax.model.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn.
+    ``check_finite``: refuse weights holding NaN or Inf (MXFP4: the NaN scale byte), naming the tensor and its file;
+    checked as each tensor is read (a converted checkpoint: on the loaded arrays)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
@@ -38,11 +41,11 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
         run = distributed.with_parallel(run, mesh, layout)
-    model = _load(path, cfg, run, converted)
+    model = _load(path, cfg, run, converted, check_finite)
     return relayout(model, scan_layers=True, consume=True) if scan else model
 
 
-def _load(path, cfg, run: RunConfig, converted: bool) -> KimiModel:
+def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool) -> KimiModel:
     factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
     if converted:
         from kimi_jax.checkpoint import orbax as orbax_io
@@ -52,7 +55,32 @@ def _load(path, cfg, run: RunConfig, converted: bool) -> KimiModel:
             from kimi_jax.parallel import sharding
 
             shardings = sharding.param_shardings(nnx.eval_shape(factory), run.parallel.mesh, run.parallel.layout)
-        return orbax_io.load_converted(path, cfg, factory, shardings=shardings)
+        model = orbax_io.load_converted(path, cfg, factory, shardings=shardings)
+        if check_finite:
+            _check_loaded(model, path)
+        return model
     if run.parallel is not None:
-        return hf.load_hf_sharded(path, cfg, run, factory)
-    return hf.load_hf(path, cfg, factory)
+        return hf.load_hf_sharded(path, cfg, run, factory, check_finite=check_finite)
+    return hf.load_hf(path, cfg, factory, check_finite=check_finite)
+
+
+def _check_loaded(model: KimiModel, path: str) -> None:
+    """NaN / Inf in the loaded float parameters of a converted checkpoint (a device-side reduction per leaf)."""
+    import jax
+
+    from kernels_pallas.mxfp4 import MXFP4Weight
+    from kimi_jax.checkpoint.reader import NonFiniteError
+
+    count = jax.jit(lambda x: jnp.sum(~jnp.isfinite(x)))
+    nan_scales = jax.jit(lambda s: jnp.sum(s == 255))
+    for path_, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value, name = var.get_value(), ".".join(map(str, path_))
+        if isinstance(value, MXFP4Weight):
+            n, what = int(nan_scales(value.scale)), "E8M0 NaN scale bytes (0xFF)"
+        elif jnp.issubdtype(value.dtype, jnp.floating):
+            n, what = int(count(value)), "NaN / Inf values"
+        else:
+            continue
+        if n:
+            raise NonFiniteError(f"{path}: parameter {name} holds {n} {what}; a model loaded from it computes NaN. "
+                                 "Pass check_finite=False to load it anyway")

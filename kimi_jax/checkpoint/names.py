@@ -20,6 +20,7 @@ import re
 from typing import Callable
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from kimi_jax.checkpoint.safetensors import CheckpointError
@@ -71,15 +72,65 @@ def _a_log(x, where, shape):
 CHECKS_VALUES = (_a_log,)
 
 
+# -- value checks: what a tensor's bytes must not hold ---------------------------------------------------------
+
+
+# A float is non-finite when its exponent bits are all ones: (mask over the bits as unsigned, of the same width).
+_EXPONENT = {np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80), np.dtype(np.float16): (np.uint16, 0x7C00),
+             np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float64): (np.uint64, 0x7FF0000000000000),
+             np.dtype(ml_dtypes.float8_e5m2): (np.uint8, 0x7C)}
+
+
+def _first(bad) -> tuple[int, tuple | None]:
+    n = int(np.count_nonzero(bad))
+    return n, (tuple(int(i) for i in np.argwhere(bad)[0]) if n else None)
+
+
+def finite(x) -> tuple[int, tuple | None]:
+    """(count, first index) of NaN / Inf values in a float array, from the bits (no float copy); integers have none.
+    float8_e4m3fn has no infinity, only NaN (0x7F / 0xFF)."""
+    dt = np.dtype(x.dtype)
+    if dt == np.dtype(ml_dtypes.float8_e4m3fn):
+        return _first((x.view(np.uint8) & 0x7F) == 0x7F)
+    if dt not in _EXPONENT:
+        return 0, None
+    bits, mask = _EXPONENT[dt]
+    return _first((x.view(bits) & mask) == mask)
+
+
+def e8m0(x) -> tuple[int, tuple | None]:
+    """(count, first index) of the E8M0 NaN byte (0xFF) in MXFP4 scale bytes."""
+    return _first(x == 255)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     pattern: str
     target: str  # format string over the pattern's named groups
     transform: Callable = identity
     stacked: bool = False  # fills slot `expert` of a stacked parameter
+    check: Callable = finite  # what the values must not hold (NaN / Inf; MXFP4 scales: the NaN byte)
 
     def match(self, name):
         return re.fullmatch(self.pattern, name)
+
+    def name_for(self, target: str) -> str | None:
+        """The checkpoint name (family prefix stripped) this row expects for parameter leaf ``target`` (one expert
+        slot: ``{expert}`` left in), or None when the row fills other leaves."""
+        fields = re.findall(r"{(\w+)}", self.target)
+        regex = re.escape(self.target)
+        for f in fields:
+            regex = regex.replace(re.escape("{" + f + "}"), f"(?P<{f}>[\\w]+)", 1)
+        m = re.fullmatch(regex, target)
+        if m is None:
+            return None
+        groups = {**m.groupdict(), "expert": "{expert}"}
+        # the pattern as a template: named groups become fields, (?:a|b) its first choice, escapes dropped
+        template = re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", self.pattern)
+        template = re.sub(r"\(\?:([^|)]*)[^)]*\)", r"\1", template).replace("\\.", ".")
+        name = template.format(**groups)
+        hit = self.match(name.replace("{expert}", "0"))
+        return name if hit and self.target.format(**hit.groupdict()) == target else None
 
 
 LAYER = r"model\.layers\.(?P<layer>\d+)\."
@@ -112,7 +163,7 @@ RULES = (
     Rule(LAYER + EXPERT + r"weight", "layers.{layer}.mlp.experts.{w}", stacked=True),
     # compressed-tensors MXFP4 (kernels_pallas/mxfp4.py): the two fields of one MXFP4Weight
     Rule(LAYER + EXPERT + r"weight_packed", "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
-    Rule(LAYER + EXPERT + r"weight_scale", "layers.{layer}.mlp.experts.{w}.scale", stacked=True),
+    Rule(LAYER + EXPERT + r"weight_scale", "layers.{layer}.mlp.experts.{w}.scale", stacked=True, check=e8m0),
 )
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
@@ -127,6 +178,7 @@ class Placement:
     target: str
     expert: int | None
     transform: Callable
+    check: Callable = finite
 
 
 def canonical(name: str, cfg: ModelConfig) -> str | None:
@@ -151,12 +203,14 @@ def _match(name: str, cname: str, targets) -> Placement | None:
     target = rule.target.format(**groups)
     if target not in targets:
         return None
-    return Placement(name, target, int(groups["expert"]) if rule.stacked else None, rule.transform)
+    return Placement(name, target, int(groups["expert"]) if rule.stacked else None, rule.transform, rule.check)
 
 
-def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct]) -> tuple[list[Placement], list[str]]:
+def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
+          files=()) -> tuple[list[Placement], list[str]]:
     """Match checkpoint tensor names to parameter leaves. Returns (placements, ignored names); raises on any tensor
-    that fits nothing, any leaf (or expert slot) filled twice or not at all."""
+    that fits nothing, any leaf (or expert slot) filled twice or not at all. ``files``: the checkpoint's file names,
+    for the messages about tensors that are missing."""
     placements, ignored, unmatched = [], [], []
     for name in names:
         cname = canonical(name, cfg)
@@ -172,11 +226,28 @@ def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct]) -> 
         raise WeightError(
             f"{len(unmatched)} checkpoint tensor(s) match no parameter of this {cfg.family} model "
             f"(attention kinds {sorted(set(cfg.attn_types))}): {unmatched[:8]}{' ...' if len(unmatched) > 8 else ''}")
-    _check_complete(placements, targets)
+    _check_complete(placements, targets, cfg, files)
     return placements, ignored
 
 
-def _check_complete(placements: list[Placement], targets: dict[str, jax.ShapeDtypeStruct]):
+def expected_tensor(target: str, cfg: ModelConfig) -> str | None:
+    """The checkpoint name the table expects for parameter leaf ``target`` (``{expert}`` where a leaf stacks
+    experts), with the family's prefix; None when no row fills it."""
+    for rule in RULES:
+        name = rule.name_for(target)
+        if name is not None:
+            return (cfg.checkpoint_prefix or "") + name
+    return None
+
+
+def _searched(files) -> str:
+    files = sorted(files)
+    if not files:
+        return "the checkpoint"
+    return ", ".join(files) if len(files) <= 3 else f"{len(files)} files ({files[0]} ... {files[-1]})"
+
+
+def _check_complete(placements: list[Placement], targets: dict[str, jax.ShapeDtypeStruct], cfg: ModelConfig, files):
     seen: dict[tuple, str] = {}
     experts: dict[str, set] = {}
     for p in placements:
@@ -188,6 +259,7 @@ def _check_complete(placements: list[Placement], targets: dict[str, jax.ShapeDty
         if p.expert is not None:
             experts.setdefault(p.target, set()).add(p.expert)
     for target, sds in targets.items():
+        want = expected_tensor(target, cfg) or "(no name-table row)"
         if target in experts:
             n = sds.shape[0]
             bad = sorted(e for e in experts[target] if e >= n)
@@ -195,6 +267,10 @@ def _check_complete(placements: list[Placement], targets: dict[str, jax.ShapeDty
                 raise WeightError(f"checkpoint has experts {bad[:5]} for {target}, but the config has {n} experts")
             missing = sorted(set(range(n)) - experts[target])
             if missing:
-                raise WeightError(f"parameter {target}: checkpoint is missing experts {missing[:8]}")
+                raise WeightError(f"checkpoint tensor {want.format(expert=missing[0])!r}"
+                                  + (f" (and {len(missing) - 1} more experts: {missing[1:8]})" if len(missing) > 1
+                                     else "")
+                                  + f" is in none of {_searched(files)}; it fills parameter {target}")
         elif (target, None) not in seen:
-            raise WeightError(f"parameter {target} {list(sds.shape)} has no tensor in the checkpoint")
+            raise WeightError(f"checkpoint tensor {want!r} is in none of {_searched(files)}; it fills parameter "
+                              f"{target} {list(sds.shape)}")

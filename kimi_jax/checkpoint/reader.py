@@ -58,7 +58,8 @@ def jobs(ckpt: Checkpoint, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeSt
     """The jobs that fill every leaf of ``targets`` from ``ckpt`` (raises on any tensor or leaf left over), in file
     order, and the names of the ignored out-of-scope tensors. ``tensors``: the checkpoint tensors to use (default
     all); ``rows(target)``: rows to keep of that leaf's tensor (default all)."""
-    placements, ignored = names.place(list(ckpt.tensors) if tensors is None else tensors, cfg, targets)
+    files = {os.path.basename(i.file) for i in ckpt.tensors.values()}
+    placements, ignored = names.place(list(ckpt.tensors) if tensors is None else tensors, cfg, targets, files=files)
     by_target: dict[str, list[Placement]] = {}
     for p in placements:
         by_target.setdefault(p.target, []).append(p)
@@ -114,6 +115,16 @@ def preflight(ckpt: Checkpoint, jobs: list[Job]) -> None:
                 transform(p, _stand_in(info, job.rows), info, slot)
 
 
+def _check_values(p: Placement, info: TensorInfo, values: np.ndarray, index) -> None:
+    n, first = p.check(values)
+    if n:
+        at = tuple((s.start or 0) + i for s, i in zip(index, first))  # the region's offset in the tensor
+        what = "E8M0 NaN scale bytes (0xFF)" if p.check is names.e8m0 else "NaN / Inf values"
+        raise NonFiniteError(f"{_where(p, info)}: {n} {what}, the first at {list(at)} (parameter {p.target}); "
+                             "a model loaded from it computes NaN. Pass check_finite=False (kimi-jax: "
+                             "--no-check-finite) to load it anyway")
+
+
 def aligned_empty(shape, dtype) -> np.ndarray:
     """An uninitialised array at a 64-byte boundary: ``jax.device_put`` on the CPU device adopts it without a copy."""
     dtype = np.dtype(dtype)
@@ -131,12 +142,21 @@ def _region_shape(index, shape) -> tuple:
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
 
 
+class NonFiniteError(WeightError):
+    """A tensor holding NaN or Inf (or MXFP4's NaN scale byte): loading it would give a model that computes NaN."""
+
+
 class Reader:
     """Reads regions of parameter leaves from one checkpoint; keeps its shard files open until :meth:`close`.
-    ``bytes_in`` / ``tensors`` count what was read."""
+    ``bytes_in`` / ``tensors`` count what was read.
 
-    def __init__(self, ckpt: Checkpoint):
+    ``check_finite``: every region read is checked for NaN / Inf (and MXFP4 scale bytes for E8M0's NaN, 0xFF),
+    from the bits, as the loaded dtype holds them: :class:`NonFiniteError` names the tensor and its file. The check
+    costs one pass over bytes that were just read (``benchmarks/load.py`` measures it)."""
+
+    def __init__(self, ckpt: Checkpoint, *, check_finite: bool = True):
         self.ckpt = ckpt
+        self.check_finite = check_finite
         self.files: dict[str, object] = {}
         self.bytes_in = 0
         self.tensors = 0
@@ -180,6 +200,8 @@ class Reader:
             nbytes = raw.nbytes
         self.bytes_in += nbytes
         self.tensors += 1
+        if self.check_finite:
+            _check_values(p, info, out, index)
 
     def _raw_into(self, info: TensorInfo, out: np.ndarray):
         """Copy the tensor's bytes from its shard straight into ``out`` (same dtype and element count)."""

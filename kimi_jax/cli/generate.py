@@ -78,6 +78,8 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
     p.add_argument("--max-len", type=int, default=None, help="cache length (default: fits the request)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="activation/parameter dtype (float32 is the fast choice on CPU)")
+    p.add_argument("--no-check-finite", action="store_true",
+                   help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
     _compile_cache_arguments(p)
 
 
@@ -131,12 +133,12 @@ def _model_dir(path, seed=0, keep=None):
         yield build_demo_checkpoint(tmp, seed=seed)
 
 
-def _load(path, dtype):
+def _load(path, dtype, check_finite=True):
     import kimi_jax
     from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
 
     t0 = time.perf_counter()
-    model = kimi_jax.from_pretrained(path, dtype=dtype)
+    model = kimi_jax.from_pretrained(path, dtype=dtype, check_finite=check_finite)
     tok = load_tokenizer(path) if has_tokenizer(path) else None
     return model, tok, time.perf_counter() - t0
 
@@ -223,7 +225,7 @@ def run_generate(args):
     from kimi_jax.text import chat
 
     with _model_dir(args.model) as path:
-        model, tok, _ = _load(path, args.dtype)
+        model, tok, _ = _load(path, args.dtype, not args.no_check_finite)
         prompts = _prompts(args, tok)
         stream = None if (args.no_stream or len(prompts) > 1) else _printer()
         r = kimi_jax.generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -251,7 +253,7 @@ def run_chat(args, stdin=None):
     stdin = stdin or sys.stdin
     thinking = not args.no_thinking
     with _model_dir(args.model) as path:
-        model, tok, _ = _load(path, args.dtype)
+        model, tok, _ = _load(path, args.dtype, not args.no_check_finite)
         if tok is None:
             raise ValueError(f"{path}: chat needs tokenizer files (tiktoken.model + tokenizer_config.json)")
         _require_chat(tok)
