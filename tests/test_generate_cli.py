@@ -140,3 +140,27 @@ def test_compile_cache_reused_by_the_next_run(tmp_path):
         assert cache.is_dir() and os.listdir(cache)  # entries written by the first run
     assert hits[0] == 0
     assert hits[1] >= 2  # at least the prefill and the decode program
+
+
+@pytest.mark.parametrize("error, code, line", [
+    ("kernel", 2, "kimi-jax info: error: moe_gmm: implementation='pallas' needs a TPU or GPU"),
+    ("permission", 1, "kimi-jax info: error: '/out/x' Permission denied"),
+    ("disk", 1, "kimi-jax info: error: '/out/x' No space left on device"),
+])
+def test_cli_errors_are_one_line(monkeypatch, capsys, error, code, line):
+    """Errors a user can act on end in one stderr line and a non-zero exit, whatever their class."""
+    import errno
+
+    from kernels_pallas._dispatch import KernelUnavailable
+
+    def fail(args):
+        if error == "kernel":
+            raise KernelUnavailable("moe_gmm: implementation='pallas' needs a TPU or GPU, but the target is 'cpu'")
+        if error == "permission":
+            raise PermissionError(errno.EACCES, "Permission denied", "/out/x")
+        raise OSError(errno.ENOSPC, "No space left on device", "/out/x")
+
+    monkeypatch.setattr(cli, "_cmd_info", fail)
+    assert cli.main(["info", "k3"]) == code
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1 and "Traceback" not in err

@@ -107,12 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    """Run one command. Errors the user can act on -- bad input, a config or checkpoint that does not fit, a kernel
+    asked for that cannot run here, a file that cannot be read or written -- end in one line and exit status 2
+    (1 for a refused file operation the OS reports); anything else is a bug and keeps its traceback."""
+    from kernels_pallas._dispatch import KernelUnavailable
+
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # config / checkpoint / input errors: one clear line
+    except (ValueError, KernelUnavailable) as e:  # config / checkpoint / input errors, an unavailable kernel
         print(f"kimi-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # missing files, permissions, a full disk: the OS's words and the path
+        where = f" {e.filename!r}" if getattr(e, "filename", None) else ""
+        print(f"kimi-jax {args.command}: error:{where} {e.strerror or e}", file=sys.stderr)
+        return 2 if isinstance(e, FileNotFoundError) else 1
+    except KeyboardInterrupt:
+        print(f"kimi-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
     return rc if isinstance(rc, int) else 0  # commands that decide an exit status return it (plan --compile)
 
 
