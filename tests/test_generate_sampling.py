@@ -1,6 +1,8 @@
 """Sampling (temperature / top-k / top-p) against numpy-computed target distributions, and cache sizes
 against the K3 spec's arithmetic."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,3 +97,26 @@ def test_k3_cache_bytes_match_the_spec_arithmetic():
     # a dense GQA model: K and V per layer per token
     dense = C.preset("kimi-dense")
     assert cache_lib.cache_bytes(dense, 1, 10, jnp.bfloat16)["kv"] == 32 * 2 * 8 * 128 * 2 * 10
+
+
+def test_request_longer_than_the_context_or_the_memory(tmp_path):
+    """Refused before anything is allocated, naming what was asked and what fits: a prompt + budget past the
+    model's context (max_position_embeddings), and a cache larger than the memory free on the device."""
+    import kimi_jax
+    from kimi_jax.checkpoint import synthetic
+    from kimi_jax.generation.generate import GenerationError, free_memory
+
+    path = synthetic.write_checkpoint(tmp_path / "llama", "llama", num_shards=1, dtype="float32")
+    model = kimi_jax.from_pretrained(path, dtype="float32")
+    assert model.cfg.max_position_embeddings == 512
+    with pytest.raises(GenerationError, match=r"prompt 0 \(500 tokens\) \+ max_new_tokens \(20\) = 520 tokens "
+                                              r"exceeds the model's context of 512"):
+        kimi_jax.generate(model, [[t % 250 + 3 for t in range(500)]], 20)
+    free = free_memory(jax.local_devices()[0])
+    assert free is not None and free > 0  # the host's available memory on CPU
+    cfg = dataclasses.replace(model.cfg, max_position_embeddings=None)
+    huge = 1 << 40  # a cache of 2**40 positions: terabytes
+    model.cfg = cfg
+    with pytest.raises(GenerationError, match=r"the cache for 1 sequence\(s\) x 1099511627776 tokens needs [0-9.]+ GB "
+                                              r"per device \(float32\), but cpu:0 has [0-9.]+ GB free: lower max_len"):
+        kimi_jax.generate(model, [[1, 2, 3]], 4, max_len=huge)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 import weakref
 from typing import Callable, Sequence
@@ -259,6 +260,26 @@ def encode_prompts(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> lis
     return out
 
 
+def free_memory(device) -> int | None:
+    """Bytes free on ``device``: what the runtime reports (TPU / GPU: ``bytes_limit - bytes_in_use``); on the CPU,
+    the host's available memory (Linux ``MemAvailable``). None where neither is known."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 class Generator:
     """A model ready to generate: split once, caches kept per batch bucket, compiled functions reused.
 
@@ -299,13 +320,32 @@ class Generator:
         cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate
         if cache is not None:
             return cache
+        shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan)
         shardings = None
         if self.parallel is not None:
             from kimi_jax.parallel import sharding
 
-            shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan)
             shardings = sharding.cache_shardings(self.cfg, shapes, self.parallel.mesh, self.parallel.layout)
+        self._check_cache_fits(B, shapes, shardings)
         return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan)
+
+    def _check_cache_fits(self, B: int, shapes: Cache, shardings):
+        """Refuse, before allocating, a cache larger than the memory free on the device that holds the most of it."""
+        leaves = jax.tree.leaves(shapes)
+        if shardings is None:
+            need = sum(s.size * s.dtype.itemsize for s in leaves)
+            devices = [jax.local_devices()[0]]
+        else:
+            shards = jax.tree.leaves(shardings)
+            need = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in zip(leaves, shards))
+            devices = jax.local_devices()
+        free = min((free_memory(d) for d in devices), default=None)
+        if free is not None and need > free:
+            raise GenerationError(
+                f"the cache for {B} sequence(s) x {self.max_len} tokens needs {need / 1e9:.2f} GB per device "
+                f"({jnp.dtype(self.dtype).name}), but "
+                f"{devices[0].platform}:{devices[0].id} has {free / 1e9:.2f} GB free: lower max_len (the cache "
+                "length; prompt + new tokens must fit in it) or generate for fewer prompts at once")
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
@@ -344,7 +384,13 @@ class Generator:
         """
         if stream_every < 1:
             raise GenerationError(f"stream_every must be >= 1, got {stream_every}")
+        context = self.cfg.max_position_embeddings
         for i, p in enumerate(ids):
+            if context is not None and len(p) + budget[i] > context:
+                raise GenerationError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({budget[i]}) = "
+                                      f"{len(p) + budget[i]} tokens exceeds the model's context of {context} "
+                                      "(max_position_embeddings in its config.json): shorten the prompt or ask "
+                                      "for fewer new tokens")
             if len(p) >= self.max_len:
                 raise GenerationError(f"prompt {i} has {len(p)} tokens; the cache holds {self.max_len} "
                                       "(raise max_len)")

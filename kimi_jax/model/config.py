@@ -144,6 +144,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     checkpoint_dtype: str = "bfloat16"
     checkpoint_prefix: str = ""  # "language_model." for the K3 release layout
+    max_position_embeddings: int | None = None  # the context the model was made for (prompt + new tokens)
 
     def __post_init__(self):
         if len(self.attn_types) != self.num_layers or len(self.ffn_types) != self.num_layers:
@@ -530,6 +531,7 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         pad_token_id=pad,
         checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "bfloat16"))),
         checkpoint_prefix="language_model." if k3_wrapper else "",
+        max_position_embeddings=_context(r),
     )
     r.read.add("torch_dtype")
     if strict:
@@ -586,11 +588,22 @@ def _parse_dense(c: Mapping[str, Any], *, strict: bool) -> ModelConfig:
         eos_token_id=_first_id(r.get("eos_token_id")),
         pad_token_id=_first_id(r.get("pad_token_id")),
         checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "float32"))),
+        max_position_embeddings=_context(r),
     )
     r.read.add("torch_dtype")
     if strict:
         r.finish()
     return cfg
+
+
+def _context(r) -> int | None:
+    """``max_position_embeddings`` (a positive integer, or absent)."""
+    v = r.get("max_position_embeddings")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"config.json: max_position_embeddings={v!r} must be a positive integer")
+    return v
 
 
 def from_dict(c: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
@@ -643,6 +656,7 @@ def _k3_text_config() -> dict:
     return {
         "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93,
         "num_attention_heads": 96, "num_key_value_heads": 96, "intermediate_size": 33792,
+        "max_position_embeddings": 1048576,
         "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "situ", "activation_situ_beta": 4.0,
         "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5, "attn_res_block_size": 12,
         "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": 96, "head_dim": 128,
