@@ -13,7 +13,6 @@ leaf), the preflight (every shape and dtype checked before any data is read), th
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -50,9 +49,8 @@ def load_hf(path, cfg, model_factory, *, shardings=None, check_finite: bool = Tr
     values = {}
     try:
         for job in jobs:
-            value = reader.read(job)
-            target = None if shardings is None else shardings.get(job.target)
-            values[job.target] = jax.device_put(value, target) if target is not None else jnp.asarray(value)
+            value = reader.read(job)  # 64-byte aligned: on the CPU, device_put adopts it without a copy
+            values[job.target] = jax.device_put(value, None if shardings is None else shardings.get(job.target))
     finally:
         reader.close()
         ckpt.close()

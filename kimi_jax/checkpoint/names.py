@@ -86,20 +86,37 @@ def _first(bad) -> tuple[int, tuple | None]:
     return n, (tuple(int(i) for i in np.argwhere(bad)[0]) if n else None)
 
 
+_CHUNK = 1 << 20  # elements tested at a time: the temporaries stay in cache (3-7 GB/s here, no full-size copy)
+
+
 def finite(x) -> tuple[int, tuple | None]:
-    """(count, first index) of NaN / Inf values in a float array, from the bits (no float copy); integers have none.
-    float8_e4m3fn has no infinity, only NaN (0x7F / 0xFF)."""
+    """(count, first index) of NaN / Inf values in a float array, from the bits; integers have none.
+    float8_e4m3fn has no infinity, only NaN (0x7F / 0xFF). Clean arrays are scanned in chunks with no full-size
+    temporary; only an array that holds a bad value is counted whole."""
     dt = np.dtype(x.dtype)
+    if dt == np.dtype(np.float32) or dt == np.dtype(np.float64):
+        flat = x.reshape(-1)
+        if all(np.isfinite(flat[i:i + _CHUNK]).all() for i in range(0, flat.size, _CHUNK)):
+            return 0, None
+        return _first(~np.isfinite(x))
     if dt == np.dtype(ml_dtypes.float8_e4m3fn):
-        return _first((x.view(np.uint8) & 0x7F) == 0x7F)
-    if dt not in _EXPONENT:
+        bits, mask, full = np.uint8, 0x7F, 0x7F
+    elif dt in _EXPONENT:
+        bits, mask = _EXPONENT[dt]
+        full = mask
+    else:
         return 0, None
-    bits, mask = _EXPONENT[dt]
-    return _first((x.view(bits) & mask) == mask)
+    flat = x.reshape(-1).view(bits)
+    if not any(((flat[i:i + _CHUNK] & mask) == full).any() for i in range(0, flat.size, _CHUNK)):
+        return 0, None
+    return _first((x.view(bits) & mask) == full)
 
 
 def e8m0(x) -> tuple[int, tuple | None]:
     """(count, first index) of the E8M0 NaN byte (0xFF) in MXFP4 scale bytes."""
+    flat = x.reshape(-1)
+    if not any((flat[i:i + _CHUNK] == 255).any() for i in range(0, flat.size, _CHUNK)):
+        return 0, None
     return _first(x == 255)
 
 
