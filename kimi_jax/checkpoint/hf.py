@@ -39,19 +39,30 @@ def _prepare(path, cfg, model_factory):
     return graphdef, state, ckpt, jobs
 
 
-def load_hf(path, cfg, model_factory, *, shardings=None, check_finite: bool = True):
+def _bar(jobs, progress: bool):
+    """A byte counter on stderr for loads that last: shown only after 2 s (tiny models never see it)."""
+    from tqdm import tqdm
+
+    return tqdm(total=sum(j.nbytes for j in jobs), unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
+                delay=2.0, disable=not progress, dynamic_ncols=True, leave=False)
+
+
+def load_hf(path, cfg, model_factory, *, shardings=None, check_finite: bool = True, progress: bool = True):
     """Build the model ``model_factory()`` describes and fill it from the HF checkpoint at ``path``.
 
     ``shardings``: optional {leaf path: Sharding} (default: the default device). ``check_finite``: refuse NaN / Inf
-    weights (:class:`~kimi_jax.checkpoint.reader.Reader`)."""
+    weights (:class:`~kimi_jax.checkpoint.reader.Reader`). ``progress``: a byte counter for loads over 2 s."""
     graphdef, state, ckpt, jobs = _prepare(path, cfg, model_factory)
     reader = reader_lib.Reader(ckpt, check_finite=check_finite)
     values = {}
+    bar = _bar(jobs, progress)
     try:
         for job in jobs:
             value = reader.read(job)  # 64-byte aligned: on the CPU, device_put adopts it without a copy
             values[job.target] = jax.device_put(value, None if shardings is None else shardings.get(job.target))
+            bar.update(job.nbytes)
     finally:
+        bar.close()
         reader.close()
         ckpt.close()
     return nnx.merge(graphdef, params.fill(state, values))
@@ -74,7 +85,7 @@ class _RegionCache:
         return self.cache[key]
 
 
-def load_hf_sharded(path, cfg, run, model_factory, *, check_finite: bool = True):
+def load_hf_sharded(path, cfg, run, model_factory, *, check_finite: bool = True, progress: bool = True):
     """Build the model for ``cfg`` with every parameter leaf read straight into its sharding (``run.parallel``)."""
     par: sharding.Parallel = run.parallel
     graphdef, state, ckpt, jobs = _prepare(path, cfg, model_factory)
@@ -83,11 +94,14 @@ def load_hf_sharded(path, cfg, run, model_factory, *, check_finite: bool = True)
                      expert_bytes_total=sum(j.nbytes for j in jobs if j.stacked))
     reader = reader_lib.Reader(ckpt, check_finite=check_finite)
     values = {}
+    bar = _bar(jobs, progress)
     try:
         for job in jobs:
             values[job.target] = jax.make_array_from_callback(
                 tuple(job.sds.shape), NamedSharding(par.mesh, specs[job.target]), _RegionCache(reader, job))
+            bar.update(job.nbytes)
     finally:
+        bar.close()
         reader.close()
         ckpt.close()
     return nnx.merge(graphdef, params.fill(state, values))

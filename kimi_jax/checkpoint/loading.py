@@ -17,7 +17,7 @@ from kimi_jax.parallel import distributed
 
 def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None, strict: bool = True,
                     run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False,
-                    check_finite: bool = True) -> KimiModel:
+                    check_finite: bool = True, progress: bool = True) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed).
 
@@ -26,7 +26,8 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
     ``scan_layers`` (or ``run.scan_layers``): the repeating run of layers stacked and run as one scan
     (:mod:`kimi_jax.model.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn.
     ``check_finite``: refuse weights holding NaN or Inf (MXFP4: the NaN scale byte), naming the tensor and its file;
-    checked as each tensor is read (a converted checkpoint: on the loaded arrays)."""
+    checked as each tensor is read (a converted checkpoint: on the loaded arrays). ``progress``: a byte counter on
+    stderr for loads that take more than 2 s."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
@@ -41,11 +42,11 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
         run = distributed.with_parallel(run, mesh, layout)
-    model = _load(path, cfg, run, converted, check_finite)
+    model = _load(path, cfg, run, converted, check_finite, progress)
     return relayout(model, scan_layers=True, consume=True) if scan else model
 
 
-def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool) -> KimiModel:
+def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progress: bool) -> KimiModel:
     factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
     if converted:
         from kimi_jax.checkpoint import orbax as orbax_io
@@ -60,8 +61,8 @@ def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool) -> Kim
             _check_loaded(model, path)
         return model
     if run.parallel is not None:
-        return hf.load_hf_sharded(path, cfg, run, factory, check_finite=check_finite)
-    return hf.load_hf(path, cfg, factory, check_finite=check_finite)
+        return hf.load_hf_sharded(path, cfg, run, factory, check_finite=check_finite, progress=progress)
+    return hf.load_hf(path, cfg, factory, check_finite=check_finite, progress=progress)
 
 
 def _check_loaded(model: KimiModel, path: str) -> None:
