@@ -1,6 +1,6 @@
 """Generation benchmark: kimi-jax vs HF transformers on the shared Kimi Linear benchmark model (float32, CPU).
 
-    python benchmarks/decode.py [--weights DIR] [--repeats 3] [--skip-hf]
+    python benchmarks/decode.py [--weights DIR] [--repeats 3] [--skip-hf] [--dtype bfloat16]
 
 Builds ``../shared/bench/kimi-linear-bench.config.json`` with transformers after ``torch.manual_seed(0)`` in
 float32 and ``save_pretrained`` (once, into --weights), then measures in one run, as medians of --repeats (each
@@ -129,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="ours (HF runs float32)")
     args = ap.parse_args(argv)
 
     import jax
@@ -149,7 +150,7 @@ def main(argv=None):
 
     # ours: time to first token of a fresh generator (compiles prefill); first calls compile
     t0 = time.perf_counter()
-    model = kimi_jax.from_pretrained(path, dtype="float32")
+    model = kimi_jax.from_pretrained(path, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     gen = Generator(model, max_len=PROMPT + NEW, batch_buckets=tuple(batches), prompt_buckets=(PROMPT,))
     wbytes = decode_weight_bytes(model)

@@ -46,10 +46,42 @@ def test_generate_command(demo_dir, capsys):
                      "--max-new-tokens", "5", "--no-stream"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "decode" in err
+    # no --dtype: the first line says which dtype runs and why (float32 on this CPU)
+    assert err.splitlines()[0].startswith("kimi-jax: dtype float32 (automatic: float32 on the CPU"), err
     # ids in, ids out (a batch of two, different lengths)
     assert cli.main(["generate", "--model", demo_dir, "--ids", "5,6,7", "--ids", "8,9", "--max-new-tokens", "3"]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("[0] ") and "\n[1] " in out
+
+
+def test_dtype_choice(demo_dir, capsys, monkeypatch):
+    """An asked dtype runs as asked and is said so; auto picks bfloat16 on an accelerator, float32 on the CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from kimi_jax.model import run
+
+    assert generate_cli._dtype("bfloat16") == "bfloat16"
+    assert capsys.readouterr().err == "kimi-jax: dtype bfloat16 (--dtype)\n"
+    assert run.auto_dtype()[0] == jnp.float32 == run.resolve_dtype(None) == run.resolve_dtype("auto")
+    assert run.resolve_dtype("bfloat16") == jnp.bfloat16
+
+    class Device:  # what jax.devices() returns on a TPU host, as far as the choice looks
+        platform = "tpu"
+
+    assert run.auto_dtype([Device()]) == (jnp.bfloat16, "bfloat16 on tpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    assert run.resolve_dtype(None) == jnp.bfloat16
+
+
+def test_from_pretrained_default_dtype(demo_dir):
+    import jax.numpy as jnp
+
+    import kimi_jax
+
+    model = kimi_jax.from_pretrained(demo_dir)  # no dtype: the CPU's choice
+    assert model.run.dtype == jnp.float32
+    assert model.layers[0].self_attn.q_proj[...].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("argv,msg", [

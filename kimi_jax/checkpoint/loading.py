@@ -11,15 +11,17 @@ from flax import nnx
 from kimi_jax.checkpoint import hf
 from kimi_jax.model import config as config_lib
 from kimi_jax.model.decoder import KimiModel, relayout
-from kimi_jax.model.run import RunConfig
+from kimi_jax.model.run import RunConfig, resolve_dtype
 from kimi_jax.parallel import distributed
 
 
-def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None, strict: bool = True,
+def from_pretrained(path, *, dtype=None, implementation: str | None = None, strict: bool = True,
                     run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False,
                     check_finite: bool = True, progress: bool = True) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
-    kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed).
+    kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed); None (or
+    ``"auto"``): float32 on the CPU, bfloat16 on TPU and GPU (:func:`kimi_jax.model.run.auto_dtype`). ``run``, when
+    given, carries its own dtype.
 
     ``mesh`` (from :func:`kimi_jax.parallel.sharding.make_mesh`): read every parameter straight into its shards under
     ``layout`` (a :mod:`kimi_jax.parallel.sharding` table name); each process reads only its devices' slices.
@@ -37,7 +39,8 @@ def from_pretrained(path, *, dtype="bfloat16", implementation: str | None = None
     if converted:
         orbax_io.read_marker(path)  # refuses an unfinished conversion, naming what is missing
     cfg = config_lib.load(path, strict=strict)
-    run = run or RunConfig(dtype=jnp.dtype(dtype), implementation=implementation)
+    devices = None if mesh is None else mesh.devices.flat
+    run = run or RunConfig(dtype=resolve_dtype(dtype, devices), implementation=implementation)
     scan = scan_layers or run.scan_layers
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:

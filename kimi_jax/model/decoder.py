@@ -31,6 +31,11 @@ class ModelOutput:
     logits: jax.Array  # [B, T, V] float32 (or [B, 1, V] with last_only)
     cache: Cache | None = None
     hidden: tuple | None = None  # per layer [B, T, D]: the layer's output (P under AttnRes)
+    # with return_hidden: the lm_head's input [B, T, D] (after the final norm), the output AttnRes mix before that
+    # norm, and the sealed AttnRes blocks [n_blocks, B, T, D] (AttnRes models; else None)
+    final_hidden: jax.Array | None = None
+    output_mix: jax.Array | None = None
+    attn_res_blocks: jax.Array | None = None
     router: tuple | None = None  # per MoE layer: (idx [B, T, X] int32, weights [B, T, X] float32)
     attn_res_weights: tuple | None = None  # per AttnRes mix: [n_sources, B, T] float32
 
@@ -211,12 +216,13 @@ class KimiModel(nnx.Module):
                 h, layer_cache, r = layer(h, step, layer_cache, run)
             new_layers[i] = layer_cache
             outs.hidden[i], outs.router[i] = h, r
-        weights = []
+        weights, mixed = [], None
         if cfg.attn_res:
             for w in outs.weights if return_attn_res else ():
                 weights.extend(w)
             h, alpha = _mix(self.output_attn_res, blocks, h, run)
             weights.append(alpha)
+            mixed = h
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
         h = rms_norm(h, self.norm[...], cfg.norm_eps, run)
@@ -229,6 +235,9 @@ class KimiModel(nnx.Module):
             logits=logits,
             cache=new_cache,
             hidden=tuple(outs.hidden) if return_hidden else None,
+            final_hidden=h if return_hidden else None,
+            output_mix=mixed if return_hidden else None,
+            attn_res_blocks=jnp.stack(blocks.arrays) if (return_hidden and blocks.arrays) else None,
             router=tuple(r for r in outs.router if r is not None) if return_router else None,
             attn_res_weights=tuple(weights) if return_attn_res else None,
         )
