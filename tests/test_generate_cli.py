@@ -59,7 +59,7 @@ def test_dtype_choice(demo_dir, capsys, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from kimi_jax.model import run
+    from kimi_jax.checkpoint import loading as run
 
     assert generate_cli._dtype("bfloat16") == "bfloat16"
     assert capsys.readouterr().err == "kimi-jax: dtype bfloat16 (--dtype)\n"

@@ -5,14 +5,38 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.checkpoint import hf
 from kimi_jax.model import config as config_lib
 from kimi_jax.model.decoder import KimiModel, relayout
-from kimi_jax.model.run import RunConfig, resolve_dtype
+from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import distributed
+
+# The dtype a run gets when its user names none, by platform: XLA:CPU runs bfloat16 as float32 arithmetic with a
+# conversion around every op, so on the CPU bfloat16 decodes the shared benchmark model ~2.8x slower than float32
+# (benchmarks/decode.py --dtype, README "CPU dtype"); accelerators get their native bfloat16.
+AUTO_DTYPE = {"cpu": jnp.float32}
+ACCELERATOR_DTYPE = jnp.bfloat16
+
+
+def auto_dtype(devices=None) -> tuple[jnp.dtype, str]:
+    """``(dtype, why)`` for a run on ``devices`` (default: ``jax.devices()``) whose user named no dtype: float32 on
+    the CPU, bfloat16 on TPU and GPU. ``why`` is one line a command prints beside the choice."""
+    platform = (list(devices) if devices is not None else jax.devices())[0].platform
+    dtype = jnp.dtype(AUTO_DTYPE.get(platform, ACCELERATOR_DTYPE))
+    if platform == "cpu":
+        return dtype, "float32 on the CPU, where bfloat16 decodes ~2.8x slower"
+    return dtype, f"bfloat16 on {platform}"
+
+
+def resolve_dtype(dtype, devices=None) -> jnp.dtype:
+    """``dtype`` as asked, or :func:`auto_dtype`'s choice when it is None or ``"auto"``."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return auto_dtype(devices)[0]
+    return jnp.dtype(dtype)
 
 
 def from_pretrained(path, *, dtype=None, implementation: str | None = None, strict: bool = True,
@@ -20,7 +44,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
                     check_finite: bool = True, progress: bool = True) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed); None (or
-    ``"auto"``): float32 on the CPU, bfloat16 on TPU and GPU (:func:`kimi_jax.model.run.auto_dtype`). ``run``, when
+    ``"auto"``): float32 on the CPU, bfloat16 on TPU and GPU (:func:`auto_dtype`). ``run``, when
     given, carries its own dtype.
 
     ``mesh`` (from :func:`kimi_jax.parallel.sharding.make_mesh`): read every parameter straight into its shards under

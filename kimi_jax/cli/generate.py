@@ -140,7 +140,7 @@ def _model_dir(path, seed=0, keep=None):
 
 def _dtype(asked: str) -> str:
     """The dtype to run, said on stderr first: as asked, or the automatic choice and why."""
-    from kimi_jax.model.run import auto_dtype
+    from kimi_jax.checkpoint.loading import auto_dtype
 
     if asked != "auto":
         print(f"kimi-jax: dtype {asked} (--dtype)", file=sys.stderr)
