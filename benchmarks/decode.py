@@ -30,6 +30,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a CPU benchmark: with the aot extra installed, JAX would otherwise try to start the CUDA and TPU runtimes first
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # run as a script, this folder would shadow top-level packages (benchmarks/convert.py vs the convert package)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.dirname(HERE))

@@ -31,13 +31,13 @@ class ModelOutput:
     logits: jax.Array  # [B, T, V] float32 (or [B, 1, V] with last_only)
     cache: Cache | None = None
     hidden: tuple | None = None  # per layer [B, T, D]: the layer's output (P under AttnRes)
+    router: tuple | None = None  # per MoE layer: (idx [B, T, X] int32, weights [B, T, X] float32)
+    attn_res_weights: tuple | None = None  # per AttnRes mix: [n_sources, B, T] float32
     # with return_hidden: the lm_head's input [B, T, D] (after the final norm), the output AttnRes mix before that
     # norm, and the sealed AttnRes blocks [n_blocks, B, T, D] (AttnRes models; else None)
     final_hidden: jax.Array | None = None
     output_mix: jax.Array | None = None
     attn_res_blocks: jax.Array | None = None
-    router: tuple | None = None  # per MoE layer: (idx [B, T, X] int32, weights [B, T, X] float32)
-    attn_res_weights: tuple | None = None  # per AttnRes mix: [n_sources, B, T] float32
 
 
 class Blocks(NamedTuple):
