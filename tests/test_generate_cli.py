@@ -54,7 +54,7 @@ def test_generate_command(demo_dir, capsys):
     assert out.startswith("[0] ") and "\n[1] " in out
 
 
-def test_dtype_choice(demo_dir, capsys, monkeypatch):
+def test_dtype_choice(capsys, monkeypatch):
     """An asked dtype runs as asked and is said so; auto picks bfloat16 on an accelerator, float32 on the CPU."""
     import jax
     import jax.numpy as jnp

@@ -34,7 +34,7 @@ def test_longer_sequences(model, k3_golden, ids_key, logits_key):
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_attn_res_extras(model, k3_tiny_a, k3_golden, scan_layers):
+def test_attn_res_extras(model, k3_golden, scan_layers):
     """The sealed AttnRes blocks, the output AttnRes mix (before the final norm) and the final hidden state (the
     lm_head's input), through the public hidden-states option, unrolled and with scanned layers."""
     from kimi_jax.model.decoder import relayout
