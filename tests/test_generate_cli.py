@@ -46,8 +46,8 @@ def test_generate_command(demo_dir, capsys):
                      "--max-new-tokens", "5", "--no-stream"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "decode" in err
-    # no --dtype: the first line says which dtype runs and why (float32 on this CPU)
-    assert err.splitlines()[0].startswith("kimi-jax: dtype float32 (automatic: float32 on the CPU"), err
+    # no --dtype: the first line says which dtype runs and why
+    assert err.splitlines()[0].startswith("kimi-jax: dtype bfloat16 (automatic: bfloat16, which on the CPU"), err
     # ids in, ids out (a batch of two, different lengths)
     assert cli.main(["generate", "--model", demo_dir, "--ids", "5,6,7", "--ids", "8,9", "--max-new-tokens", "3"]) == 0
     out, _ = capsys.readouterr()
@@ -55,16 +55,16 @@ def test_generate_command(demo_dir, capsys):
 
 
 def test_dtype_choice(capsys, monkeypatch):
-    """An asked dtype runs as asked and is said so; auto picks bfloat16 on an accelerator, float32 on the CPU."""
+    """An asked dtype runs as asked and is said so; auto picks bfloat16, on an accelerator and on the CPU."""
     import jax
     import jax.numpy as jnp
 
     from kimi_jax.checkpoint import loading as run
 
-    assert generate_cli._dtype("bfloat16") == "bfloat16"
-    assert capsys.readouterr().err == "kimi-jax: dtype bfloat16 (--dtype)\n"
-    assert run.auto_dtype()[0] == jnp.float32 == run.resolve_dtype(None) == run.resolve_dtype("auto")
-    assert run.resolve_dtype("bfloat16") == jnp.bfloat16
+    assert generate_cli._dtype("float32") == "float32"
+    assert capsys.readouterr().err == "kimi-jax: dtype float32 (--dtype)\n"
+    assert run.auto_dtype()[0] == jnp.bfloat16 == run.resolve_dtype(None) == run.resolve_dtype("auto")
+    assert run.resolve_dtype("float32") == jnp.float32
 
     class Device:  # what jax.devices() returns on a TPU host, as far as the choice looks
         platform = "tpu"
@@ -79,9 +79,9 @@ def test_from_pretrained_default_dtype(demo_dir):
 
     import kimi_jax
 
-    model = kimi_jax.from_pretrained(demo_dir)  # no dtype: the CPU's choice
-    assert model.run.dtype == jnp.float32
-    assert model.layers[0].self_attn.q_proj[...].dtype == jnp.float32
+    model = kimi_jax.from_pretrained(demo_dir)  # no dtype: bfloat16
+    assert model.run.dtype == jnp.bfloat16
+    assert model.layers[0].self_attn.q_proj[...].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -197,13 +197,15 @@ def test_group_errors():
         jax.block_until_ready(f(x, w, x, stack, np.array([4], np.int32)))
     with pytest.raises(Exception, match="item 1: expert id out of range"):
         jax.block_until_ready(f(x, w, x, stack, np.array([-1], np.int32)))
-    with pytest.raises(KernelUnavailable, match="bfloat16"):
-        _group_fn([False], implementation="cpu_native").lower(x, w.astype(jnp.bfloat16))
+    with pytest.raises(KernelUnavailable, match="float16 weights"):
+        _group_fn([False], implementation="cpu_native").lower(x, w.astype(jnp.float16))
+    with pytest.raises(KernelUnavailable, match="different dtypes"):
+        _group_fn([False, False], implementation="cpu_native").lower(x, w, x, w.astype(jnp.bfloat16))
     with pytest.raises(KernelUnavailable, match="implementation='triton' is not available"):
         _group_fn([False], implementation="triton").lower(x, w)
     # no Pallas product kernel: a model run that asks for the Pallas kernels gets the plain products here
     assert f"kimi_jax_{native.SYMBOL}" not in _group_fn([False], implementation="pallas").lower(x, w).as_text()
-    # bfloat16 items under the automatic choice: the reference, no native call
+    # one plain product under the automatic choice: XLA's own product streams it as fast, no native call
     assert "kimi_jax_" not in _group_fn([False]).lower(x, w.astype(jnp.bfloat16)).as_text()
 
 
@@ -317,3 +319,31 @@ def test_kda_automatic_choice(monkeypatch):
     with use_abstract_mesh(AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=tpu)):
         with pytest.raises(KernelUnavailable, match="runs on CPU only, not on 'tpu'"):
             jax.jit(lambda *a: kda.kda_decode(*a, scale=0.25, implementation="cpu_native")).trace(*args)
+
+
+def test_bfloat16_weights_stream_in_the_native_kernel():
+    """bfloat16 weights (plain, and an expert stack read in place) with bfloat16 or float32 inputs: one bf16 native
+    call, float32 results equal to float64 numpy on the same (exactly widened) values; the bf16 MoE gather too."""
+    rng = np.random.default_rng(5)
+    bf = jnp.bfloat16
+    x1 = jnp.asarray(rng.standard_normal((1, 1000)), bf)
+    w1 = jnp.asarray(rng.standard_normal((70, 1000)), bf)  # rows past the last 8, lanes past the last 16
+    x2 = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((5, 129, 256)), bf)
+    ids = jnp.asarray([4, 0, 4], jnp.int32)
+    items = [(x1, w1, None), (x2, w2, ids)]
+    f = jax.jit(lambda it: matvec.group(it))
+    assert f.lower(items).as_text().count(f"kimi_jax_{native.SYMBOLS[jnp.dtype(bf)]}") == 1
+    got = f(items)
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    want = [f64(x1) @ f64(w1).T, np.einsum("mi,mji->mj", f64(x2), f64(w2)[np.asarray(ids)])]
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), w, atol=1e-5 * np.sqrt(1000), rtol=0)
+    # the MoE gather in a bfloat16 model: x rounded to bf16 as the reference does, experts read in place
+    x, w, idx = _case(rng, 2, 2, 300, 40, 6)
+    xb, wb = jnp.asarray(x, bf), jnp.asarray(w, bf)
+    gather = jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c))
+    assert f"kimi_jax_{native.SYMBOLS[jnp.dtype(bf)]}" in gather.lower(xb, wb, idx).as_text()
+    ref = jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c, implementation="reference"))(xb, wb, idx)
+    np.testing.assert_allclose(np.asarray(gather(xb, wb, idx)), np.asarray(ref), atol=1e-4, rtol=0)

@@ -6,15 +6,16 @@ Each item of a group is ``x [M, I]`` with ``w [J, I]`` (a plain weight, checkpoi
 ``out[m] = w[ids[m]] @ x[m]``. Each result is ``[M, J]`` float32, accumulated in float32 from the operands' dtype.
 
 At a handful of rows (decode) every product streams its weight once, so the step's time is memory bandwidth, and
-XLA:CPU leaves some of it unused. Two CPU implementations, the automatic choice on CPU for float32 operands:
+XLA:CPU leaves some of it unused. Two CPU implementations, the automatic choice on CPU:
 
-* ``"cpu_native"`` (``native.cc``, built on first use by :mod:`kernels_pallas._native`): reads every weight in
+* ``"cpu_native"`` (``native.cc``, built on first use by :mod:`kernels_pallas._native`; float32 or bfloat16
+  weights, widened in registers, float32 sums): reads every weight in
   place (a chosen expert too, where XLA copies it out of its stack first) and streams all the items of a call as
   one piece of work split over the threads (launched one by one, XLA:CPU's products of 0.5-1 MB ran at about half
   the rate of the large ones). Chosen when every plain item has one row (grouping at 8 rows gained nothing) and
   the call holds several items or an expert item (a single plain product streams as fast under XLA: measured on
   the output projections and the lm_head).
-* ``"xla_cpu"`` (``xla_cpu.py``): the few-row (2..32) products weight first.
+* ``"xla_cpu"`` (``xla_cpu.py``; float32 operands): the few-row (2..32) products weight first.
 
 Elsewhere, and with ``implementation="reference"``, each item is a plain-jnp product. No partition rule: on a mesh
 of several devices the products are plain XLA that GSPMD partitions (the weights' own shardings decide), and the

@@ -1,4 +1,6 @@
-// Decode-shaped matrix-vector products for XLA:CPU, float32, several in one call.
+// Decode-shaped matrix-vector products for XLA:CPU, several in one call: float32 x, float32 or bfloat16 weights
+// (KimiMatvecGroupF32, KimiMatvecGroupBF16), float32 sums and results. A bfloat16 weight is widened to float32 in
+// registers as it is loaded (exact), so a bf16 model streams half the bytes of a float32 one.
 //
 // The arguments come in triples, one per product ("item"): x [M, I], w [E, J, I] (each matrix [out, in], the
 // checkpoint layout), ids [M] int32; item i writes result i, out [M, J], with out[m] = w[ids[m]] @ x[m]. A plain
@@ -31,7 +33,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using F32Stack = ffi::Buffer<ffi::F32, 3>;
 using Ids = ffi::Buffer<ffi::S32, 1>;
 
 constexpr int64_t kLanes = 16;
@@ -48,6 +49,27 @@ inline Lanes Load(const float* p) {
   Lanes v;
   std::memcpy(&v, p, sizeof v);  // unaligned load
   return v;
+}
+
+// kLanes bfloat16 values widened to float32: a bfloat16 is the high half of the float32 with the same value.
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Lanes Load(const uint16_t* p) {
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  const Words w = __builtin_convertvector(h, Words) << 16;
+  Lanes v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float Widen(float v) { return v; }
+inline float Widen(uint16_t v) {
+  const uint32_t w = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
 }
 
 // The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds;
@@ -97,8 +119,8 @@ inline void TreeSum8(const Lanes* a, float* y) {
 }
 
 // y[r] = w[r, :] . x for r < RowCount (rows I apart); the RowCount accumulators stay in registers.
-template <int RowCount>
-inline void DotRows(const float* w, const float* x, float* y, int64_t I) {
+template <int RowCount, typename W>
+inline void DotRows(const W* w, const float* x, float* y, int64_t I) {
   Lanes acc[RowCount] = {};
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
@@ -117,21 +139,23 @@ inline void DotRows(const float* w, const float* x, float* y, int64_t I) {
   }
   for (int r = 0; r < RowCount; ++r) {
     float s = sums[r];
-    for (int64_t t = i; t < I; ++t) s += w[r * I + t] * x[t];
+    for (int64_t t = i; t < I; ++t) s += Widen(w[r * I + t]) * x[t];
     y[r] = s;
   }
 }
 
 // y = w @ x for w [J, I], x [I].
-void Matvec(const float* w, const float* x, float* y, int64_t J, int64_t I) {
+template <typename W>
+void Matvec(const W* w, const float* x, float* y, int64_t J, int64_t I) {
   int64_t j = 0;
   for (; j + kRows <= J; j += kRows) DotRows<kRows>(w + j * I, x, y + j, I);
   for (; j < J; ++j) DotRows<1>(w + j * I, x, y + j, I);
 }
 
+template <typename W>
 struct Item {
   const float* x;
-  const float* w;
+  const W* w;
   const int32_t* ids;
   float* out;
   int64_t M, J, I;
@@ -142,8 +166,9 @@ struct Item {
   }
 };
 
+template <typename W>
 struct Part {
-  const Item* item;
+  const Item<W>* item;
   int64_t j0, j1;
 };
 
@@ -154,18 +179,24 @@ ffi::Error Invalid(int64_t i, const std::string& what) {
   return ffi::Error::InvalidArgument("matvec group, item " + std::to_string(i) + ": " + what);
 }
 
+// WT: the weights' FFI element type; W: how their elements are stored.
+template <ffi::DataType WT, typename W>
 ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  using Stack = ffi::Buffer<WT, 3>;
   const int64_t count = static_cast<int64_t>(rets.size());
   if (static_cast<int64_t>(args.size()) != 3 * count) {
     return ffi::Error::InvalidArgument("matvec group: expected three arguments (x, w, ids) per result");
   }
-  std::vector<Item> items(count);
+  std::vector<Item<W>> items(count);
   for (int64_t i = 0; i < count; ++i) {
     auto x = args.get<F32Matrix>(3 * i);
-    auto w = args.get<F32Stack>(3 * i + 1);
+    auto w = args.get<Stack>(3 * i + 1);
     auto ids = args.get<Ids>(3 * i + 2);
     auto out = rets.get<F32Matrix>(i);
-    if (!x || !w || !ids || !out) return Invalid(i, "expected x f32[M, I], w f32[E, J, I], ids s32[M], out f32[M, J]");
+    if (!x || !w || !ids || !out) {
+      return Invalid(i, std::string("expected x f32[M, I], w ") + (WT == ffi::F32 ? "f32" : "bf16") +
+                            "[E, J, I], ids s32[M], out f32[M, J]");
+    }
     const auto wd = w->dimensions();
     const int64_t E = wd[0], J = wd[1], I = wd[2], M = ids->dimensions()[0];
     if (x->dimensions()[0] != M || x->dimensions()[1] != I || (*out)->dimensions()[0] != M ||
@@ -176,22 +207,23 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
     for (int64_t m = 0; m < M; ++m) {
       if (id[m] < 0 || id[m] >= E) return Invalid(i, "expert id out of range");
     }
-    items[i] = Item{x->typed_data(), w->typed_data(), id, (*out)->typed_data(), M, J, I};
+    items[i] = Item<W>{x->typed_data(), reinterpret_cast<const W*>(w->untyped_data()), id, (*out)->typed_data(),
+                       M, J, I};
   }
   // Each item's output features are split so that every thread streams its share of each chosen matrix.
-  std::vector<Part> parts;
-  for (const Item& it : items) {
-    const int64_t bytes = it.M * it.J * it.I * int64_t(sizeof(float));
+  std::vector<Part<W>> parts;
+  for (const Item<W>& it : items) {
+    const int64_t bytes = it.M * it.J * it.I * int64_t(sizeof(W));
     const int64_t n = std::max<int64_t>(1, std::min(bytes / kPartBytes, it.J / kRows));
     for (int64_t p = 0; p < n; ++p) {
       const int64_t j0 = it.J * p / n / kRows * kRows, j1 = p + 1 == n ? it.J : it.J * (p + 1) / n / kRows * kRows;
-      if (j1 > j0) parts.push_back(Part{&it, j0, j1});
+      if (j1 > j0) parts.push_back(Part<W>{&it, j0, j1});
     }
   }
   const int64_t total = static_cast<int64_t>(parts.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
   if (helpers <= 0) {
-    for (const Part& p : parts) p.item->Rows(p.j0, p.j1);
+    for (const Part<W>& p : parts) p.item->Rows(p.j0, p.j1);
     return ffi::Error::Success();
   }
   // XLA:CPU runs a step's ops one after another, so the pool's threads are mostly idle here. Parts are claimed
@@ -206,7 +238,7 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
     std::atomic<int64_t> next{0}, finished{0};
   };
   auto state = std::make_shared<State>(total);
-  const Part* list = parts.data();
+  const Part<W>* list = parts.data();
   auto work = [list](State& st) {
     for (int64_t p; (p = st.next.fetch_add(1)) < st.parts;) {
       list[p].item->Rows(list[p].j0, list[p].j1);
@@ -223,5 +255,7 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiMatvecGroupF32, MatvecGroup,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiMatvecGroupF32, (MatvecGroup<ffi::F32, float>),
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiMatvecGroupBF16, (MatvecGroup<ffi::BF16, uint16_t>),
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().RemainingRets());

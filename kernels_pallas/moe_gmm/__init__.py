@@ -5,8 +5,8 @@
 float32.
 ``w`` is a float array or a :class:`kernels_pallas.mxfp4.MXFP4Weight` (kept packed; the kernels decode per tile).
 
-``gather_matmul`` has a third implementation, ``"cpu_native"`` (:mod:`kernels_pallas.matvec`): on XLA:CPU with float32
-weights it reads the chosen experts in place, where the reference copies each one out of the stacked array first
+``gather_matmul`` has a third implementation, ``"cpu_native"`` (:mod:`kernels_pallas.matvec`): on XLA:CPU with float32 or
+bfloat16 weights it reads the chosen experts in place, where the reference copies each one out of the stacked array first
 (batch-1 decode of the benchmark model spent about a fifth of its step on those copies). It is the automatic choice
 there when it builds (``kernels_pallas/_native.py``); ``implementation="reference"`` keeps the plain-jnp path.
 
@@ -32,6 +32,7 @@ from kernels_pallas._dispatch import (
 )
 from kernels_pallas.matvec import native
 from kernels_pallas.moe_gmm import pallas, reference, xla_cpu
+from kernels_pallas.mxfp4 import MXFP4Weight
 
 GMM_RULE = Rule(args=("MI", "EJI", "E"), out="MJ")
 GATHER_RULE = Rule(args=("NXI", "EJI", "NX"), out="NXJ", split=(("N", "batch"),))
@@ -39,9 +40,13 @@ GATHER_RULE = Rule(args=("NXI", "EJI", "NX"), out="NXJ", split=(("N", "batch"),)
 
 def _native_item(x, w, idx, compute_dtype):
     """(the (x, w, ids) item of the native grouped product, why it cannot run or None)."""
-    if jnp.dtype(compute_dtype or x.dtype) != jnp.float32:
-        return None, f"{jnp.dtype(compute_dtype or x.dtype).name} compute (the native kernel runs float32)"
-    item = (x.reshape(-1, x.shape[-1]).astype(jnp.float32), w, idx.reshape(-1))
+    dt = jnp.dtype(compute_dtype or x.dtype)
+    if dt not in native.SYMBOLS:
+        return None, f"{dt.name} compute (the native kernel runs float32 or bfloat16)"
+    if not isinstance(w, MXFP4Weight) and jnp.dtype(w.dtype) != dt:
+        return None, f"{jnp.dtype(w.dtype).name} experts with {dt.name} compute (the reference rounds them first)"
+    # x rounded to the compute dtype as the reference does, then widened (exactly) for the kernel
+    item = (x.reshape(-1, x.shape[-1]).astype(dt).astype(jnp.float32), w, idx.reshape(-1))
     return item, native.unsupported([item])
 
 

@@ -70,8 +70,8 @@ def _setup_compile_cache(args):
 
 def _dtype_argument(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="activation / parameter dtype; auto (default): float32 on the CPU, where it decodes 1.3x "
-                        "faster than bfloat16, bfloat16 on TPU and GPU")
+                   help="activation / parameter dtype; auto (default): bfloat16 (on the CPU too, where it decodes "
+                        "faster than float32)")
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
