@@ -153,7 +153,7 @@ def valid_logits(logits, lengths):
     return np.concatenate([x[b, : lengths[b]] for b in range(len(lengths))])
 
 
-def run_cases(cases, paths, out, out_dir, with_generate=False):
+def run_cases(cases, paths, out, out_dir):
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -205,7 +205,7 @@ def run_cases(cases, paths, out, out_dir, with_generate=False):
             rec["golden_tokens_equal"] = bool((tokens[:2] == golden["greedy_tokens"]).all())
             if mesh_key == "mix" and impl is None and not scan and "orbax" not in out:
                 out["orbax"] = orbax_check(model, mesh, layout, out_dir)
-        if model_key == "k3" and mesh_key == "ep" and impl is None and with_generate:
+        if model_key == "k3" and mesh_key == "ep" and impl is None:
             # the generation engineer's generate() on the sharded model (its own caches, buckets, while_loop)
             from kimi_jax.generation.generate import generate
 
@@ -282,7 +282,7 @@ def main():
     if args.processes > 1:
         run_multihost(cases, paths, out)
     else:
-        run_cases(cases, paths, out, args.workdir, with_generate=True)
+        run_cases(cases, paths, out, args.workdir)
     with open(args.out if args.processes == 1 else f"{args.out}.{jax.process_index()}", "w") as f:
         json.dump(out, f)
 

@@ -31,10 +31,10 @@ def auto_dtype(devices=None) -> tuple[jnp.dtype, str]:
     return jnp.dtype(AUTO_DTYPE), f"bfloat16 on {platform}"
 
 
-def resolve_dtype(dtype, devices=None) -> jnp.dtype:
-    """``dtype`` as asked, or :func:`auto_dtype`'s choice when it is None or ``"auto"``."""
+def resolve_dtype(dtype) -> jnp.dtype:
+    """``dtype`` as asked, or the automatic choice (:data:`AUTO_DTYPE`) when it is None or ``"auto"``."""
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
-        return auto_dtype(devices)[0]
+        return jnp.dtype(AUTO_DTYPE)
     return jnp.dtype(dtype)
 
 
@@ -62,8 +62,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     if converted:
         orbax_io.read_marker(path)  # refuses an unfinished conversion, naming what is missing
     cfg = config_lib.load(path, strict=strict)
-    devices = None if mesh is None else mesh.devices.flat
-    run = run or RunConfig(dtype=resolve_dtype(dtype, devices), implementation=implementation)
+    run = run or RunConfig(dtype=resolve_dtype(dtype), implementation=implementation)
     scan = scan_layers or run.scan_layers
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
