@@ -4,6 +4,11 @@ Each takes the normed layer input ``x_BTD``, a :class:`Step` (positions, padding
 prefix to attend to) and its layer's cache entry (or None), and returns ``(y_BTD, new_cache_entry)``.
 Padding is always on the right; padded steps never enter the KDA state (g = 0, beta = 0 there) and are never
 visible to valid queries in attention (they sit at later positions).
+
+With a page table (``Step.pages``, the serving engine's paged cache) the MLA latent and the GQA keys / values of
+the cache entry are page pools ``[n_pages, page_size, ...]`` shared by all sequences: rows are stored through the
+table (padding rows dropped, so a shared page is never touched by a sequence that does not own it) and cached
+attention reads through it (``kernels_pallas.paged_attention``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from flax import nnx
 import kernels_pallas.attention as attn_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
+import kernels_pallas.paged_attention as paged_kernels
 from kernels_pallas import matvec
 from kimi_jax.model.cache import KDACache, KVCache, MLACache
 from kimi_jax.model.config import GQAConfig, KDAConfig, MLAConfig
@@ -29,6 +35,22 @@ class Step(NamedTuple):
     valid: jax.Array  # [B, T] bool, False on right padding
     lengths: jax.Array  # [B] int32 valid tokens per sequence in this call
     prefix: bool  # static: the cache already holds earlier tokens of these sequences (decode / continuation)
+    pages: jax.Array | None = None  # [B, pages_per_seq] int32 page table of a paged cache; None: static cache
+
+
+def _store(cache_arr, new_BT, step: Step):
+    """This call's rows into the cache entry: the static ``[B, S, ...]`` cache at their positions, or through the
+    page table into the page pool ``[n_pages, page_size, ...]`` (padding rows and rows past the table dropped)."""
+    if step.pages is None:
+        return _write(cache_arr, new_BT, step.positions)
+    n_pages, ps = cache_arr.shape[:2]
+    pos = step.positions
+    slot = jnp.minimum(pos // ps, step.pages.shape[1] - 1)
+    page = jnp.take_along_axis(step.pages, slot, axis=1)
+    page = jnp.where(step.valid & (pos // ps < step.pages.shape[1]), page, n_pages)  # n_pages: out of range, dropped
+    rows = new_BT.reshape(-1, *new_BT.shape[2:]).astype(cache_arr.dtype)
+    out = cache_arr.at[page.reshape(-1), (pos % ps).reshape(-1)].set(rows, mode="drop")
+    return jax.lax.optimization_barrier(out)
 
 
 def _write(cache_BS, new_BT, positions_BT):
@@ -185,7 +207,7 @@ class MLA(nnx.Module):
 
         new_cache = None
         if cache is not None:
-            new_cache = MLACache(_write(cache.c, lat, step.positions), _write(cache.kpe, kpe, step.positions))
+            new_cache = MLACache(_store(cache.c, lat, step), _store(cache.kpe, kpe, step))
         w_kvb = self.kv_b_proj[...].reshape(H, K + U, R)
         if cache is not None and step.prefix:
             # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
@@ -194,8 +216,12 @@ class MLA(nnx.Module):
             heads = dict(implementation=run.implementation, precision=run.precision, placement=run.placement)
             q_pad = jnp.pad(q_nope, [(0, 0)] * 3 + [(0, U)])
             q_lat = matvec.per_head(q_pad, w_kvb.astype(run.dtype), transpose_w=False, **heads)
-            u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, scale=c.scale,
-                                          implementation=run.implementation, placement=run.placement)
+            kernel = dict(scale=c.scale, implementation=run.implementation, placement=run.placement)
+            if step.pages is None:
+                u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, **kernel)
+            else:
+                u = paged_kernels.paged_mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.pages,
+                                                      step.positions, **kernel)
             o = matvec.per_head(u, w_kvb.astype(F32), transpose_w=True, **heads)[..., K:]
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, K + U)
@@ -257,13 +283,14 @@ class GQA(nnx.Module):
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(_write(cache.k, k, step.positions), _write(cache.v, v, step.positions))
-        if cache is not None and step.prefix:
-            o = attn_kernels.attention(q, new_cache.k, new_cache.v, step.positions, scale=c.head_dim**-0.5,
-                                       implementation=run.implementation, placement=run.placement)
+            new_cache = KVCache(_store(cache.k, k, step), _store(cache.v, v, step))
+        kernel = dict(scale=c.head_dim**-0.5, implementation=run.implementation, placement=run.placement)
+        if cache is not None and step.prefix and step.pages is not None:
+            o = paged_kernels.paged_attention(q, new_cache.k, new_cache.v, step.pages, step.positions, **kernel)
+        elif cache is not None and step.prefix:
+            o = attn_kernels.attention(q, new_cache.k, new_cache.v, step.positions, **kernel)
         else:
             # fresh prefill: keys sit at positions 0..T-1, the kernels' default (lets them skip masked blocks)
-            o = attn_kernels.attention(q, k, v, step.positions, scale=c.head_dim**-0.5,
-                                       implementation=run.implementation, placement=run.placement)
+            o = attn_kernels.attention(q, k, v, step.positions, **kernel)
         o = o.astype(run.dtype).reshape(B, T, c.num_heads * c.head_dim)
         return linear(o, self.o_proj[...], run), new_cache

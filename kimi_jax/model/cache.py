@@ -6,6 +6,10 @@
   ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer.
 * GQA layer: keys (already rotated) ``[B, S, G, K]`` and values ``[B, S, G, U]`` (U = K).
 
+Paged form (:func:`paged_cache`, the serving engine's): KDA entries are per *slot* as above (``B`` = slots), while
+the MLA and GQA entries hold one page pool per layer, ``c [n_pages, page_size, R]`` / ``k [n_pages, page_size, G,
+K]``, shared by every slot through a page table the model receives with each call (``page_table``).
+
 With scanned layers (:mod:`kimi_jax.model.layer_plan`) the entries of the scanned run are stacked like their parameters:
 ``Cache.stack[j]`` holds position ``j`` of the group for every repetition (leading dimension), and those layers'
 ``Cache.layers`` entries are None.
@@ -94,6 +98,31 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16,
     stack = tuple(jax.tree.map(stacked, _layer_shapes(cfg, cfg.attn_types[plan.layer(j, 0)], batch, max_len, dt))
                   for j in range(plan.period if plan.count else 0))
     return Cache(layers, jax.ShapeDtypeStruct((batch,), jnp.int32), stack)
+
+
+def paged_cache_shapes(cfg: ModelConfig, slots: int, n_pages: int, page_size: int, dtype=jnp.bfloat16, *,
+                       scan: bool = False) -> Cache:
+    """The paged cache as ``ShapeDtypeStruct`` leaves: per-slot KDA entries, ``[n_pages, page_size, ...]`` pools."""
+    plan = layer_plan(cfg, scan)
+    dt = jnp.dtype(dtype)
+
+    def entry(kind):
+        if kind == "kda":
+            return _layer_shapes(cfg, kind, slots, 0, dt)
+        pool = _layer_shapes(cfg, kind, n_pages, page_size, dt)  # [n_pages, page_size, ...]: a page is a "sequence"
+        return pool
+
+    layers = tuple(None if i in plan.scanned else entry(kind) for i, kind in enumerate(cfg.attn_types))
+    stacked = lambda s: jax.ShapeDtypeStruct((plan.count, *s.shape), s.dtype)  # noqa: E731
+    stack = tuple(jax.tree.map(stacked, entry(cfg.attn_types[plan.layer(j, 0)])) for j in range(plan.period if plan.count else 0))
+    return Cache(layers, jax.ShapeDtypeStruct((slots,), jnp.int32), stack)
+
+
+def paged_cache(cfg: ModelConfig, slots: int, n_pages: int, page_size: int, dtype=jnp.bfloat16, *,
+                scan: bool = False) -> Cache:
+    """A zeroed paged cache (see the module docstring)."""
+    shapes = paged_cache_shapes(cfg, slots, n_pages, page_size, dtype, scan=scan)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, sharding=None, *,

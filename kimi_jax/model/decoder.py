@@ -155,7 +155,8 @@ class KimiModel(nnx.Module):
 
     ``model(ids_BT)`` -> :class:`ModelOutput` with float32 logits ``[B, T, V]``. With a :class:`Cache`, the call
     also reads and writes the static cache (prefill with ``prefix=False``; decode or continued prefill with
-    ``prefix=True``, positions starting at ``cache.lengths``).
+    ``prefix=True``, positions starting at ``cache.lengths``). With ``page_table [B, pages_per_seq]`` the cache's
+    attention entries are page pools (:func:`kimi_jax.model.cache.paged_cache`, the serving engine's).
 
     Layers live in ``layers`` (one module per layer). With ``RunConfig(scan_layers=True)`` the longest repeating run
     of layers (``self.plan``) lives in ``stack`` instead, one :class:`LayerGroup` whose parameters carry a leading
@@ -182,7 +183,7 @@ class KimiModel(nnx.Module):
 
     def __call__(self, ids_BT, *, cache: Cache | None = None, lengths=None, prefix: bool = False,
                  last_only: bool = False, return_hidden: bool = False, return_router: bool = False,
-                 return_attn_res: bool = False) -> ModelOutput:
+                 return_attn_res: bool = False, page_table=None) -> ModelOutput:
         cfg, run, plan = self.cfg, self.run, self.plan
         B, T = ids_BT.shape
         if cache is not None and bool(cache.stack) != bool(plan.count):
@@ -192,7 +193,7 @@ class KimiModel(nnx.Module):
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         start = cache.lengths if (cache is not None and prefix) else jnp.zeros((B,), jnp.int32)
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-        step = Step(positions, jnp.arange(T)[None] < lengths[:, None], lengths, prefix)
+        step = Step(positions, jnp.arange(T)[None] < lengths[:, None], lengths, prefix, page_table)
 
         h = self.embed_tokens[...][ids_BT].astype(run.dtype)
         new_layers = [None] * cfg.num_layers

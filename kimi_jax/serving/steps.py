@@ -1,0 +1,143 @@
+"""The serving engine's compiled functions over the paged cache (:func:`kimi_jax.model.cache.paged_cache`).
+
+* :func:`prefill_chunk`: one chunk of one slot's prompt (``[1, T]`` right-padded, T a chunk bucket), written
+  through the slot's page-table row; the chunk's last logits and a sampled token. ``fresh``: the chunk starts the
+  sequence (no cache read: the plain prefill form); otherwise it continues what the cache holds for the slot.
+* :func:`decode_step`: one token for every slot at once; inactive slots (``active`` False) feed length 0, which
+  leaves their KDA state, conv tails and pages untouched.
+* :func:`take_state` / :func:`put_state`: a slot's KDA state and conv tails out of the cache (a prefix snapshot) and
+  back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool.
+
+The cache is donated to every function that writes it. Every shape is static (slots, pages, chunk buckets), so a
+warm engine never recompiles; sampling values are traced per slot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from kimi_jax.generation.generate import sample
+from kimi_jax.model.cache import Cache, KDACache
+
+
+@struct.dataclass
+class SlotSampling:
+    temperature: jax.Array  # [B] float32; <= 0: greedy
+    top_k: jax.Array  # [B] int32; 0: off
+    top_p: jax.Array  # [B] float32; 1: off
+    seed: jax.Array  # [B] uint32: the request's seed
+    count: jax.Array  # [B] int32: tokens the request has drawn so far (the PRNG stream position)
+
+
+def choose(logits_BV, samp: SlotSampling):
+    """(token [B] int32, its log-probability under the model's distribution [B] float32). The key of a request's
+    n-th token is fold_in(key(seed), n): reproducible whichever slot or step it runs in."""
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(samp.seed, samp.count)
+    tok = sample(logits_BV, keys, samp.temperature, samp.top_k, samp.top_p)
+    logp = jax.nn.log_softmax(logits_BV, axis=-1)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def _entries(cache: Cache):
+    """(entry, slot axis) of every layer entry: unrolled layers' on axis 0, stacked ones' after the repetitions."""
+    return [(e, 0) for e in cache.layers if e is not None] + [(e, 1) for e in cache.stack]
+
+
+def _rebuild(cache: Cache, fn) -> Cache:
+    """``cache`` with each entry replaced by ``fn(entry, axis)`` (None entries kept)."""
+    layers = tuple(None if e is None else fn(e, 0) for e in cache.layers)
+    return Cache(layers, cache.lengths, tuple(fn(e, 1) for e in cache.stack))
+
+
+def _slot_view(cache: Cache, slot) -> Cache:
+    """The cache as the model sees it for one slot: its KDA entries ``[1, ...]``, every page pool whole."""
+    def view(e, axis):
+        if isinstance(e, KDACache):
+            return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis), e)
+        return e
+    out = _rebuild(cache, view)
+    return out.replace(lengths=jax.lax.dynamic_slice_in_dim(cache.lengths, slot, 1))
+
+
+def _slot_merge(cache: Cache, new: Cache, slot) -> Cache:
+    """``new`` (a slot view after the model ran) written back into the full cache."""
+    merged = [_merge_entry(full, part, slot, axis) for (full, axis), (part, _) in zip(_entries(cache), _entries(new))]
+    it = iter(merged)
+    layers = tuple(None if e is None else next(it) for e in cache.layers)
+    stack = tuple(next(it) for _ in cache.stack)
+    return Cache(layers, cache.lengths.at[slot].set(new.lengths[0]), stack)
+
+
+def _merge_entry(full, part, slot, axis):
+    if isinstance(full, KDACache):
+        return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p.astype(f.dtype), slot, axis),
+                            full, part)
+    return part  # a page pool: the model wrote through the page table
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "fresh", "record"), donate_argnames=("cache",))
+def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, *,
+                  fresh: bool, record: bool = False):
+    """One chunk of slot ``slot``'s prompt: ``ids [1, T]`` with ``n_valid`` tokens, at positions from the slot's
+    cache length (0 when ``fresh``). Returns (cache, token [1], logprob [1], logits [1, V] or None)."""
+    model = nnx.merge(graphdef, params)
+    view = _slot_view(cache, slot)
+    res = model(ids_BT, cache=view, lengths=n_valid[None], prefix=not fresh, last_only=True, page_table=page_row)
+    cache = _slot_merge(cache, res.cache, slot)
+    logits = res.logits[:, 0]
+    tok, logp = choose(logits, samp)
+    return cache, tok, logp, (logits if record else None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "record"), donate_argnames=("cache",))
+def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, *,
+                record: bool = False):
+    """One decode step over every slot. Returns (cache, token [B], logprob [B], logits [B, V] or None)."""
+    model = nnx.merge(graphdef, params)
+    res = model(tokens_B[:, None], cache=cache, lengths=active_B.astype(jnp.int32), prefix=True, last_only=True,
+                page_table=page_table)
+    logits = res.logits[:, 0]
+    tok, logp = choose(logits, samp)
+    return res.cache, tok, logp, (logits if record else None)
+
+
+@jax.jit
+def take_state(cache: Cache, slot):
+    """A copy of slot ``slot``'s KDA entries (state and conv tails of every KDA layer), each ``[1, ...]``."""
+    return tuple(jax.tree.map(lambda a, ax=axis: jax.lax.dynamic_slice_in_dim(a, slot, 1, ax), e)
+                 for e, axis in _entries(cache) if isinstance(e, KDACache))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def put_state(cache: Cache, slot, state, length):
+    """``cache`` with slot ``slot``'s KDA entries set to ``state`` (from :func:`take_state`) and its length set."""
+    it = iter(state)
+
+    def put(e, axis):
+        if not isinstance(e, KDACache):
+            return e
+        return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, slot, axis), e, next(it))
+
+    out = _rebuild(cache, put)
+    return out.replace(lengths=cache.lengths.at[slot].set(length))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_page(cache: Cache, src, dst):
+    """Page ``src`` copied to page ``dst`` in every attention layer's pool (copy-on-write of a shared page)."""
+    def copy(e, axis):
+        if isinstance(e, KDACache):
+            return e
+        return jax.tree.map(lambda a: jnp.moveaxis(jnp.moveaxis(a, axis, 0).at[dst].set(jnp.moveaxis(a, axis, 0)[src]),
+                                                   0, axis), e)
+    return _rebuild(cache, copy)
+
+
+def compiled_count() -> int:
+    """Programs compiled so far by the functions above (all engines of this process)."""
+    fns = (prefill_chunk, decode_step, take_state, put_state, copy_page)
+    return sum(f._cache_size() for f in fns)
