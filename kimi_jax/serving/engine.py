@@ -92,7 +92,7 @@ class _PrefixCache:
         self.pages, self.budget = pages, budget
         self.entries: "collections.OrderedDict[bytes, _Entry]" = collections.OrderedDict()  # LRU order
         self.nbytes = 0
-        self.hits = self.misses = self.hit_tokens = 0
+        self.evictions = 0
 
     def lookup(self, prompt: list[int]) -> _Entry | None:
         """The longest stored prefix of ``prompt`` shorter than it (so at least one token is left to prefill)."""
@@ -125,6 +125,7 @@ class _PrefixCache:
             return False
         _, entry = self.entries.popitem(last=False)
         self.nbytes -= entry.nbytes
+        self.evictions += 1
         self.pages.release(entry.pages)
         return True
 
@@ -200,7 +201,9 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._accepting, self._thread, self._drain = True, None, True
         self._warm_compiles = None
-        self.counters = collections.Counter()
+        self.counters = collections.Counter(dict.fromkeys(
+            ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
+             "finished"), 0))
 
     def _check_fits(self) -> None:
         shapes = paged_cache_shapes(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
@@ -301,6 +304,7 @@ class Engine:
         self._inbox.put(("stop", None))
         if self._thread is not None:
             self._thread.join(timeout)
+            self._thread = None
 
     def _run(self) -> None:
         while True:
@@ -551,6 +555,7 @@ class Engine:
             "pages": self.n_pages, "pages_free": len(self.pool.free),
             "prefix_entries": 0 if self.prefix is None else len(self.prefix.entries),
             "prefix_bytes": 0 if self.prefix is None else self.prefix.nbytes,
+            "prefix_evictions": 0 if self.prefix is None else self.prefix.evictions,
             "compiles_after_warmup": None if self._warm_compiles is None else compiled - self._warm_compiles,
             **self.counters,
         }
