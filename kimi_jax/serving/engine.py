@@ -15,8 +15,9 @@ snapshots KDA state.
   partly filled last page if the prefix ends inside one (copy on write), and prefills only the rest, chunks
   aligned to the same boundaries. Entries are evicted least recently used, when their KDA bytes pass
   ``prefix_cache_bytes`` or when the pool needs their pages.
-* **Compiled shapes.** One decode program over all slots and one prefill program per chunk bucket (and fresh /
-  continued); :meth:`Engine.start` compiles them all, and :meth:`Engine.stats` reports any compile after that.
+* **Compiled shapes.** Decode programs over all slots, one per power-of-two page-table width (the longest active
+  sequence's pages: short contexts do not read max_len's table), and one prefill program per chunk bucket, fresh
+  and continued; :meth:`Engine.warmup` compiles them all, and :meth:`Engine.stats` reports any compile after that.
 
 The engine runs on one thread; :meth:`Engine.submit` is thread-safe and returns a :class:`Handle` whose events can
 be read from any thread (:meth:`Handle.events`) or from an asyncio loop (:meth:`Handle.aevents`).
@@ -188,6 +189,10 @@ class Engine:
         self.chunk = int(prefill_chunk)
         self.buckets = _pow2_buckets(min(min_chunk, self.chunk), self.chunk)
         self.pages_per_seq = -(-self.max_len // self.page_size)
+        # decode reads the page table up to a power-of-two width covering the longest active sequence, so a short
+        # context does not pay for max_len (a few decode programs); a fresh chunk's table covers one chunk
+        self.widths = _pow2_buckets(1, self.pages_per_seq)
+        self.fresh_width = self._width(-(-self.chunk // self.page_size))
         self.n_pages = int(pages) if pages else self.slots * self.pages_per_seq * 3 // 2
         self.record = bool(record_logits)
         self.scan = model.run.scan_layers
@@ -444,6 +449,9 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if n <= b)
 
+    def _width(self, pages: int) -> int:
+        return next(w for w in self.widths if pages <= w)
+
     def _prefill(self, i: int) -> None:
         """The next chunk of slot ``i``'s prompt: up to the next multiple of ``prefill_chunk`` (or the prompt's end)."""
         s = self.running[i]
@@ -453,8 +461,9 @@ class Engine:
         self._cover(i, s, end)
         ids = np.zeros((1, self._bucket(n)), np.int32)
         ids[0, :n] = s.prompt[start:end]
+        width = self.fresh_width if start == 0 else self.pages_per_seq
         self.cache, tok, logp, logits = steps.prefill_chunk(
-            self.graphdef, self.params, self.cache, self.table[i : i + 1], np.int32(i), ids, np.int32(n),
+            self.graphdef, self.params, self.cache, self.table[i : i + 1, :width], np.int32(i), ids, np.int32(n),
             self._sampling([i]), fresh=start == 0, record=self.record)
         s.pos = end
         self.counters["prefill_chunks"] += 1
@@ -475,8 +484,9 @@ class Engine:
             s = self.running[i]
             self._cover(i, s, s.pos + 1)
             tokens[i] = s.last
+        width = self._width(max(len(self.running[i].pages) for i in np.flatnonzero(active)))
         self.cache, tok, logp, logits = steps.decode_step(
-            self.graphdef, self.params, self.cache, self.table, tokens, active,
+            self.graphdef, self.params, self.cache, self.table[:, :width], tokens, active,
             self._sampling(range(self.slots)), record=self.record)
         tok, logp = np.asarray(tok), np.asarray(logp)
         logits = None if logits is None else np.asarray(logits)
@@ -534,13 +544,14 @@ class Engine:
             raise EngineError("warmup needs an idle engine")
         samp = self._sampling([None])
         for T in self.buckets:
-            for fresh in (True, False):
-                self.cache, *_ = steps.prefill_chunk(self.graphdef, self.params, self.cache, self.table[:1], np.int32(0),
-                                                     np.zeros((1, T), np.int32), np.int32(0), samp, fresh=fresh,
-                                                     record=self.record)
-        self.cache, *_ = steps.decode_step(self.graphdef, self.params, self.cache, self.table,
-                                           np.zeros((self.slots,), np.int32), np.zeros((self.slots,), bool),
-                                           self._sampling([None] * self.slots), record=self.record)
+            for width, fresh in ((self.fresh_width, True), (self.pages_per_seq, False)):
+                self.cache, *_ = steps.prefill_chunk(
+                    self.graphdef, self.params, self.cache, self.table[:1, :width], np.int32(0),
+                    np.zeros((1, T), np.int32), np.int32(0), samp, fresh=fresh, record=self.record)
+        for width in self.widths:
+            self.cache, *_ = steps.decode_step(self.graphdef, self.params, self.cache, self.table[:, :width],
+                                               np.zeros((self.slots,), np.int32), np.zeros((self.slots,), bool),
+                                               self._sampling([None] * self.slots), record=self.record)
         state = steps.take_state(self.cache, np.int32(0))
         self.cache = steps.put_state(self.cache, np.int32(0), state, np.int32(0))
         self.cache = steps.copy_page(self.cache, np.int32(0), np.int32(0))
