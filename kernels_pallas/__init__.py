@@ -9,7 +9,8 @@ and, given a ``Placement`` of several devices, runs it inside ``jax.shard_map`` 
 partition ``Rule`` declares.
 
 Packages: ``attention`` (causal flash attention for GQA and MLA prefill and decode over a static cache),
-``mla_decode`` (absorbed MLA over the latent cache), ``kda`` (chunked prefill, recurrent decode), ``moe_gmm``
+``mla_decode`` (absorbed MLA over the latent cache), ``paged_attention`` (absorbed MLA and GQA over a paged cache,
+read through its page table), ``kda`` (chunked prefill, recurrent decode), ``moe_gmm``
 (grouped and gathered expert matmuls, bf16/f32 or MXFP4 decoded in-kernel), ``matvec`` (decode-shaped products,
 grouped).
 """

@@ -121,14 +121,18 @@ def test_prefix_hit_equals_cold(family, engines):
     assert eng.stats()["slots_busy"] == 0
 
 
-def test_prefix_eviction_under_pressure(families, engines):
-    """A small pool and a small snapshot budget: entries are evicted all along and every answer stays the cold one."""
+@pytest.mark.parametrize("host", [False, True])
+def test_prefix_eviction_under_pressure(host, families, engines):
+    """A small snapshot budget: entries are evicted (or spilled to host memory and restored from there) all along,
+    and every answer stays the cold one."""
     model = families["k3"][0]
     _, cold = engines("k3")
     one = sum(a.size * a.dtype.itemsize for a in __import__("jax").tree.leaves(
         cold.cache.layers[0])) // cold.slots  # one KDA layer's state + tails for one slot
     n_kda = sum(k == "kda" for k in model.cfg.attn_types)
-    eng = Engine(model, **SHAPES, prefix_cache_bytes=4 * one * n_kda)  # room for 4 snapshots
+    snap = one * n_kda
+    budgets = dict(prefix_cache_bytes=snap, prefix_host_bytes=3 * snap) if host else dict(prefix_cache_bytes=4 * snap)
+    eng = Engine(model, **SHAPES, **budgets)  # room for 4 snapshots: on the device, or 1 there and 3 on the host
     eng.warmup()
     V = model.cfg.vocab_size
     bases = _prompts(V, (40, 50), seed=4)  # each request stores 2 snapshots (32 and its end): others get evicted
@@ -141,7 +145,9 @@ def test_prefix_eviction_under_pressure(families, engines):
         _same(got, want, f"request {k} under eviction pressure")
     st = eng.stats()
     assert st["prefix_evictions"] > 0 and st["prefix_hits"] > 0
-    assert st["prefix_entries"] <= 4 and st["prefix_bytes"] <= 4 * one * n_kda
+    assert st["prefix_entries"] <= 4 and st["prefix_bytes"] + st["prefix_host_bytes"] <= 4 * snap
+    if host:
+        assert st["prefix_spills"] > 0 and st["prefix_bytes"] <= snap and st["prefix_host_bytes"] <= 3 * snap
     held = {p for e in eng.prefix.entries.values() for p in e.pages}
     assert st["pages_free"] == eng.n_pages - len(held)  # nothing leaked
 
@@ -254,3 +260,17 @@ def test_stop_strings_and_text(tmp_path):
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
     assert full.tokens[: len(cut.tokens)] == cut.tokens
+
+
+def test_scanned_layers_give_the_same_answers(k3_tiny_a, engines):
+    """A model with scanned layers (stacked KDA state and page pools) serves the same tokens and logits, prefix hits
+    included (the scanned run of the fixture holds KDA layers)."""
+    _, cold = engines("k3")
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", scan_layers=True)
+    assert model.plan.count and any(model.cfg.attn_types[i] == "kda" for i in model.plan.scanned)
+    eng = Engine(model, **SHAPES)
+    a, tail = _prompts(eng.cfg.vocab_size, (45, 4), seed=10)
+    first, hit = eng.generate([a], max_tokens=8, stop_ids=())[0], eng.generate([a + tail], max_tokens=8, stop_ids=())[0]
+    assert hit.cached_tokens == 45
+    _same(first, _alone(cold, a), "scanned layers")
+    _same(hit, _alone(cold, a + tail), "scanned layers, prefix hit")

@@ -17,6 +17,7 @@ import kernels_pallas.attention as attn_api
 import kernels_pallas.kda as kda_api
 import kernels_pallas.mla_decode as mla_api
 import kernels_pallas.moe_gmm as moe_api
+import kernels_pallas.paged_attention as paged_api
 from kernels_pallas import KernelUnavailable, resolve
 from kernels_pallas._dispatch import target_platform
 from kernels_pallas.mxfp4 import MXFP4Weight
@@ -58,6 +59,13 @@ KERNELS = {
     "mla_decode": (lambda ql, qp, c, kpe, p: mla_api.mla_attention(ql, qp, c, kpe, p, scale=0.07),
                    (S((B, 1, 16, 512), F32), S((B, 1, 16, 64), BF), S((B, 2048, 512), BF), S((B, 2048, 64), BF),
                     S((B, 1), I32))),
+    # the same over a paged cache: 40 pages of 64 tokens in the pool, a 16-page table per sequence
+    "paged_mla_decode": (lambda ql, qp, c, kpe, pt, p: paged_api.paged_mla_attention(ql, qp, c, kpe, pt, p, scale=0.07),
+                         (S((B, 1, 16, 512), F32), S((B, 1, 16, 64), BF), S((40, 64, 512), BF), S((40, 64, 64), BF),
+                          S((B, 16), I32), S((B, 1), I32))),
+    "paged_gqa_decode": (lambda q, k, v, pt, p: paged_api.paged_attention(q, k, v, pt, p, scale=0.1),
+                         (S((B, 1, 8, 128), BF), S((40, 64, 2, 128), BF), S((40, 64, 2, 128), BF), S((B, 16), I32),
+                          S((B, 1), I32))),
     "kda_prefill": (lambda q, k, v, g, b, s: kda_api.kda_prefill(q, k, v, g, b, s, scale=0.088),
                     (S((B, 128, 2, 128), F32), S((B, 128, 2, 128), F32), S((B, 128, 2, 128), BF),
                      S((B, 128, 2, 128), F32), S((B, 128, 2), F32), S((B, 2, 128, 128), F32))),

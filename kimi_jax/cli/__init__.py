@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cli.add_generate_arguments(sub.add_parser(
         "generate", help="generate from a prompt (--model: HF or converted directory; default: the demo model)"))
     generate_cli.add_chat_arguments(sub.add_parser("chat", help="interactive K3-format chat with a model"))
+    from kimi_jax.cli import serve as serve_cli
+
+    serve_cli.add_serve_arguments(sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions; default: the demo model)"))
     i = sub.add_parser("info", help="describe a model directory or preset (k3, kimi-linear-48b-a3b, kimi-dense)")
     i.add_argument("model")
     i.set_defaults(func=_cmd_info)

@@ -8,14 +8,15 @@ snapshots KDA state.
 * **Paged cache.** MLA latent / GQA key-value pages come from one pool per layer with a page table per slot
   (:func:`kimi_jax.model.cache.paged_cache`); KDA state and conv tails are per slot. Pages are reference counted:
   a slot and any number of prefix entries may hold the same page.
-* **Prefix cache.** After every prefill chunk that ends on a chunk boundary (multiples of ``prefill_chunk``) or at
-  the prompt's end, the slot's KDA state and conv tails are copied (:func:`kimi_jax.serving.steps.take_state`) and
-  stored with the pages covering the prefix, keyed by the prefix's tokens. A new request restores the longest
+* **Prefix cache.** After every prefill chunk that ends on a snapshot boundary (multiples of ``snapshot_every``) or
+  at the prompt's end, the slot's KDA state and conv tails are copied (:func:`kimi_jax.serving.steps.take_state`)
+  and stored with the pages covering the prefix, keyed by the prefix's tokens. A new request restores the longest
   stored prefix of its prompt (leaving at least one token to prefill, which gives the first logits), copies the
   partly filled last page if the prefix ends inside one (copy on write), and prefills only the rest, chunks
-  aligned to the same boundaries. Entries are evicted least recently used, when their KDA bytes pass
-  ``prefix_cache_bytes`` or when the pool needs their pages.
-* **Compiled shapes.** Decode programs over all slots, one per power-of-two page-table width (the longest active
+  aligned to the same boundaries. Snapshots past ``prefix_cache_bytes`` spill to host memory (up to
+  ``prefix_host_bytes``), oldest first; entries are dropped least recently used past that, or when the pool needs
+  their pages.
+* **Compiled shapes.** Decode programs over all slots, one per page-table width (powers of 4 pages) (the longest active
   sequence's pages: short contexts do not read max_len's table), and one prefill program per chunk bucket, fresh
   and continued; :meth:`Engine.warmup` compiles them all, and :meth:`Engine.stats` reports any compile after that.
 
@@ -56,13 +57,14 @@ def _prefix_key(tokens) -> bytes:
 
 @dataclasses.dataclass
 class _Entry:
-    """A stored prefix: its length, the pages holding its attention cache, the KDA state after it."""
+    """A stored prefix: its length, the pages holding its attention cache, the KDA state after it (device arrays, or
+    numpy arrays once spilled to host memory)."""
 
     length: int
     pages: list[int]
     state: tuple
     nbytes: int
-    used: float
+    on_host: bool = False
 
 
 class _Pages:
@@ -89,21 +91,23 @@ class _Pages:
 
 
 class _PrefixCache:
-    def __init__(self, pages: _Pages, budget: int):
-        self.pages, self.budget = pages, budget
-        self.entries: "collections.OrderedDict[bytes, _Entry]" = collections.OrderedDict()  # LRU order
-        self.nbytes = 0
-        self.evictions = 0
+    """Stored prefixes in least-recently-used order. KDA snapshots live in device memory up to ``budget`` bytes;
+    past it the oldest spill to host memory (up to ``host_budget``), past that they are dropped. Their pages stay in
+    the pool until the entry is dropped (:meth:`evict`, when the pool needs pages)."""
+
+    def __init__(self, pages: _Pages, budget: int, host_budget: int = 0):
+        self.pages, self.budget, self.host_budget = pages, budget, host_budget
+        self.entries: "collections.OrderedDict[bytes, _Entry]" = collections.OrderedDict()
+        self.nbytes = self.host_nbytes = 0
+        self.evictions = self.spills = 0
 
     def lookup(self, prompt: list[int]) -> _Entry | None:
         """The longest stored prefix of ``prompt`` shorter than it (so at least one token is left to prefill)."""
         for n in sorted({e.length for e in self.entries.values()}, reverse=True):
-            if n < len(prompt):
-                entry = self.entries.get(_prefix_key(prompt[:n]))
-                if entry is not None:
-                    self.entries.move_to_end(_prefix_key(prompt[:n]))
-                    entry.used = time.monotonic()
-                    return entry
+            key = _prefix_key(prompt[:n])
+            if n < len(prompt) and key in self.entries:
+                self.entries.move_to_end(key)
+                return self.entries[key]
         return None
 
     def insert(self, tokens: list[int], pages: list[int], state: tuple) -> None:
@@ -112,22 +116,50 @@ class _PrefixCache:
             self.entries.move_to_end(key)
             return
         nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
-        if nbytes > self.budget:
+        if nbytes > max(self.budget, self.host_budget):
             return
-        while self.entries and self.nbytes + nbytes > self.budget:
-            self.evict()
         self.pages.hold(pages)
-        self.entries[key] = _Entry(len(tokens), list(pages), state, nbytes, time.monotonic())
+        self.entries[key] = _Entry(len(tokens), list(pages), state, nbytes)
         self.nbytes += nbytes
+        self._fit()
+
+    def _fit(self) -> None:
+        """Spill (or drop) the oldest device snapshots until the device tier fits, then drop the oldest spilled ones
+        until the host tier fits."""
+        for key in list(self.entries):
+            if self.nbytes <= self.budget:
+                break
+            entry = self.entries[key]
+            if entry.on_host:
+                continue
+            if entry.nbytes <= self.host_budget:
+                entry.state, entry.on_host = jax.device_get(entry.state), True
+                self.nbytes -= entry.nbytes
+                self.host_nbytes += entry.nbytes
+                self.spills += 1
+            else:
+                self._drop(key)
+        for key in list(self.entries):
+            if self.host_nbytes <= self.host_budget:
+                break
+            if self.entries[key].on_host:
+                self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        entry = self.entries.pop(key)
+        if entry.on_host:
+            self.host_nbytes -= entry.nbytes
+        else:
+            self.nbytes -= entry.nbytes
+        entry.state = None
+        self.evictions += 1
+        self.pages.release(entry.pages)
 
     def evict(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
         if not self.entries:
             return False
-        _, entry = self.entries.popitem(last=False)
-        self.nbytes -= entry.nbytes
-        self.evictions += 1
-        self.pages.release(entry.pages)
+        self._drop(next(iter(self.entries)))
         return True
 
     def clear(self) -> None:
@@ -152,11 +184,11 @@ class _Slot:
     decoder: object = None
 
 
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+def _buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= factor
     return (*out, hi)
 
 
@@ -165,33 +197,40 @@ class Engine:
 
     ``slots``: sequences decoded together. ``max_len``: prompt + ``max_tokens`` of one request. ``page_size``:
     tokens per cache page (64 for MLA, as the peers use). ``pages``: pool size (default: every slot at ``max_len``,
-    plus half as much again for the prefix cache). ``prefill_chunk``: the longest prefill call and the snapshot
-    spacing; shorter chunks run in power-of-two buckets from ``min_chunk``. ``prefix_cache_bytes``: KDA-state bytes
-    the prefix cache may keep (0 turns prefix caching off). ``record_logits``: keep every step's float32 logits on the
+    plus half as much again for the prefix cache). ``prefill_chunk``: the longest prefill call; shorter chunks run in power-of-two buckets from ``min_chunk``, each bucket two programs (fresh and
+    continued) compiled at start. ``prefix_cache_bytes``: KDA-state bytes
+    the prefix cache may keep in device memory, ``prefix_host_bytes`` in host memory (snapshots spill there, oldest
+    first; both 0 turn prefix caching off). ``snapshot_every``: tokens between snapshots inside a prompt (a multiple
+    of ``prefill_chunk``, the default; a K3 snapshot is ~0.43 GB of KDA state, so long system prompts may want
+    fewer); every prompt's end is snapshotted too. ``record_logits``: keep every step's float32 logits on the
     handles (tests).
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
-                 page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 16,
-                 prefix_cache_bytes: int = 1 << 30, record_logits: bool = False):
+                 page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
+                 prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
+                 record_logits: bool = False):
         if model.run.parallel is not None:
             raise EngineError("the serving engine runs a model on one device for now; load it without a mesh")
         for name, v in (("slots", slots), ("max_len", max_len), ("page_size", page_size),
                         ("prefill_chunk", prefill_chunk), ("min_chunk", min_chunk)):
             if int(v) < 1:
                 raise EngineError(f"{name} must be >= 1, got {v}")
+        snapshot_every = int(snapshot_every or prefill_chunk)
+        if snapshot_every % prefill_chunk:
+            raise EngineError(f"snapshot_every ({snapshot_every}) must be a multiple of prefill_chunk ({prefill_chunk})")
         if prefill_chunk % page_size:
             raise EngineError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size ({page_size}), so "
                               "that prefix snapshots fall on page boundaries")
         self.cfg, self.tokenizer, self.dtype = model.cfg, tokenizer, model.run.dtype
         self.graphdef, self.params = nnx.split(model)
         self.slots, self.max_len, self.page_size = int(slots), int(max_len), int(page_size)
-        self.chunk = int(prefill_chunk)
-        self.buckets = _pow2_buckets(min(min_chunk, self.chunk), self.chunk)
+        self.chunk, self.snapshot_every = int(prefill_chunk), snapshot_every
+        self.buckets = _buckets(min(min_chunk, self.chunk), self.chunk)
         self.pages_per_seq = -(-self.max_len // self.page_size)
-        # decode reads the page table up to a power-of-two width covering the longest active sequence, so a short
-        # context does not pay for max_len (a few decode programs); a fresh chunk's table covers one chunk
-        self.widths = _pow2_buckets(1, self.pages_per_seq)
+        # decode reads the page table up to a width (powers of 4 pages) covering the longest active sequence, so a
+        # short context does not pay for max_len (a few decode programs); a fresh chunk's table covers one chunk
+        self.widths = _buckets(1, self.pages_per_seq, 4)
         self.fresh_width = self._width(-(-self.chunk // self.page_size))
         self.n_pages = int(pages) if pages else self.slots * self.pages_per_seq * 3 // 2
         self.record = bool(record_logits)
@@ -199,7 +238,8 @@ class Engine:
         self._check_fits()
         self.cache = paged_cache(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
         self.pool = _Pages(self.n_pages)
-        self.prefix = _PrefixCache(self.pool, int(prefix_cache_bytes)) if prefix_cache_bytes else None
+        self.prefix = (_PrefixCache(self.pool, int(prefix_cache_bytes), int(prefix_host_bytes))
+                       if prefix_cache_bytes or prefix_host_bytes else None)
         self.table = np.zeros((self.slots, self.pages_per_seq), np.int32)
         self.running: list[_Slot | None] = [None] * self.slots
         self.waiting: collections.deque[Handle] = collections.deque()
@@ -368,7 +408,7 @@ class Engine:
         self.cache = paged_cache(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
         self.pool = _Pages(self.n_pages)
         if self.prefix is not None:
-            self.prefix = _PrefixCache(self.pool, self.prefix.budget)
+            self.prefix = _PrefixCache(self.pool, self.prefix.budget, self.prefix.host_budget)
 
     # -- admission ----------------------------------------------------------------------------------------------
 
@@ -407,7 +447,8 @@ class Engine:
     def _restore(self, i: int, s: _Slot, entry: _Entry, held: list[int]) -> None:
         """Slot ``i`` continues from ``entry``: its KDA state, its full pages shared, its partial page copied."""
         ps = self.page_size
-        self.cache = steps.put_state(self.cache, np.int32(i), entry.state, np.int32(entry.length))
+        state = jax.device_put(entry.state) if entry.on_host else entry.state
+        self.cache = steps.put_state(self.cache, np.int32(i), state, np.int32(entry.length))
         if entry.length % ps:
             page = self._take(s)
             self.cache = steps.copy_page(self.cache, np.int32(held[-1]), np.int32(page))
@@ -468,7 +509,7 @@ class Engine:
         s.pos = end
         self.counters["prefill_chunks"] += 1
         self.counters["prefill_tokens"] += n
-        if self.prefix is not None and (end % self.chunk == 0 or end == L):
+        if self.prefix is not None and (end % self.snapshot_every == 0 or end == L):
             pages = s.pages[: -(-end // self.page_size)]
             self.prefix.insert(s.prompt[:end], pages, steps.take_state(self.cache, np.int32(i)))
         if end == L:
@@ -567,6 +608,8 @@ class Engine:
             "prefix_entries": 0 if self.prefix is None else len(self.prefix.entries),
             "prefix_bytes": 0 if self.prefix is None else self.prefix.nbytes,
             "prefix_evictions": 0 if self.prefix is None else self.prefix.evictions,
+            "prefix_host_bytes": 0 if self.prefix is None else self.prefix.host_nbytes,
+            "prefix_spills": 0 if self.prefix is None else self.prefix.spills,
             "compiles_after_warmup": None if self._warm_compiles is None else compiled - self._warm_compiles,
             **self.counters,
         }

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP server (``kimi-jax serve``): a Starlette app over a running
+:class:`~kimi_jax.serving.engine.Engine`.
+
+    POST /v1/completions       prompt: text or token ids
+    POST /v1/chat/completions  messages in the K3 chat format; reasoning_content / content / tool_calls
+    GET  /v1/models            the one served model
+    GET  /health               200 while serving (with the engine's stats), 503 once shutting down
+
+The model runs on the engine's thread. A handler parses the body, tokenizes in a worker thread, submits, and
+only awaits the handle's events (:meth:`Handle.aevents`), so the event loop never waits on the model. A client
+that goes away -- mid-stream or while waiting for a whole reply -- cancels its request, which frees its slot.
+Shutdown (SIGTERM, SIGINT): uvicorn stops accepting connections and waits for the requests in flight, then the
+lifespan handler stops the engine with ``drain=True``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import signal
+import socket
+import threading
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kimi_jax.serving import protocol
+from kimi_jax.serving.engine import EngineError, Request
+from kimi_jax.serving.protocol import Params, ProtocolError
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed a request while running it (a bug or a device error): a 500."""
+
+
+@dataclasses.dataclass
+class _Piece:
+    """What one engine event adds, after the chat split and chat stop strings."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    reasoning: str
+    text: str  # completions: the text; chat: the answer channel
+    finish_reason: str | None
+
+
+async def _pieces(h, stream: protocol.ChatStream | None):
+    """The handle's events as :class:`_Piece` s; a chat stop string cancels the request and ends it as "stop"."""
+    async for ev in h.aevents():
+        if ev.finish_reason == "error":
+            raise EngineFailure(getattr(ev, "error", None) or "the engine failed this request")
+        if stream is None:
+            yield _Piece(list(ev.tokens), ev.logprobs, "", ev.text, ev.finish_reason)
+            continue
+        before = len(stream.ids)
+        reasoning, text = stream.push(ev.tokens)
+        used = len(stream.ids) - before  # tokens after a stop string are dropped
+        reason = ev.finish_reason
+        if stream.stopped:
+            h.cancel()
+            reason = "stop"
+        elif reason is not None:
+            more = stream.finish()
+            reasoning, text = reasoning + more[0], text + more[1]
+        yield _Piece(list(ev.tokens[:used]), None if ev.logprobs is None else list(ev.logprobs[:used]), reasoning,
+                     text, reason)
+        if reason is not None:
+            return
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Returns when the client has gone (the body is read by then: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Server:
+    def __init__(self, engine, model_name: str):
+        self.engine, self.name = engine, model_name
+        self.created = protocol.now()
+        self.stopping = False
+
+    # -- plumbing -------------------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        yield
+        self.stopping = True  # uvicorn has drained the connections by now; stop the engine the same way
+        await asyncio.to_thread(self.engine.stop, True)
+
+    async def _params(self, request: HTTPRequest, parse) -> Params:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"the request body is not valid JSON ({e})") from None
+        p = parse(body)
+        if p.model is not None and p.model != self.name:
+            raise ProtocolError(f"the model {p.model!r} does not exist; this server serves {self.name!r}",
+                                status=404, param="model", code="model_not_found")
+        if self.stopping:
+            raise ProtocolError("the server is shutting down", status=503, type="service_unavailable")
+        return p
+
+    def _submit(self, p: Params, prompt: list[int], stop_strings):
+        eng = self.engine
+        if p.ignore_eos:
+            stop_ids = p.stop_token_ids
+        else:
+            stop_ids = (*eng.default_stop_ids(), *p.stop_token_ids) if p.stop_token_ids else None
+        max_tokens = p.max_tokens
+        if max_tokens is None:  # completions: OpenAI's 16; chat: what the cache (and the context) has left
+            room = min(eng.max_len, eng.cfg.max_position_embeddings or eng.max_len) - len(prompt)
+            max_tokens = max(1, room) if p.chat else 16
+        return eng.submit(Request(prompt=list(prompt), max_tokens=max_tokens, temperature=p.temperature,
+                                  top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=stop_ids,
+                                  stop_strings=tuple(stop_strings), logprobs=p.logprobs))
+
+    def _usage(self, h, n: int) -> dict:
+        return protocol.usage(h.prompt_tokens, n, getattr(h, "cached_tokens", 0))
+
+    # -- endpoints ------------------------------------------------------------------------------------------------
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        p = await self._params(request, protocol.parse_completion)
+        prompt = await asyncio.to_thread(protocol.encode_completion, self.engine.tokenizer, p)
+        h = self._submit(p, prompt, p.stop)
+        return await self._respond(request, p, h, prompt, None)
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        p = await self._params(request, protocol.parse_chat)
+        tok = self.engine.tokenizer
+        prompt = await asyncio.to_thread(protocol.encode_chat, tok, p)
+        h = self._submit(p, prompt, ())  # chat stop strings: matched on the channels' text (ChatStream)
+        return await self._respond(request, p, h, prompt, protocol.ChatStream(tok, thinking=p.thinking, stops=p.stop))
+
+    async def models(self, request: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        name = request.path_params["name"]
+        if name != self.name:
+            raise ProtocolError(f"the model {name!r} does not exist; this server serves {self.name!r}", status=404,
+                                param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "kimi-jax",
+                "max_model_len": self.engine.max_len}
+
+    async def health(self, request: HTTPRequest) -> Response:
+        status = "stopping" if self.stopping else "ok"
+        return JSONResponse({"status": status, "model": self.name, **self.engine.stats()},
+                            status_code=503 if self.stopping else 200)
+
+    # -- answers ----------------------------------------------------------------------------------------------------
+
+    async def _respond(self, request, p: Params, h, prompt, stream) -> Response:
+        if p.stream:
+            return StreamingResponse(self._events(p, h, prompt, stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        gather = asyncio.ensure_future(self._gather(h, stream))
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not gather.done():  # the client left (or this handler was cancelled): free the slot
+                gather.cancel()
+                h.cancel()
+        if gather.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(self._whole(p, h, prompt, stream, *gather.result()))
+
+    async def _gather(self, h, stream) -> tuple:
+        tokens, logprobs, reasoning, text, reason = [], [], "", "", None
+        async for piece in _pieces(h, stream):
+            tokens += piece.tokens
+            logprobs += piece.logprobs or []
+            reasoning, text, reason = reasoning + piece.reasoning, text + piece.text, piece.finish_reason
+        return tokens, logprobs, reasoning, text, reason
+
+    def _whole(self, p: Params, h, prompt, stream, tokens, logprobs, reasoning, text, reason) -> dict:
+        rid, created, tok = protocol.new_id(p.chat), protocol.now(), self.engine.tokenizer
+        use = self._usage(h, len(tokens))
+        if not p.chat:
+            lp = protocol.completion_logprobs(tok, tokens, logprobs) if p.logprobs else None
+            return protocol.completion_response(p, rid, created, self.name, text=text, finish_reason=reason,
+                                                token_ids=tokens, prompt_ids=prompt, logprobs=lp, use=use)
+        calls = stream.tool_calls()
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        lp = protocol.chat_logprobs(tok, tokens, logprobs) if p.logprobs else None
+        return protocol.chat_response(p, rid, created, self.name, message=protocol.chat_message(reasoning, text, calls),
+                                      finish_reason=reason, token_ids=tokens, prompt_ids=prompt, logprobs=lp, use=use)
+
+    async def _events(self, p: Params, h, prompt, stream):
+        """The server-sent events of a streamed request; a client that goes away cancels the request."""
+        rid, created = protocol.new_id(p.chat), protocol.now()
+        make = functools.partial(protocol.chat_chunk if p.chat else protocol.completion_chunk, p, rid, created,
+                                 self.name)
+        first = {"prompt_token_ids": list(prompt)} if p.return_token_ids else {}
+        finished, n, sent = False, 0, 0
+        try:
+            if p.chat:
+                yield _sse({**make(delta={"role": "assistant", "content": ""}), **first})
+                first = {}
+            async for piece in _pieces(h, stream):
+                n += len(piece.tokens)
+                finished = piece.finish_reason is not None
+                for chunk in self._chunks(p, make, stream, piece, sent):
+                    yield _sse({**chunk, **first})
+                    first = {}
+                sent += len(piece.text)
+            if p.include_usage:
+                yield _sse(protocol.usage_chunk(p, rid, created, self.name, self._usage(h, n)))
+        except EngineFailure as e:
+            finished = True
+            yield _sse(protocol.error_body(str(e), type="server_error"))
+        finally:
+            if not finished:
+                h.cancel()
+        yield "data: [DONE]\n\n"
+
+    def _chunks(self, p: Params, make, stream, piece: _Piece, sent: int) -> list[dict]:
+        tok, reason = self.engine.tokenizer, piece.finish_reason
+        if not p.chat:
+            lp = protocol.completion_logprobs(tok, piece.tokens, piece.logprobs, sent) if p.logprobs else None
+            if not (piece.tokens or piece.text or reason):
+                return []
+            return [make(text=piece.text, finish_reason=reason, token_ids=piece.tokens, logprobs=lp)]
+        lp = protocol.chat_logprobs(tok, piece.tokens, piece.logprobs) if p.logprobs else None
+        delta = {k: v for k, v in (("reasoning_content", piece.reasoning), ("content", piece.text)) if v}
+        out = []
+        if delta or piece.tokens:
+            out.append(make(delta=delta, token_ids=piece.tokens, logprobs=lp))
+        if reason is not None:
+            calls = stream.tool_calls()
+            if calls:
+                out.append(make(delta={"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
+                reason = "tool_calls" if reason == "stop" else reason
+            out.append(make(delta={}, finish_reason=reason))
+        return out
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+
+
+async def _protocol_error(request, e: ProtocolError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request, e: HTTPException) -> Response:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return JSONResponse(protocol.error_body(f"{request.method} {request.url.path}: {e.detail}", code=kind),
+                        status_code=e.status_code)
+
+
+async def _internal_error(request, e: Exception) -> Response:
+    return JSONResponse(protocol.error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"),
+                        status_code=500)
+
+
+def build_app(engine, model_name: str) -> Starlette:
+    """The app for a started ``engine``; its shutdown stops the engine (draining what is in flight)."""
+    srv = _Server(engine, model_name)
+
+    async def engine_error(request, e: EngineError) -> Response:
+        if srv.stopping:
+            return JSONResponse(protocol.error_body(str(e), type="service_unavailable"), status_code=503)
+        return JSONResponse(protocol.error_body(str(e)), status_code=400)
+
+    routes = [
+        Route("/v1/completions", srv.completions, methods=["POST"]),
+        Route("/v1/chat/completions", srv.chat_completions, methods=["POST"]),
+        Route("/v1/models", srv.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", srv.model, methods=["GET"]),
+        Route("/health", srv.health, methods=["GET"]),
+    ]
+    handlers = {ProtocolError: _protocol_error, EngineError: engine_error, HTTPException: _http_error,
+                Exception: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=srv.lifespan)
+    app.state.server = srv
+    return app
+
+
+# -- running --------------------------------------------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free one), so a taken port fails before the model loads;
+    connections made before uvicorn runs wait in its backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(app, *, log_level: str = "info"):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=5))
+
+
+def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
+    """Serve on ``sock`` until SIGINT / SIGTERM; returns after the graceful shutdown (requests in flight finish)."""
+    server = make_server(app, log_level=log_level)
+    if threading.current_thread() is not threading.main_thread():
+        server.run(sockets=[sock])
+        return
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op SIGTERM handler lets that land here,
+    # so a SIGTERM ends the command normally (exit status 0) instead of killing it mid-cleanup.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
