@@ -72,3 +72,39 @@ def _compile_kernel_and_stats(target_text, f, args):
     args = [S(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())) for a in args]
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
         return target, jax.jit(f).lower(*args).compile()
+
+
+@pytest.mark.parametrize("target", [TARGETS["v5p"], TARGETS["h200"]])
+def test_engine_decode_step_compiles(target):
+    """The serving engine's decode step (kimi_jax/serving/steps.py) over the paged cache, for a full-width K3 slice
+    (layers 0-3: three KDA and one MLA layer, 16 MXFP4 experts) on one device of the target: the compiler accepts the
+    whole step, and the paged MLA kernel (not its reference) is in it, beside the KDA and MoE kernels."""
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from kimi_jax.model import params
+    from kimi_jax.model.cache import paged_cache_shapes
+    from kimi_jax.model.config import preset
+    from kimi_jax.model.decoder import abstract_model
+    from kimi_jax.model.run import RunConfig
+    from kimi_jax.parallel import aot
+    from kimi_jax.serving import steps
+
+    cfg = preset("k3").sliced(4, 16)
+    assert cfg.attn_types == ("kda", "kda", "kda", "mla")
+    t = aot.parse_target(target)
+    mesh = Mesh(aot.device_array(t, (1,)), ("x",))
+    put = lambda a: S(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))  # noqa: E731
+    graphdef, state = nnx.split(abstract_model(cfg, RunConfig(dtype=BF)))
+    state = params.fill(state, {k: put(v) for k, v in params.leaves(state).items()})
+    slots, pages = 4, 16
+    cache = jax.tree.map(put, paged_cache_shapes(cfg, slots, 4 * pages, PAGE, BF))
+    samp = steps.SlotSampling(*(put(S((slots,), dt)) for dt in (F32, I32, F32, jnp.uint32, I32)))
+    args = (put(S((slots, pages), I32)), put(S((slots,), I32)), put(S((slots,), jnp.bool_)), samp)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
+        compiled = steps.decode_step.lower(graphdef, state, cache, *args).compile()
+    text = compiled.as_text()
+    assert text.count(t.marker) >= 3, f"expected the paged MLA, KDA and MoE kernels in the step for {target}"
+    m = compiled.memory_analysis()
+    print(f"{target}: engine decode step, arguments {m.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
+          f"{m.temp_size_in_bytes / 2**20:.1f} MiB")
