@@ -274,3 +274,27 @@ def test_scanned_layers_give_the_same_answers(k3_tiny_a, engines):
     assert hit.cached_tokens == 45
     _same(first, _alone(cold, a), "scanned layers")
     _same(hit, _alone(cold, a + tail), "scanned layers, prefix hit")
+
+
+@pytest.mark.parametrize("mesh,state_spec", [("2x1x4", "P('data', 'model')"),
+                                             pytest.param("1x8x1", "P()", marks=pytest.mark.slow)])
+def test_engine_on_a_mesh_equals_one_device(k3_tiny_a, mesh, state_spec):
+    """The engine with a model sharded over 8 simulated devices (data x expert x model): the same tokens and logits
+    as on one device, prefix hits included, KDA state split over the mesh, and no compile after warm-up (every
+    written cache keeps its sharding). KDA state: slots over data, heads over model (whole on an expert-only mesh)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "tests.engine_mesh_worker", k3_tiny_a, mesh], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["tokens_equal"] and r["max_diff"] < TOL, r
+    assert r["cached"] == [0, 0, 45, 20], r
+    assert r["compiles_after_warmup"] == 0, r
+    assert r["state_sharding"] == state_spec, r

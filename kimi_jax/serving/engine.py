@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 import queue
 import threading
 import time
@@ -40,6 +41,7 @@ from flax import nnx
 
 from kimi_jax.generation.generate import free_memory
 from kimi_jax.model.cache import paged_cache, paged_cache_shapes
+from kimi_jax.parallel.sharding import paged_cache_shardings
 from kimi_jax.serving import steps
 from kimi_jax.serving.events import Completion, Event, Handle, Request
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer
@@ -210,8 +212,6 @@ class Engine:
                  page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
                  record_logits: bool = False):
-        if model.run.parallel is not None:
-            raise EngineError("the serving engine runs a model on one device for now; load it without a mesh")
         for name, v in (("slots", slots), ("max_len", max_len), ("page_size", page_size),
                         ("prefill_chunk", prefill_chunk), ("min_chunk", min_chunk)):
             if int(v) < 1:
@@ -235,8 +235,12 @@ class Engine:
         self.n_pages = int(pages) if pages else self.slots * self.pages_per_seq * 3 // 2
         self.record = bool(record_logits)
         self.scan = model.run.scan_layers
+        self.parallel = model.run.parallel
+        self.shardings = None if self.parallel is None else paged_cache_shardings(
+            self.cfg, self._shapes(), self.parallel.mesh, self.parallel.layout)
         self._check_fits()
-        self.cache = paged_cache(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
+        self.programs = steps.programs(self.graphdef, self.shardings)
+        self.cache = self._new_cache()
         self.pool = _Pages(self.n_pages)
         self.prefix = (_PrefixCache(self.pool, int(prefix_cache_bytes), int(prefix_host_bytes))
                        if prefix_cache_bytes or prefix_host_bytes else None)
@@ -250,14 +254,29 @@ class Engine:
             ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
              "finished"), 0))
 
+    def _shapes(self):
+        return paged_cache_shapes(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
+
+    def _new_cache(self):
+        if self.shardings is None:
+            return paged_cache(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
+        zeros = lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), self._shapes())  # noqa: E731
+        return jax.jit(zeros, out_shardings=self.shardings)()
+
     def _check_fits(self) -> None:
-        shapes = paged_cache_shapes(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
-        need = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
-        free = free_memory(jax.local_devices()[0])
+        """Refuse, before allocating, a cache larger than the memory free on the device holding the most of it."""
+        leaves = jax.tree.leaves(self._shapes())
+        if self.shardings is None:
+            need, devices = sum(s.size * s.dtype.itemsize for s in leaves), jax.local_devices()[:1]
+        else:
+            shards = jax.tree.leaves(self.shardings)
+            need = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in zip(leaves, shards))
+            devices = jax.local_devices()
+        free = min((f for f in map(free_memory, devices) if f is not None), default=None)
         if free is not None and need > free:
             raise EngineError(f"the paged cache ({self.slots} slots, {self.n_pages} pages of {self.page_size} tokens) "
-                              f"needs {need / 1e9:.2f} GB but {free / 1e9:.2f} GB are free: lower slots, max_len or "
-                              "pages")
+                              f"needs {need / 1e9:.2f} GB per device but {free / 1e9:.2f} GB are free: lower slots, "
+                              "max_len or pages")
 
     def default_stop_ids(self) -> list[int]:
         tok = self.tokenizer
@@ -405,7 +424,7 @@ class Engine:
 
     def _reset(self) -> None:
         """After a failed step the donated cache may be gone: a fresh cache, an empty pool and prefix cache."""
-        self.cache = paged_cache(self.cfg, self.slots, self.n_pages, self.page_size, self.dtype, scan=self.scan)
+        self.cache = self._new_cache()
         self.pool = _Pages(self.n_pages)
         if self.prefix is not None:
             self.prefix = _PrefixCache(self.pool, self.prefix.budget, self.prefix.host_budget)
@@ -448,10 +467,10 @@ class Engine:
         """Slot ``i`` continues from ``entry``: its KDA state, its full pages shared, its partial page copied."""
         ps = self.page_size
         state = jax.device_put(entry.state) if entry.on_host else entry.state
-        self.cache = steps.put_state(self.cache, np.int32(i), state, np.int32(entry.length))
+        self.cache = self.programs.put_state(self.cache, np.int32(i), state, np.int32(entry.length))
         if entry.length % ps:
             page = self._take(s)
-            self.cache = steps.copy_page(self.cache, np.int32(held[-1]), np.int32(page))
+            self.cache = self.programs.copy_page(self.cache, np.int32(held[-1]), np.int32(page))
             self.pool.release(held[-1:])  # the copy is the slot's; the shared page stays with the entry
         s.pos = entry.length
         self._table_row(i, s)
@@ -503,15 +522,15 @@ class Engine:
         ids = np.zeros((1, self._bucket(n)), np.int32)
         ids[0, :n] = s.prompt[start:end]
         width = self.fresh_width if start == 0 else self.pages_per_seq
-        self.cache, tok, logp, logits = steps.prefill_chunk(
-            self.graphdef, self.params, self.cache, self.table[i : i + 1, :width], np.int32(i), ids, np.int32(n),
+        self.cache, tok, logp, logits = self.programs.prefill_chunk(
+            self.params, self.cache, self.table[i : i + 1, :width], np.int32(i), ids, np.int32(n),
             self._sampling([i]), fresh=start == 0, record=self.record)
         s.pos = end
         self.counters["prefill_chunks"] += 1
         self.counters["prefill_tokens"] += n
         if self.prefix is not None and (end % self.snapshot_every == 0 or end == L):
             pages = s.pages[: -(-end // self.page_size)]
-            self.prefix.insert(s.prompt[:end], pages, steps.take_state(self.cache, np.int32(i)))
+            self.prefix.insert(s.prompt[:end], pages, self.programs.take_state(self.cache, np.int32(i)))
         if end == L:
             s.decoding = True
             s.handle.timings["first_token"] = time.perf_counter()
@@ -526,8 +545,8 @@ class Engine:
             self._cover(i, s, s.pos + 1)
             tokens[i] = s.last
         width = self._width(max(len(self.running[i].pages) for i in np.flatnonzero(active)))
-        self.cache, tok, logp, logits = steps.decode_step(
-            self.graphdef, self.params, self.cache, self.table[:, :width], tokens, active,
+        self.cache, tok, logp, logits = self.programs.decode_step(
+            self.params, self.cache, self.table[:, :width], tokens, active,
             self._sampling(range(self.slots)), record=self.record)
         tok, logp = np.asarray(tok), np.asarray(logp)
         logits = None if logits is None else np.asarray(logits)
@@ -586,22 +605,23 @@ class Engine:
         samp = self._sampling([None])
         for T in self.buckets:
             for width, fresh in ((self.fresh_width, True), (self.pages_per_seq, False)):
-                self.cache, *_ = steps.prefill_chunk(
-                    self.graphdef, self.params, self.cache, self.table[:1, :width], np.int32(0),
+                self.cache, *_ = self.programs.prefill_chunk(
+                    self.params, self.cache, self.table[:1, :width], np.int32(0),
                     np.zeros((1, T), np.int32), np.int32(0), samp, fresh=fresh, record=self.record)
         for width in self.widths:
-            self.cache, *_ = steps.decode_step(self.graphdef, self.params, self.cache, self.table[:, :width],
+            self.cache, *_ = self.programs.decode_step(self.params, self.cache, self.table[:, :width],
                                                np.zeros((self.slots,), np.int32), np.zeros((self.slots,), bool),
                                                self._sampling([None] * self.slots), record=self.record)
-        state = steps.take_state(self.cache, np.int32(0))
-        self.cache = steps.put_state(self.cache, np.int32(0), state, np.int32(0))
-        self.cache = steps.copy_page(self.cache, np.int32(0), np.int32(0))
+        state = self.programs.take_state(self.cache, np.int32(0))
+        self.cache = self.programs.put_state(self.cache, np.int32(0), state, np.int32(0))
+        self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))
         jax.block_until_ready(self.cache)
-        self._warm_compiles = steps.compiled_count()
+        self._warm_compiles = steps.backend_compiles()
 
     def stats(self) -> dict:
-        """Slots in use, queue length, pages free, prefix-cache counts, and compiles since :meth:`warmup`."""
-        compiled = steps.compiled_count()
+        """Slots in use, queue length, pages free, prefix-cache counts, and XLA compilations in this process since
+        :meth:`warmup` (any jitted function's: run nothing else beside the engine to read it as the engine's)."""
+        compiled = steps.backend_compiles()
         return {
             "slots": self.slots, "slots_busy": sum(s is not None for s in self.running), "waiting": len(self.waiting),
             "pages": self.n_pages, "pages_free": len(self.pool.free),

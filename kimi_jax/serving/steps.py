@@ -9,12 +9,15 @@
   back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool.
 
 The cache is donated to every function that writes it. Every shape is static (slots, pages, chunk buckets), so a
-warm engine never recompiles; sampling values are traced per slot.
+warm engine never recompiles; sampling values are traced per slot. :func:`programs` jits them for one model and one
+cache sharding (on a mesh every written cache leaves with the sharding it came in with, so the next call does not
+recompile); engines of the same model and sharding share them.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,41 +82,37 @@ def _merge_entry(full, part, slot, axis):
     return part  # a page pool: the model wrote through the page table
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "fresh", "record"), donate_argnames=("cache",))
 def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, *,
-                  fresh: bool, record: bool = False):
+                  fresh: bool, record: bool = False, constrain=lambda c: c):
     """One chunk of slot ``slot``'s prompt: ``ids [1, T]`` with ``n_valid`` tokens, at positions from the slot's
     cache length (0 when ``fresh``). Returns (cache, token [1], logprob [1], logits [1, V] or None)."""
     model = nnx.merge(graphdef, params)
     view = _slot_view(cache, slot)
     res = model(ids_BT, cache=view, lengths=n_valid[None], prefix=not fresh, last_only=True, page_table=page_row)
-    cache = _slot_merge(cache, res.cache, slot)
+    cache = constrain(_slot_merge(cache, res.cache, slot))
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
     return cache, tok, logp, (logits if record else None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "record"), donate_argnames=("cache",))
 def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, *,
-                record: bool = False):
+                record: bool = False, constrain=lambda c: c):
     """One decode step over every slot. Returns (cache, token [B], logprob [B], logits [B, V] or None)."""
     model = nnx.merge(graphdef, params)
     res = model(tokens_B[:, None], cache=cache, lengths=active_B.astype(jnp.int32), prefix=True, last_only=True,
                 page_table=page_table)
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
-    return res.cache, tok, logp, (logits if record else None)
+    return constrain(res.cache), tok, logp, (logits if record else None)
 
 
-@jax.jit
 def take_state(cache: Cache, slot):
     """A copy of slot ``slot``'s KDA entries (state and conv tails of every KDA layer), each ``[1, ...]``."""
     return tuple(jax.tree.map(lambda a, ax=axis: jax.lax.dynamic_slice_in_dim(a, slot, 1, ax), e)
                  for e, axis in _entries(cache) if isinstance(e, KDACache))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def put_state(cache: Cache, slot, state, length):
+def put_state(cache: Cache, slot, state, length, *, constrain=lambda c: c):
     """``cache`` with slot ``slot``'s KDA entries set to ``state`` (from :func:`take_state`) and its length set."""
     it = iter(state)
 
@@ -123,21 +122,62 @@ def put_state(cache: Cache, slot, state, length):
         return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, slot, axis), e, next(it))
 
     out = _rebuild(cache, put)
-    return out.replace(lengths=cache.lengths.at[slot].set(length))
+    return constrain(out.replace(lengths=cache.lengths.at[slot].set(length)))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def copy_page(cache: Cache, src, dst):
+def copy_page(cache: Cache, src, dst, *, constrain=lambda c: c):
     """Page ``src`` copied to page ``dst`` in every attention layer's pool (copy-on-write of a shared page)."""
     def copy(e, axis):
         if isinstance(e, KDACache):
             return e
         return jax.tree.map(lambda a: jnp.moveaxis(jnp.moveaxis(a, axis, 0).at[dst].set(jnp.moveaxis(a, axis, 0)[src]),
                                                    0, axis), e)
-    return _rebuild(cache, copy)
+    return constrain(_rebuild(cache, copy))
 
 
-def compiled_count() -> int:
-    """Programs compiled so far by the functions above (all engines of this process)."""
-    fns = (prefill_chunk, decode_step, take_state, put_state, copy_page)
-    return sum(f._cache_size() for f in fns)
+class Programs(NamedTuple):
+    """The functions above jitted for one model (graphdef bound) and one cache sharding."""
+
+    prefill_chunk: Callable
+    decode_step: Callable
+    take_state: Callable
+    put_state: Callable
+    copy_page: Callable
+
+
+_compiles = [0]
+
+
+def _count(event: str, *_, **__) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def backend_compiles() -> int:
+    """XLA compilations run by this process so far (every jitted function, not only the engine's): what a warm
+    engine must not add to."""
+    return _compiles[0]
+
+
+_PROGRAMS: dict = {}
+
+
+def programs(graphdef, cache_sharding=None) -> Programs:
+    """:class:`Programs` for ``graphdef``; ``cache_sharding`` (a :class:`Cache` of shardings, or None on one device)
+    is the sharding every written cache is constrained to."""
+    key = (graphdef, None if cache_sharding is None else tuple(jax.tree.leaves(cache_sharding)))
+    if key not in _PROGRAMS:
+        kw = {}
+        if cache_sharding is not None:
+            kw["constrain"] = lambda c: jax.lax.with_sharding_constraint(c, cache_sharding)
+        cached = dict(donate_argnames=("cache",))
+        _PROGRAMS[key] = Programs(
+            jax.jit(functools.partial(prefill_chunk, graphdef, **kw), static_argnames=("fresh", "record"), **cached),
+            jax.jit(functools.partial(decode_step, graphdef, **kw), static_argnames=("record",), **cached),
+            jax.jit(take_state),
+            jax.jit(functools.partial(put_state, **kw), **cached),
+            jax.jit(functools.partial(copy_page, **kw), **cached))
+    return _PROGRAMS[key]
