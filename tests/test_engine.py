@@ -121,6 +121,19 @@ def test_prefix_hit_equals_cold(family, engines):
     assert eng.stats()["slots_busy"] == 0
 
 
+def test_follow_up_turn_hits_the_finished_reply(engines):
+    """A finished request leaves its prompt and reply in the prefix cache: the next turn (prompt + reply + more)
+    restores all of it and matches a cold engine."""
+    eng, cold = engines("kimi_linear")
+    eng.prefix.clear()
+    first, more = _prompts(eng.cfg.vocab_size, (21, 6), seed=11)
+    reply = eng.generate([first], max_tokens=9, stop_ids=())[0].tokens
+    turn = first + reply + more
+    hit = eng.generate([turn], max_tokens=8, stop_ids=())[0]
+    assert hit.cached_tokens == len(first) + len(reply) - 1
+    _same(hit, _alone(cold, turn), "follow-up turn")
+
+
 @pytest.mark.parametrize("host", [False, True])
 def test_prefix_eviction_under_pressure(host, families, engines):
     """A small snapshot budget: entries are evicted (or spilled to host memory and restored from there) all along,

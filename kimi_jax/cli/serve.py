@@ -25,6 +25,16 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="longest prefill step (a multiple of the 64-token page): shorter keeps other streams "
                         "flowing during a long prompt")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page of the attention cache")
+    p.add_argument("--pages", type=int, default=None,
+                   help="pages in the pool (default: every slot at --max-len, plus half again for the prefix cache)")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="device memory for prefix snapshots (KDA state); 0 with --prefix-host-gb 0 turns prefix "
+                        "caching off")
+    p.add_argument("--prefix-host-gb", type=float, default=0.0,
+                   help="host memory snapshots spill to when the device budget is full")
+    p.add_argument("--snapshot-every", type=int, default=None,
+                   help="tokens between snapshots inside a prompt (a multiple of --prefill-chunk; default: each chunk)")
     generate_cli._dtype_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them")
@@ -53,7 +63,10 @@ def run_serve(args):
         with generate_cli._model_dir(None if demo else args.model) as path:
             model, tok, load_s, dtype = generate_cli._load(path, args.dtype, not args.no_check_finite)
             name = _name(args, path, demo)
-            engine = Engine(model, tok, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk)
+            engine = Engine(model, tok, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                            page_size=args.page_size, pages=args.pages,
+                            prefix_cache_bytes=int(args.prefix_cache_gb * 1e9),
+                            prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every)
             t0 = time.perf_counter()
             print(f"kimi-jax serve: {name} loaded in {load_s:.1f}s ({dtype}); compiling the engine's programs "
                   f"({args.slots} slots, max_len {args.max_len})...", file=sys.stderr, flush=True)

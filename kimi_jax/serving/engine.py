@@ -15,7 +15,8 @@ snapshots KDA state.
   partly filled last page if the prefix ends inside one (copy on write), and prefills only the rest, chunks
   aligned to the same boundaries. Snapshots past ``prefix_cache_bytes`` spill to host memory (up to
   ``prefix_host_bytes``), oldest first; entries are dropped least recently used past that, or when the pool needs
-  their pages.
+  their pages. A finished request is snapshotted too (its prompt and reply, but the last token): the prefix of
+  the conversation's next turn.
 * **Compiled shapes.** Decode programs over all slots, one per page-table width (powers of 4 pages) (the longest active
   sequence's pages: short contexts do not read max_len's table), and one prefill program per chunk bucket, fresh
   and continued; :meth:`Engine.warmup` compiles them all, and :meth:`Engine.stats` reports any compile after that.
@@ -581,6 +582,10 @@ class Engine:
         delta, s.sent = s.text[s.sent : upto], upto
         s.handle.push(Event([tok], [logp] if req.logprobs else None, delta, reason))
         if reason is not None:
+            if self.prefix is not None and len(s.out) > 1:  # the conversation so far: a follow-up turn's prefix
+                fed = s.prompt + s.out[:-1]  # the last token drawn never entered the cache
+                self.prefix.insert(fed, s.pages[: -(-len(fed) // self.page_size)],
+                                   self.programs.take_state(self.cache, np.int32(i)))
             self._release(i)
 
     def _finish(self, i: int, reason: str, error: str | None = None) -> None:
