@@ -102,7 +102,7 @@ def test_engine_decode_step_compiles(target):
     samp = steps.SlotSampling(*(put(S((slots,), dt)) for dt in (F32, I32, F32, jnp.uint32, I32)))
     args = (put(S((slots, pages), I32)), put(S((slots,), I32)), put(S((slots,), jnp.bool_)), samp)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        compiled = steps.decode_step.lower(graphdef, state, cache, *args).compile()
+        compiled = steps.programs(graphdef).decode_step.lower(state, cache, *args).compile()
     text = compiled.as_text()
     assert text.count(t.marker) >= 3, f"expected the paged MLA, KDA and MoE kernels in the step for {target}"
     m = compiled.memory_analysis()

@@ -260,6 +260,15 @@ def encode_prompts(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> lis
     return out
 
 
+def default_stop_ids(tokenizer: Tokenizer | None, cfg) -> list[int]:
+    """The chat turn terminator when the tokenizer has one, else its EOS, else the config's ``eos_token_id``."""
+    if tokenizer is not None and END_OF_MSG in tokenizer.specials:
+        return [tokenizer.specials[END_OF_MSG]]
+    if tokenizer is not None and tokenizer.eos_id is not None:
+        return [tokenizer.eos_id]
+    return [] if cfg.eos_token_id is None else [cfg.eos_token_id]
+
+
 def free_memory(device) -> int | None:
     """Bytes free on ``device``: what the runtime reports (TPU / GPU: ``bytes_limit - bytes_in_use``); on the CPU,
     the host's available memory (Linux ``MemAvailable``). None where neither is known."""
@@ -307,14 +316,8 @@ class Generator:
         self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
         self.scan = model.run.scan_layers  # and laid out as its layers are (stacked when scanned)
 
-    # default stop ids: the chat turn terminator when the tokenizer has one, else its EOS, else the config's
     def default_stop(self) -> list[int]:
-        tok = self.tokenizer
-        if tok is not None and END_OF_MSG in tok.specials:
-            return [tok.specials[END_OF_MSG]]
-        if tok is not None and tok.eos_id is not None:
-            return [tok.eos_id]
-        return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
+        return default_stop_ids(self.tokenizer, self.cfg)
 
     def _cache(self, B: int) -> Cache:
         cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate

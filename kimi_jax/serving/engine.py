@@ -40,12 +40,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kimi_jax.generation.generate import free_memory
+from kimi_jax.generation.generate import default_stop_ids, free_memory
 from kimi_jax.model.cache import paged_cache, paged_cache_shapes
 from kimi_jax.parallel.sharding import paged_cache_shardings
 from kimi_jax.serving import steps
 from kimi_jax.serving.events import Completion, Event, Handle, Request
-from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer
+from kimi_jax.text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineError", "Request", "Event", "Handle", "Completion"]
 
@@ -280,12 +280,7 @@ class Engine:
                               "max_len or pages")
 
     def default_stop_ids(self) -> list[int]:
-        tok = self.tokenizer
-        if tok is not None and END_OF_MSG in tok.specials:
-            return [tok.specials[END_OF_MSG]]
-        if tok is not None and tok.eos_id is not None:
-            return [tok.eos_id]
-        return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
+        return default_stop_ids(self.tokenizer, self.cfg)
 
     # -- requests ---------------------------------------------------------------------------------------------
 

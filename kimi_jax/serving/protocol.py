@@ -434,15 +434,18 @@ def _choice_extras(p: Params, token_ids: Sequence[int] | None) -> dict:
     return {"token_ids": list(token_ids)} if p.return_token_ids and token_ids is not None else {}
 
 
+def _response(p: Params, obj: str, rid: str, created: int, model: str, choice: dict, prompt_ids, use: dict) -> dict:
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use}
+    if p.return_token_ids:
+        out["prompt_token_ids"] = list(prompt_ids)
+    return out
+
+
 def completion_response(p: Params, rid: str, created: int, model: str, *, text: str, finish_reason: str,
                         token_ids: list[int], prompt_ids: list[int], logprobs: dict | None, use: dict) -> dict:
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               **_choice_extras(p, token_ids)}
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-           "usage": use}
-    if p.return_token_ids:
-        out["prompt_token_ids"] = list(prompt_ids)
-    return out
+    return _response(p, "text_completion", rid, created, model, choice, prompt_ids, use)
 
 
 def completion_chunk(p: Params, rid: str, created: int, model: str, *, text: str, finish_reason: str | None = None,
@@ -464,11 +467,7 @@ def chat_response(p: Params, rid: str, created: int, model: str, *, message: dic
                   token_ids: list[int], prompt_ids: list[int], logprobs: dict | None, use: dict) -> dict:
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
               **_choice_extras(p, token_ids)}
-    out = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-           "usage": use}
-    if p.return_token_ids:
-        out["prompt_token_ids"] = list(prompt_ids)
-    return out
+    return _response(p, "chat.completion", rid, created, model, choice, prompt_ids, use)
 
 
 def chat_chunk(p: Params, rid: str, created: int, model: str, *, delta: dict, finish_reason: str | None = None,
