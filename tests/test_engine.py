@@ -20,8 +20,10 @@ from tests.parity import assert_close
 from tests.test_generate import NEW, TOL, _hf_generate
 
 HIT_TOL = 1e-5  # the issue's bound: prefix hit vs cold, float32 logits of every step
-# one compiled shape set shared by every engine here (same slots, pages and chunk buckets)
-SHAPES = dict(slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, record_logits=True)
+# one compiled shape set shared by every engine here (same slots, pages and chunk buckets); every decode step over all
+# slots, so two engines give a request the same float32 numerics whoever decodes beside it (the 1e-5 comparisons)
+SHAPES = dict(slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, record_logits=True,
+              compact_decode=False)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,11 @@ def _prompts(V, lengths, seed):
     return [rng.integers(3, V, n).tolist() for n in lengths]
 
 
-def test_k3_in_flight_matches_golden(engines, k3_golden):
+@pytest.mark.parametrize("compact", [False, True])
+def test_k3_in_flight_matches_golden(compact, families, engines, k3_golden):
+    """``compact``: decode steps with fewer active slots run a smaller batch of just them (rows gathered)."""
     g = k3_golden
-    eng, _ = engines("k3")
+    eng = engines("k3")[0] if not compact else Engine(families["k3"][0], **{**SHAPES, "compact_decode": True})
     fixture = g["input_ids"].tolist()
     others = _prompts(eng.cfg.vocab_size, (70, 5), seed=1)  # a 3-chunk prompt in flight beside them
     out = eng.generate(fixture + others, max_tokens=NEW, stop_ids=())
@@ -63,6 +67,8 @@ def test_k3_in_flight_matches_golden(engines, k3_golden):
     assert_close(ours, g["logits_full"][:, 23:39], TOL, "engine step logits vs golden full forward")
     np.testing.assert_array_equal(np.array([o.tokens for o in out[:2]]), g["greedy_tokens"])
     assert [o.finish_reason for o in out] == ["length"] * 4
+    if compact:
+        assert eng.row_buckets == (1, 4)
 
 
 @pytest.mark.parametrize("family", ["llama", "kimi_linear"])

@@ -17,7 +17,8 @@ snapshots KDA state.
   ``prefix_host_bytes``), oldest first; entries are dropped least recently used past that, or when the pool needs
   their pages. A finished request is snapshotted too (its prompt and reply, but the last token): the prefix of
   the conversation's next turn.
-* **Compiled shapes.** Decode programs over all slots, one per page-table width (powers of 4 pages) (the longest active
+* **Compiled shapes.** Decode programs per row bucket (powers of 4 up to all slots: a few active slots run a small
+  batch) and page-table width (powers of 4 pages) (the longest active
   sequence's pages: short contexts do not read max_len's table), and one prefill program per chunk bucket, fresh
   and continued; :meth:`Engine.warmup` compiles them all, and :meth:`Engine.stats` reports any compile after that.
 
@@ -205,14 +206,15 @@ class Engine:
     the prefix cache may keep in device memory, ``prefix_host_bytes`` in host memory (snapshots spill there, oldest
     first; both 0 turn prefix caching off). ``snapshot_every``: tokens between snapshots inside a prompt (a multiple
     of ``prefill_chunk``, the default; a K3 snapshot is ~0.43 GB of KDA state, so long system prompts may want
-    fewer); every prompt's end is snapshotted too. ``record_logits``: keep every step's float32 logits on the
+    fewer); every prompt's end is snapshotted too. ``compact_decode``: when few slots decode, run a decode batch of
+    just those (row buckets of powers of 4). ``record_logits``: keep every step's float32 logits on the
     handles (tests).
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
                  page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
-                 record_logits: bool = False):
+                 compact_decode: bool = True, record_logits: bool = False):
         for name, v in (("slots", slots), ("max_len", max_len), ("page_size", page_size),
                         ("prefill_chunk", prefill_chunk), ("min_chunk", min_chunk)):
             if int(v) < 1:
@@ -232,6 +234,9 @@ class Engine:
         # decode reads the page table up to a width (powers of 4 pages) covering the longest active sequence, so a
         # short context does not pay for max_len (a few decode programs); a fresh chunk's table covers one chunk
         self.widths = _buckets(1, self.pages_per_seq, 4)
+        # decode rows: a few active slots run a smaller batch (off: every step runs all slots, so a request's numerics
+        # do not depend on how many others decode beside it)
+        self.row_buckets = _buckets(1, self.slots, 4) if compact_decode else (self.slots,)
         self.fresh_width = self._width(-(-self.chunk // self.page_size))
         self.n_pages = int(pages) if pages else self.slots * self.pages_per_seq * 3 // 2
         self.record = bool(record_logits)
@@ -508,6 +513,9 @@ class Engine:
     def _width(self, pages: int) -> int:
         return next(w for w in self.widths if pages <= w)
 
+    def _rows(self, n: int) -> int:
+        return next(b for b in self.row_buckets if n <= b)
+
     def _prefill(self, i: int) -> None:
         """The next chunk of slot ``i``'s prompt: up to the next multiple of ``prefill_chunk`` (or the prompt's end)."""
         s = self.running[i]
@@ -534,22 +542,28 @@ class Engine:
                          None if logits is None else np.asarray(logits)[0])
 
     def _decode(self) -> None:
-        active = np.array([s is not None and s.decoding for s in self.running])
-        tokens = np.zeros((self.slots,), np.int32)
-        for i in np.flatnonzero(active):
-            s = self.running[i]
-            self._cover(i, s, s.pos + 1)
-            tokens[i] = s.last
-        width = self._width(max(len(self.running[i].pages) for i in np.flatnonzero(active)))
+        """One decode step for the decoding slots: over all slots, or, when few decode, over a bucket of rows (powers
+        of 4) holding just them."""
+        active = [i for i, s in enumerate(self.running) if s is not None and s.decoding]
+        for i in active:
+            self._cover(i, self.running[i], self.running[i].pos + 1)
+        b = self._rows(len(active))
+        rows = list(range(self.slots)) if b == self.slots else active + [self.slots] * (b - len(active))
+        live = np.array([r < self.slots and self.running[r] is not None and self.running[r].decoding for r in rows])
+        tokens = np.array([self.running[r].last if ok else 0 for r, ok in zip(rows, live)], np.int32)
+        width = self._width(max(len(self.running[i].pages) for i in active))
+        table = np.zeros((b, width), np.int32)
+        table[live] = self.table[[r for r, ok in zip(rows, live) if ok], :width]
         self.cache, tok, logp, logits = self.programs.decode_step(
-            self.params, self.cache, self.table[:, :width], tokens, active,
-            self._sampling(range(self.slots)), record=self.record)
+            self.params, self.cache, table, tokens, live, self._sampling([r if ok else None for r, ok in zip(rows, live)]),
+            None if b == self.slots else np.array(rows, np.int32), record=self.record)
         tok, logp = np.asarray(tok), np.asarray(logp)
         logits = None if logits is None else np.asarray(logits)
         self.counters["decode_steps"] += 1
-        for i in np.flatnonzero(active):
+        for k in np.flatnonzero(live):
+            i = rows[k]
             self.running[i].pos += 1
-            self._accept(int(i), int(tok[i]), float(logp[i]), None if logits is None else logits[i])
+            self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
 
     def _accept(self, i: int, tok: int, logp: float, logits) -> None:
         """Slot ``i`` drew ``tok``: hand it out (with its text, stop strings held back until they cannot match),
@@ -608,10 +622,12 @@ class Engine:
                 self.cache, *_ = self.programs.prefill_chunk(
                     self.params, self.cache, self.table[:1, :width], np.int32(0),
                     np.zeros((1, T), np.int32), np.int32(0), samp, fresh=fresh, record=self.record)
-        for width in self.widths:
-            self.cache, *_ = self.programs.decode_step(self.params, self.cache, self.table[:, :width],
-                                               np.zeros((self.slots,), np.int32), np.zeros((self.slots,), bool),
-                                               self._sampling([None] * self.slots), record=self.record)
+        for b in self.row_buckets:
+            rows = None if b == self.slots else np.full((b,), self.slots, np.int32)
+            for width in self.widths:
+                self.cache, *_ = self.programs.decode_step(
+                    self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
+                    np.zeros((b,), bool), self._sampling([None] * b), rows, record=self.record)
         state = self.programs.take_state(self.cache, np.int32(0))
         self.cache = self.programs.put_state(self.cache, np.int32(0), state, np.int32(0))
         self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))

@@ -95,15 +95,41 @@ def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_vali
     return cache, tok, logp, (logits if record else None)
 
 
-def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, *,
+def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, rows_B=None, *,
                 record: bool = False, constrain=lambda c: c):
-    """One decode step over every slot. Returns (cache, token [B], logprob [B], logits [B, V] or None)."""
+    """One decode step. ``rows`` None: over every slot (``B`` = slots). ``rows [B]``: over those slots only (indices
+    past the last slot pad the bucket; they are inactive), their KDA entries gathered and written back, so a few
+    active slots do not pay for all (the MoE of an idle slot's row still routes and reads experts). Every other
+    operand is per row. Returns (cache, token [B], logprob [B], logits [B, V] or None)."""
     model = nnx.merge(graphdef, params)
-    res = model(tokens_B[:, None], cache=cache, lengths=active_B.astype(jnp.int32), prefix=True, last_only=True,
+    view = cache if rows_B is None else _rows_view(cache, rows_B)
+    res = model(tokens_B[:, None], cache=view, lengths=active_B.astype(jnp.int32), prefix=True, last_only=True,
                 page_table=page_table)
+    new = res.cache if rows_B is None else _rows_merge(cache, res.cache, rows_B)
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
-    return constrain(res.cache), tok, logp, (logits if record else None)
+    return constrain(new), tok, logp, (logits if record else None)
+
+
+def _rows_view(cache: Cache, rows):
+    def view(e, axis):
+        if isinstance(e, KDACache):
+            return jax.tree.map(lambda a: jnp.take(a, rows, axis=axis, mode="clip"), e)
+        return e
+    return _rebuild(cache, view).replace(lengths=jnp.take(cache.lengths, rows, mode="clip"))
+
+
+def _rows_merge(cache: Cache, new: Cache, rows):
+    def put(full, part, axis):
+        if not isinstance(full, KDACache):
+            return part
+        index = (slice(None),) * axis + (rows,)
+        return jax.tree.map(lambda f, p: f.at[index].set(p.astype(f.dtype), mode="drop"), full, part)
+    merged = [put(f, p, axis) for (f, axis), (p, _) in zip(_entries(cache), _entries(new))]
+    it = iter(merged)
+    layers = tuple(None if e is None else next(it) for e in cache.layers)
+    stack = tuple(next(it) for _ in cache.stack)
+    return Cache(layers, cache.lengths.at[rows].set(new.lengths, mode="drop"), stack)
 
 
 def take_state(cache: Cache, slot):
