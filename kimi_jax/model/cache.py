@@ -109,12 +109,12 @@ def paged_cache_shapes(cfg: ModelConfig, slots: int, n_pages: int, page_size: in
     def entry(kind):
         if kind == "kda":
             return _layer_shapes(cfg, kind, slots, 0, dt)
-        pool = _layer_shapes(cfg, kind, n_pages, page_size, dt)  # [n_pages, page_size, ...]: a page is a "sequence"
-        return pool
+        return _layer_shapes(cfg, kind, n_pages, page_size, dt)  # [n_pages, page_size, ...]: a page as a "sequence"
 
     layers = tuple(None if i in plan.scanned else entry(kind) for i, kind in enumerate(cfg.attn_types))
     stacked = lambda s: jax.ShapeDtypeStruct((plan.count, *s.shape), s.dtype)  # noqa: E731
-    stack = tuple(jax.tree.map(stacked, entry(cfg.attn_types[plan.layer(j, 0)])) for j in range(plan.period if plan.count else 0))
+    stack = tuple(jax.tree.map(stacked, entry(cfg.attn_types[plan.layer(j, 0)]))
+                  for j in range(plan.period if plan.count else 0))
     return Cache(layers, jax.ShapeDtypeStruct((slots,), jnp.int32), stack)
 
 

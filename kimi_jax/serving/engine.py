@@ -201,14 +201,14 @@ class Engine:
 
     ``slots``: sequences decoded together. ``max_len``: prompt + ``max_tokens`` of one request. ``page_size``:
     tokens per cache page (64 for MLA, as the peers use). ``pages``: pool size (default: every slot at ``max_len``,
-    plus half as much again for the prefix cache). ``prefill_chunk``: the longest prefill call; shorter chunks run in power-of-two buckets from ``min_chunk``, each bucket two programs (fresh and
-    continued) compiled at start. ``prefix_cache_bytes``: KDA-state bytes
-    the prefix cache may keep in device memory, ``prefix_host_bytes`` in host memory (snapshots spill there, oldest
-    first; both 0 turn prefix caching off). ``snapshot_every``: tokens between snapshots inside a prompt (a multiple
-    of ``prefill_chunk``, the default; a K3 snapshot is ~0.43 GB of KDA state, so long system prompts may want
-    fewer); every prompt's end is snapshotted too. ``compact_decode``: when few slots decode, run a decode batch of
-    just those (row buckets of powers of 4). ``record_logits``: keep every step's float32 logits on the
-    handles (tests).
+    plus half as much again for the prefix cache). ``prefill_chunk``: the longest prefill call; shorter chunks run in
+    power-of-two buckets from ``min_chunk``, each bucket two programs (fresh and continued) compiled at start.
+    ``prefix_cache_bytes``: KDA-state bytes the prefix cache may keep in device memory, ``prefix_host_bytes`` in host
+    memory (snapshots spill there, oldest first; both 0 turn prefix caching off). ``snapshot_every``: tokens between
+    snapshots inside a prompt (a multiple of ``prefill_chunk``, the default; a K3 snapshot is ~0.43 GB of KDA state,
+    so long system prompts may want fewer); every prompt's end and every finished reply are snapshotted too.
+    ``compact_decode``: when few slots decode, run a decode batch of just those (row buckets of powers of 4).
+    ``record_logits``: keep every step's float32 logits on the handles (tests).
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
@@ -221,7 +221,8 @@ class Engine:
                 raise EngineError(f"{name} must be >= 1, got {v}")
         snapshot_every = int(snapshot_every or prefill_chunk)
         if snapshot_every % prefill_chunk:
-            raise EngineError(f"snapshot_every ({snapshot_every}) must be a multiple of prefill_chunk ({prefill_chunk})")
+            raise EngineError(f"snapshot_every ({snapshot_every}) must be a multiple of prefill_chunk "
+                              f"({prefill_chunk})")
         if prefill_chunk % page_size:
             raise EngineError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size ({page_size}), so "
                               "that prefix snapshots fall on page boundaries")
@@ -555,7 +556,8 @@ class Engine:
         table = np.zeros((b, width), np.int32)
         table[live] = self.table[[r for r, ok in zip(rows, live) if ok], :width]
         self.cache, tok, logp, logits = self.programs.decode_step(
-            self.params, self.cache, table, tokens, live, self._sampling([r if ok else None for r, ok in zip(rows, live)]),
+            self.params, self.cache, table, tokens, live,
+            self._sampling([r if ok else None for r, ok in zip(rows, live)]),
             None if b == self.slots else np.array(rows, np.int32), record=self.record)
         tok, logp = np.asarray(tok), np.asarray(logp)
         logits = None if logits is None else np.asarray(logits)
