@@ -46,6 +46,19 @@ from kernels_pallas._common import (
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
 
+def run_and_store(body, lo, hi, bq, U, o_ref, m_ref, l_ref, split):
+    """The online-softmax loop over key blocks ``[lo, hi)`` from the empty state, then the result: normalised, or with
+    a split its unnormalised partial with the running max and sum (merged by :func:`_merge_splits`)."""
+    init = (jnp.full((bq, 1), NEG, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, U), F32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    if split:
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        o_ref[...] = acc / jnp.where(l > 0, l, 1.0)
+
+
 def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale, precision):
     """GPU (and interpret): one program per (batch, group, row block, split) loops over its key blocks."""
     it = iter(refs)
@@ -92,14 +105,7 @@ def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale,
         acc = alpha * acc + dot_nn(p.astype(v.dtype), v, precision)
         return m_new, l, acc
 
-    init = (jnp.full((bq, 1), NEG, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, U), F32))
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    if split:
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
-    else:
-        o_ref[...] = acc / jnp.where(l > 0, l, 1.0)
+    run_and_store(body, lo, hi, bq, U, o_ref, m_ref, l_ref, split)
 
 
 def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, precision):

@@ -51,7 +51,7 @@ from kernels_pallas._common import (
     round_up,
     row_block,
 )
-from kernels_pallas.attention.pallas import _merge_splits, default_splits
+from kernels_pallas.attention.pallas import _merge_splits, default_splits, run_and_store
 
 
 def _online_step(m, l, acc, s, visible, v, precision):
@@ -109,14 +109,7 @@ def _gpu_kernel(*refs, ps, ppb, blocks_per_split, n_pages, has_pe, v_is_k, split
         v = k if v_is_k else load(v_ref, page)
         return _online_step(*carry, s * scale, kpos <= qpos, v, precision)
 
-    init = (jnp.full((bq, 1), NEG, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, U), F32))
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    if split:
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
-    else:
-        o_ref[...] = acc / jnp.where(l > 0, l, 1.0)
+    run_and_store(body, lo, hi, bq, U, o_ref, m_ref, l_ref, split)
 
 
 def _paged_gpu(q, qpe, qpos, k_pool, kpe_pool, v_pool, pt, *, bq, ppb, num_splits, interpret, num_warps,
