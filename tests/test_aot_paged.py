@@ -74,7 +74,7 @@ def _compile_kernel_and_stats(target_text, f, args):
         return target, jax.jit(f).lower(*args).compile()
 
 
-@pytest.mark.parametrize("target", [TARGETS["v5p"], TARGETS["h200"]])
+@pytest.mark.parametrize("target", [TARGETS["v5p"], pytest.param(TARGETS["h200"], marks=pytest.mark.slow)])
 def test_engine_decode_step_compiles(target):
     """The serving engine's decode step (kimi_jax/serving/steps.py) over the paged cache, for a full-width K3 slice
     (layers 0-3: three KDA and one MLA layer, 16 MXFP4 experts) on one device of the target: the compiler accepts the

@@ -140,7 +140,7 @@ def test_follow_up_turn_hits_the_finished_reply(engines):
     _same(hit, _alone(cold, turn), "follow-up turn")
 
 
-@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("host", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_prefix_eviction_under_pressure(host, families, engines):
     """A small snapshot budget: entries are evicted (or spilled to host memory and restored from there) all along,
     and every answer stays the cold one."""
@@ -263,6 +263,7 @@ def test_bad_requests(engines):
             eng.submit(req)
 
 
+@pytest.mark.slow  # the server tests check stop strings over HTTP on the same engine code
 def test_stop_strings_and_text(tmp_path):
     from kimi_jax.cli.demo import build_demo_checkpoint
     from kimi_jax.text.tokenizer import load_tokenizer
@@ -281,6 +282,7 @@ def test_stop_strings_and_text(tmp_path):
     assert full.tokens[: len(cut.tokens)] == cut.tokens
 
 
+@pytest.mark.slow
 def test_scanned_layers_give_the_same_answers(k3_tiny_a, engines):
     """A model with scanned layers (stacked KDA state and page pools) serves the same tokens and logits, prefix hits
     included (the scanned run of the fixture holds KDA layers)."""
@@ -295,8 +297,8 @@ def test_scanned_layers_give_the_same_answers(k3_tiny_a, engines):
     _same(hit, _alone(cold, a + tail), "scanned layers, prefix hit")
 
 
-@pytest.mark.parametrize("mesh,state_spec", [("2x1x4", "P('data', 'model')"),
-                                             pytest.param("1x8x1", "P()", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 90 s (two 8-device engines in a subprocess); run with -m slow
+@pytest.mark.parametrize("mesh,state_spec", [("2x1x4", "P('data', 'model')"), ("1x8x1", "P()")])
 def test_engine_on_a_mesh_equals_one_device(k3_tiny_a, mesh, state_spec):
     """The engine with a model sharded over 8 simulated devices (data x expert x model): the same tokens and logits
     as on one device, prefix hits included, KDA state split over the mesh, and no compile after warm-up (every
