@@ -56,40 +56,15 @@ def _rebuild(cache: Cache, fn) -> Cache:
     return Cache(layers, cache.lengths, tuple(fn(e, 1) for e in cache.stack))
 
 
-def _slot_view(cache: Cache, slot) -> Cache:
-    """The cache as the model sees it for one slot: its KDA entries ``[1, ...]``, every page pool whole."""
-    def view(e, axis):
-        if isinstance(e, KDACache):
-            return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis), e)
-        return e
-    out = _rebuild(cache, view)
-    return out.replace(lengths=jax.lax.dynamic_slice_in_dim(cache.lengths, slot, 1))
-
-
-def _slot_merge(cache: Cache, new: Cache, slot) -> Cache:
-    """``new`` (a slot view after the model ran) written back into the full cache."""
-    merged = [_merge_entry(full, part, slot, axis) for (full, axis), (part, _) in zip(_entries(cache), _entries(new))]
-    it = iter(merged)
-    layers = tuple(None if e is None else next(it) for e in cache.layers)
-    stack = tuple(next(it) for _ in cache.stack)
-    return Cache(layers, cache.lengths.at[slot].set(new.lengths[0]), stack)
-
-
-def _merge_entry(full, part, slot, axis):
-    if isinstance(full, KDACache):
-        return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p.astype(f.dtype), slot, axis),
-                            full, part)
-    return part  # a page pool: the model wrote through the page table
-
-
 def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, *,
                   fresh: bool, record: bool = False, constrain=lambda c: c):
     """One chunk of slot ``slot``'s prompt: ``ids [1, T]`` with ``n_valid`` tokens, at positions from the slot's
     cache length (0 when ``fresh``). Returns (cache, token [1], logprob [1], logits [1, V] or None)."""
     model = nnx.merge(graphdef, params)
-    view = _slot_view(cache, slot)
+    rows = jnp.reshape(slot, (1,))  # the slot's KDA entries as a batch of one row
+    view = _rows_view(cache, rows)
     res = model(ids_BT, cache=view, lengths=n_valid[None], prefix=not fresh, last_only=True, page_table=page_row)
-    cache = constrain(_slot_merge(cache, res.cache, slot))
+    cache = constrain(_rows_merge(cache, res.cache, rows))
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
     return cache, tok, logp, (logits if record else None)
