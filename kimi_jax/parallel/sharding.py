@@ -201,6 +201,11 @@ def _common_prefix(a: tuple, b: tuple) -> tuple:
     return a[:n]
 
 
+def _broadcast(a: Arr, d: int) -> bool:
+    """A packed field's last dimension broadcast over the logical one (unit 0: int8's per-row scale), never split."""
+    return a.unit == 0 and d == len(a.shape) - 1
+
+
 def group_specs(arrays: Mapping[str, Arr | tuple], sizes: Mapping[str, int], lay: Layout,
                 virtual: Mapping[str, int] | None = None, where: str = "") -> dict[str, PartitionSpec]:
     """Specs for the arrays of one module: ``{name: Arr(axes, shape[, unit])}``; ``virtual``: extra {logical: size}
@@ -215,7 +220,7 @@ def group_specs(arrays: Mapping[str, Arr | tuple], sizes: Mapping[str, int], lay
     for name, a in arrays.items():
         _check_conflicts(f"{where}{name}", a.axes, lay)
         for d, (logical, size) in enumerate(zip(a.axes, a.shape)):
-            if logical is not None:
+            if logical is not None and not _broadcast(a, d):
                 narrow(logical, int(size) // (a.unit if d == len(a.shape) - 1 else 1))
     for logical, size in (virtual or {}).items():
         if logical in decided:
@@ -223,8 +228,8 @@ def group_specs(arrays: Mapping[str, Arr | tuple], sizes: Mapping[str, int], lay
     out = {}
     for name, a in arrays.items():
         parts = []
-        for logical in a.axes:
-            m = decided.get(logical, ()) if logical is not None else ()
+        for d, logical in enumerate(a.axes):
+            m = decided.get(logical, ()) if logical is not None and not _broadcast(a, d) else ()
             parts.append(None if not m else (m[0] if len(m) == 1 else m))
         out[name] = PartitionSpec(*parts)
     return out

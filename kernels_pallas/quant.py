@@ -1,0 +1,263 @@
+"""Weight-only integer formats: int8 per output channel, int4 group-wise (symmetric or with a zero point) and NF4.
+
+A weight ``W [..., J, I]`` (checkpoint layout ``[out, in]``) becomes one packed weight type
+(:mod:`kernels_pallas.packed`), a ``NamedTuple`` of arrays that passes through ``jit`` and sharding like the MXFP4
+expert weight:
+
+* :class:`Int8Weight`: ``q`` int8 ``[..., J, I]`` and ``scale`` float32 ``[..., J, 1]``; ``W = q * scale``.
+* :class:`Int4Weight`: ``packed`` uint8 ``[..., J, I/2]`` (element 2k in the low nibble, 2k+1 in the high one, each a
+  two's-complement int4 in -8..7) and ``scale`` float32 ``[..., J, I/g]`` for groups of ``g`` input columns;
+  ``W = q * scale``.
+* :class:`Int4ZeroWeight`: as :class:`Int4Weight` plus ``zero`` int8 ``[..., J, I/g]`` (an int4 value, -8..7);
+  ``W = (q - zero) * scale``.
+* :class:`NF4Weight`: ``packed`` uint8 ``[..., J, I/2]`` of 4-bit indices into the NormalFloat table
+  (:data:`NF4_TABLE`, QLoRA appendix E) and ``absmax`` float32 ``[..., J, I/g]``; ``W = NF4_TABLE[code] * absmax``.
+
+The numerics of quantizing (the calibration, the scale and zero point, the rounding) are qwix's (``qwix.quantize``,
+Google's JAX quantization library): :func:`quantize` calls it and only repacks its ``QArray`` into these fields,
+and :func:`dequantize` reproduces ``qwix.dequantize`` bit for bit (``tests/test_quant.py``). The kernels read the
+fields directly (``kernels_pallas/matvec``); :func:`dequantize` is their oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_F32 = jnp.float32
+
+# QLoRA (Dettmers et al. 2023, appendix E) NormalFloat-4 values, as qwix and bitsandbytes tabulate them.
+NF4_TABLE = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], np.float32)
+
+
+def _pairs_shape(packed):
+    return (*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+class Int8Weight(NamedTuple):
+    """int8 codes ``q [..., J, I]`` with one float32 scale per output row, ``scale [..., J, 1]``."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return tuple(self.q.shape)
+
+    # The scale's last dimension is broadcast (0): a split of the input dimension leaves it whole.
+    GROUP_UNITS = (1, 0)
+    FORMAT = "int8"
+
+    @classmethod
+    def random(cls, key, shape) -> "Int8Weight":
+        kq, ks = jax.random.split(key)
+        q = jax.random.randint(kq, shape, -127, 128, jnp.int32).astype(jnp.int8)
+        return cls(q, jax.random.uniform(ks, (*shape[:-1], 1), _F32, 1e-4, 3e-4))
+
+
+class Int4Weight(NamedTuple):
+    """Symmetric int4: nibble pairs ``packed [..., J, I/2]`` and ``scale [..., J, I/g]`` (float32)."""
+
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return _pairs_shape(self.packed)
+
+    @property
+    def group(self) -> int:
+        return 2 * self.packed.shape[-1] // self.scale.shape[-1]
+
+    @property
+    def GROUP_UNITS(self):  # noqa: N802 (the packed-type protocol's name)
+        return (self.group // 2, 1)
+
+    FORMAT = "int4"
+
+    @classmethod
+    def random(cls, key, shape, group: int = 32) -> "Int4Weight":
+        kq, ks = jax.random.split(key)
+        packed = jax.random.randint(kq, (*shape[:-1], shape[-1] // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        return cls(packed, jax.random.uniform(ks, (*shape[:-1], shape[-1] // group), _F32, 2e-3, 6e-3))
+
+
+class Int4ZeroWeight(NamedTuple):
+    """int4 with a zero point per group: ``W = (q - zero) * scale``."""
+
+    packed: jax.Array
+    scale: jax.Array
+    zero: jax.Array  # int8 [..., J, I/g], values -8..7
+
+    @property
+    def shape(self):
+        return _pairs_shape(self.packed)
+
+    @property
+    def group(self) -> int:
+        return 2 * self.packed.shape[-1] // self.scale.shape[-1]
+
+    @property
+    def GROUP_UNITS(self):  # noqa: N802
+        return (self.group // 2, 1, 1)
+
+    FORMAT = "int4_zero"
+
+    @classmethod
+    def random(cls, key, shape, group: int = 32) -> "Int4ZeroWeight":
+        base = Int4Weight.random(key, shape, group)
+        return cls(base.packed, base.scale, jnp.zeros(base.scale.shape, jnp.int8))
+
+
+class NF4Weight(NamedTuple):
+    """NormalFloat-4: index pairs ``packed [..., J, I/2]`` and ``absmax [..., J, I/g]`` (float32)."""
+
+    packed: jax.Array
+    absmax: jax.Array
+
+    @property
+    def shape(self):
+        return _pairs_shape(self.packed)
+
+    @property
+    def group(self) -> int:
+        return 2 * self.packed.shape[-1] // self.absmax.shape[-1]
+
+    @property
+    def GROUP_UNITS(self):  # noqa: N802
+        return (self.group // 2, 1)
+
+    FORMAT = "nf4"
+
+    @classmethod
+    def random(cls, key, shape, group: int = 64) -> "NF4Weight":
+        base = Int4Weight.random(key, shape, group)
+        return cls(base.packed, base.scale)
+
+
+TYPES = (Int8Weight, Int4Weight, Int4ZeroWeight, NF4Weight)
+
+
+# -- the format a user asks for ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How to quantize one weight: ``kind`` int8 | int4 | nf4; ``group`` input columns per scale (int4, nf4);
+    ``zero_point`` (int4): asymmetric, min/max calibrated."""
+
+    kind: str
+    group: int = 32
+    zero_point: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ("int8", "int4", "nf4"):
+            raise ValueError(f"unknown weight format {self.kind!r} (int8, int4, nf4)")
+        if self.kind != "int8" and (self.group < 2 or self.group % 2):
+            raise ValueError(f"{self.kind}: group {self.group} must be an even number of columns")
+        if self.zero_point and self.kind != "int4":
+            raise ValueError(f"{self.kind}: a zero point applies to int4 only")
+
+    @classmethod
+    def parse(cls, text: str) -> "Format":
+        """``int8``, ``int4`` (group 32), ``int4:g64``, ``int4:g128:zero``, ``nf4`` (group 64), ``nf4:g32``."""
+        kind, *opts = str(text).split(":")
+        kw: dict = {} if kind != "nf4" else {"group": 64}
+        for o in opts:
+            if o.startswith("g") and o[1:].isdigit():
+                kw["group"] = int(o[1:])
+            elif o in ("zero", "asym"):
+                kw["zero_point"] = True
+            elif o != "sym":
+                raise ValueError(f"{text!r}: unknown option {o!r} (gN, zero)")
+        return cls(kind, **kw)
+
+    def name(self) -> str:
+        if self.kind == "int8":
+            return "int8"
+        return f"{self.kind}:g{self.group}" + (":zero" if self.zero_point else "")
+
+    def fits(self, shape) -> str | None:
+        """Why a weight of this logical shape cannot take the format, or None."""
+        if len(shape) < 2:
+            return f"a {len(shape)}-d array (weights are [..., out, in])"
+        if self.kind != "int8" and shape[-1] % self.group:
+            return f"{shape[-1]} input columns are not a multiple of the group {self.group}"
+        return None
+
+    def bytes_per_value(self, columns: int) -> float:
+        """Stored bytes per logical value of a weight with ``columns`` input columns (codes and scales)."""
+        if self.kind == "int8":
+            return 1.0 + 4 / columns
+        return 0.5 + (4 + (1 if self.zero_point else 0)) / self.group
+
+
+def _pack_nibbles(codes):
+    """int codes 0..15 ``[..., I]`` -> bytes ``[..., I/2]`` (element 2k in the low nibble)."""
+    c = codes.astype(jnp.uint8)
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def _unpack_nibbles(packed):
+    """bytes ``[..., I/2]`` -> nibbles 0..15 ``[..., I]`` as int32."""
+    p = packed.astype(jnp.int32)
+    return jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _signed(nibbles):
+    return jnp.where(nibbles >= 8, nibbles - 16, nibbles)
+
+
+def quantize(w, fmt: Format):
+    """One float weight ``[..., J, I]`` in ``fmt`` (qwix computes the codes and scales from the float32 values)."""
+    import qwix
+
+    why = fmt.fits(w.shape)
+    if why is not None:
+        raise ValueError(f"cannot quantize to {fmt.name()}: {why}")
+    w = jnp.asarray(w).astype(_F32)
+    rows = tuple(range(w.ndim - 1))
+    if fmt.kind == "int8":
+        qa = qwix.quantize(w, jnp.int8, channelwise_axes=rows)
+        return Int8Weight(qa.qvalue, qa.scale)
+    tiles = {w.ndim - 1: fmt.group}
+    if fmt.kind == "nf4":
+        qa = qwix.quantize(w, "nf4", channelwise_axes=rows, tiled_axes=tiles)
+        return NF4Weight(_pack_nibbles(qa.qvalue.astype(jnp.int32)), qa.scale)
+    qa = qwix.quantize(w, jnp.int4, channelwise_axes=rows, tiled_axes=tiles,
+                       calibration_method="minmax" if fmt.zero_point else "absmax")
+    packed = _pack_nibbles(qa.qvalue.astype(jnp.int32) & 0xF)
+    if fmt.zero_point:
+        return Int4ZeroWeight(packed, qa.scale, qa.zero_point.astype(jnp.int8))
+    return Int4Weight(packed, qa.scale)
+
+
+def _grouped(values, scale):
+    """``values [..., I] * scale [..., I/g]`` per group of ``g`` columns (float32)."""
+    g = values.shape[-1] // scale.shape[-1]
+    v = values.reshape(*scale.shape, g)
+    return v, scale[..., None]
+
+
+def dequantize(w, dtype=jnp.float32):
+    """Decode any of :data:`TYPES` to ``[..., J, I]`` in ``dtype``: the oracle of the kernels (float32 arithmetic,
+    qwix's order: ``(q - zero) * scale``)."""
+    if isinstance(w, Int8Weight):
+        return (w.q.astype(_F32) * w.scale.astype(_F32)).astype(dtype)
+    if isinstance(w, NF4Weight):
+        v, s = _grouped(jnp.asarray(NF4_TABLE)[_unpack_nibbles(w.packed)], w.absmax.astype(_F32))
+        return (v * s).reshape(w.shape).astype(dtype)
+    if isinstance(w, (Int4Weight, Int4ZeroWeight)):
+        v, s = _grouped(_signed(_unpack_nibbles(w.packed)).astype(_F32), w.scale.astype(_F32))
+        if isinstance(w, Int4ZeroWeight):
+            v = v - w.zero.astype(_F32)[..., None]
+        return (v * s).reshape(w.shape).astype(dtype)
+    raise TypeError(f"{type(w).__name__} is not an integer weight format")
