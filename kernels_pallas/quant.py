@@ -38,6 +38,11 @@ NF4_TABLE = np.array([
 ], np.float32)
 
 
+def _whole_or_field(self, key):
+    """``w[...]`` is the weight itself (how model code reads an ``nnx.Param``); an int or slice indexes the fields."""
+    return self if key is Ellipsis else tuple.__getitem__(self, key)
+
+
 def _pairs_shape(packed):
     return (*packed.shape[:-1], packed.shape[-1] * 2)
 
@@ -54,6 +59,7 @@ class Int8Weight(NamedTuple):
 
     # The scale's last dimension is broadcast (0): a split of the input dimension leaves it whole.
     GROUP_UNITS = (1, 0)
+    __getitem__ = _whole_or_field
     FORMAT = "int8"
 
     @classmethod
@@ -81,6 +87,7 @@ class Int4Weight(NamedTuple):
     def GROUP_UNITS(self):  # noqa: N802 (the packed-type protocol's name)
         return (self.group // 2, 1)
 
+    __getitem__ = _whole_or_field
     FORMAT = "int4"
 
     @classmethod
@@ -109,6 +116,7 @@ class Int4ZeroWeight(NamedTuple):
     def GROUP_UNITS(self):  # noqa: N802
         return (self.group // 2, 1, 1)
 
+    __getitem__ = _whole_or_field
     FORMAT = "int4_zero"
 
     @classmethod
@@ -135,6 +143,7 @@ class NF4Weight(NamedTuple):
     def GROUP_UNITS(self):  # noqa: N802
         return (self.group // 2, 1)
 
+    __getitem__ = _whole_or_field
     FORMAT = "nf4"
 
     @classmethod
@@ -185,12 +194,20 @@ class Format:
             return "int8"
         return f"{self.kind}:g{self.group}" + (":zero" if self.zero_point else "")
 
+    def fitted(self, shape) -> "Format":
+        """The format a weight of this shape gets: a row narrower than the group is one group (no coarser than
+        asked)."""
+        if self.kind != "int8" and len(shape) >= 2 and shape[-1] < self.group and shape[-1] % 2 == 0:
+            return dataclasses.replace(self, group=int(shape[-1]))
+        return self
+
     def fits(self, shape) -> str | None:
         """Why a weight of this logical shape cannot take the format, or None."""
         if len(shape) < 2:
             return f"a {len(shape)}-d array (weights are [..., out, in])"
-        if self.kind != "int8" and shape[-1] % self.group:
-            return f"{shape[-1]} input columns are not a multiple of the group {self.group}"
+        group = self.fitted(shape).group
+        if self.kind != "int8" and shape[-1] % group:
+            return f"{shape[-1]} input columns are not a multiple of the group {group}"
         return None
 
     def bytes_per_value(self, columns: int) -> float:
@@ -223,6 +240,7 @@ def quantize(w, fmt: Format):
     why = fmt.fits(w.shape)
     if why is not None:
         raise ValueError(f"cannot quantize to {fmt.name()}: {why}")
+    fmt = fmt.fitted(w.shape)
     w = jnp.asarray(w).astype(_F32)
     rows = tuple(range(w.ndim - 1))
     if fmt.kind == "int8":

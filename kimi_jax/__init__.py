@@ -3,6 +3,7 @@
     import kimi_jax
     model = kimi_jax.from_pretrained("path/to/checkpoint", dtype="bfloat16")
     logits = model(ids).logits
+    small = kimi_jax.from_pretrained("path/to/checkpoint", quantize="int8")  # or "int4", "int4:g128:zero", "nf4"
     out = kimi_jax.generate(model, "The capital of France is", max_new_tokens=16, tokenizer="path/to/checkpoint")
 
 The packages, bottom up (ARCHITECTURE.md): ``model`` (config, layers, cache, the decoder), ``checkpoint`` (reading and
@@ -14,4 +15,5 @@ from kimi_jax.checkpoint.loading import from_pretrained  # noqa: F401
 from kimi_jax.generation.generate import Generation, Generator, generate  # noqa: F401
 from kimi_jax.model.config import ConfigError, ModelConfig, preset  # noqa: F401
 from kimi_jax.model.decoder import KimiModel, ModelOutput, abstract_model, param_count  # noqa: F401
+from kimi_jax.model.quantize import quantize  # noqa: F401
 from kimi_jax.model.run import RunConfig  # noqa: F401

@@ -1,17 +1,34 @@
-"""Plain-jnp products: each item on its own (a chosen expert is gathered out of its stack first)."""
+"""Plain-jnp products: each item on its own (a chosen expert is gathered out of its stack first). A packed weight
+(:mod:`kernels_pallas.packed`) is decoded to the input's dtype first (``packed.as_dense``, the kernels' oracle):
+for an expert stack only the chosen experts' fields are gathered and decoded."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from kernels_pallas import packed
+
 _F32 = jnp.float32
+
+
+def _chosen(w, ids_M):
+    """``w[ids]``: the chosen experts ``[M, J, I]`` (a packed stack: each field gathered, then decoded)."""
+    return jax.tree.map(lambda f: f[ids_M], w) if packed.is_packed(w) else w[ids_M]
+
+
+def _dense(w, dtype):
+    """A float weight as it is (the einsum promotes); a packed one decoded to ``dtype``."""
+    return packed.as_dense(w, dtype) if packed.is_packed(w) else w
 
 
 def product(x_MI, w, ids_M=None, *, precision=None):
     """``x @ w.T`` (``w [J, I]``) or ``x[m] @ w[ids[m]].T`` (``w [E, J, I]``) -> ``[M, J]`` float32."""
     if ids_M is None:
-        return jnp.einsum("mi,ji->mj", x_MI, w, preferred_element_type=_F32, precision=precision)
-    return jnp.einsum("mi,mji->mj", x_MI, w[ids_M], preferred_element_type=_F32, precision=precision)
+        return jnp.einsum("mi,ji->mj", x_MI, _dense(w, x_MI.dtype), preferred_element_type=_F32,
+                          precision=precision)
+    return jnp.einsum("mi,mji->mj", x_MI, _dense(_chosen(w, ids_M), x_MI.dtype), preferred_element_type=_F32,
+                      precision=precision)
 
 
 def group(items, *, precision=None):

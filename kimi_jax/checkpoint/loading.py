@@ -11,6 +11,7 @@ from flax import nnx
 
 from kimi_jax.checkpoint import hf
 from kimi_jax.model import config as config_lib
+from kimi_jax.model import quantize as quantize_lib
 from kimi_jax.model.decoder import KimiModel, relayout
 from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import distributed
@@ -40,7 +41,8 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 def from_pretrained(path, *, dtype=None, implementation: str | None = None, strict: bool = True,
                     run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False,
-                    check_finite: bool = True, progress: bool = True) -> KimiModel:
+                    check_finite: bool = True, progress: bool = True, quantize: str | None = None,
+                    quantize_include=None) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed); None (or
     ``"auto"``): bfloat16, on the CPU too (:func:`auto_dtype`); ``"float32"`` for oracle-grade numerics. ``run``,
@@ -52,7 +54,13 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     (:mod:`kimi_jax.model.layer_plan`); the checkpoint is read per layer, then each parameter is stacked in turn.
     ``check_finite``: refuse weights holding NaN or Inf (MXFP4: the NaN scale byte), naming the tensor and its file;
     checked as each tensor is read (a converted checkpoint: on the loaded arrays). ``progress``: a byte counter on
-    stderr for loads that take more than 2 s."""
+    stderr for loads that take more than 2 s.
+
+    ``quantize``: weight-only quantization at load (``"int8"``, ``"int4"`` = group 32, ``"int4:g64"``,
+    ``"int4:g128:zero"``, ``"nf4"``; :mod:`kimi_jax.model.quantize`) of the module classes in ``quantize_include``
+    (default: attention, MLP and latent projections and the lm_head; add ``"embed"`` for the embedding). The format
+    and the selection are checked against the config before any weight is read. Each weight is quantized after the
+    model is loaded (the float model is held once, then each weight is replaced in turn)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
@@ -67,7 +75,12 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
         run = distributed.with_parallel(run, mesh, layout)
+    if quantize is not None:  # a bad format or selection is refused before anything is read
+        quantize_lib.plan(nnx.eval_shape(lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))), quantize,
+                          quantize_include)
     model = _load(path, cfg, run, converted, check_finite, progress)
+    if quantize is not None:
+        quantize_lib.quantize(model, quantize, quantize_include)
     return relayout(model, scan_layers=True, consume=True) if scan else model
 
 

@@ -21,7 +21,7 @@ from kimi_jax.model.attention import GQA, KDA, MLA, Step
 from kimi_jax.model.cache import Cache
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.layer_plan import LayerPlan, layer_plan
-from kimi_jax.model.layers import MLP, AttnRes, linear, param, rms_norm
+from kimi_jax.model.layers import MLP, AttnRes, embed, linear, param, rms_norm
 from kimi_jax.model.moe import MoE
 from kimi_jax.model.run import RunConfig
 
@@ -195,7 +195,7 @@ class KimiModel(nnx.Module):
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         step = Step(positions, jnp.arange(T)[None] < lengths[:, None], lengths, prefix, page_table)
 
-        h = self.embed_tokens[...][ids_BT].astype(run.dtype)
+        h = embed(self.embed_tokens[...], ids_BT, run)
         new_layers = [None] * cfg.num_layers
         new_stack = ()
         outs = _Outputs([None] * cfg.num_layers, [None] * cfg.num_layers, [None] * cfg.num_layers)

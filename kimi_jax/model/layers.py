@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas import matvec
+from kernels_pallas import matvec, packed
 from kimi_jax.model.config import MLPConfig
 from kimi_jax.model.run import RunConfig
 
@@ -49,6 +49,11 @@ def param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal", std=0.02, pa
 # -- math helpers ----------------------------------------------------------------------------------------
 
 
+def cast(w, dtype):
+    """A weight in ``dtype`` for a product: a packed weight stays packed (its kernel decodes it)."""
+    return w if packed.is_packed(w) else w.astype(dtype)
+
+
 def linear(x, w, run: RunConfig):
     """``x @ w.T`` for a checkpoint-layout weight ``w [out, in]``; f32 accumulate, output in the run dtype."""
     return linear_group([(x, w)], run)[0]
@@ -57,9 +62,16 @@ def linear(x, w, run: RunConfig):
 def linear_group(pairs, run: RunConfig) -> list:
     """``[linear(x, w, run) for x, w in pairs]`` as one call of the grouped-product op
     (:func:`kernels_pallas.matvec.group`), which may stream them together (decode on CPU)."""
-    items = [(x.reshape(-1, x.shape[-1]).astype(run.dtype), w.astype(run.dtype), None) for x, w in pairs]
+    items = [(x.reshape(-1, x.shape[-1]).astype(run.dtype), cast(w, run.dtype), None) for x, w in pairs]
     outs = matvec.group(items, implementation=run.implementation, precision=run.precision, placement=run.placement)
     return [y.reshape(*x.shape[:-1], -1).astype(run.dtype) for y, (x, _) in zip(outs, pairs)]
+
+
+def embed(table, ids, run: RunConfig):
+    """Rows ``ids`` of an embedding table ``[V, D]`` in the run dtype; a packed table decodes only those rows."""
+    if packed.is_packed(table):
+        return packed.as_dense(jax.tree.map(lambda f: f[ids], table), run.dtype)
+    return table[ids].astype(run.dtype)
 
 
 def rms_norm(x, w, eps, run: RunConfig):

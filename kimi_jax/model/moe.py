@@ -17,7 +17,7 @@ from kernels_pallas import matvec
 from kernels_pallas import packed as packed_types
 from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax.model.config import MoEConfig
-from kimi_jax.model.layers import F32, MLP, glu, linear, param, rms_norm
+from kimi_jax.model.layers import F32, MLP, cast, glu, linear, param, rms_norm
 from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import expert_parallel
 
@@ -170,7 +170,7 @@ class MoE(nnx.Module):
         items = [(zx, ex.weight("w1").astype(dt), ids), (zx, ex.weight("w3").astype(dt), ids)]
         if sh is not None:
             xs = x_ND.astype(dt)
-            items += [(xs, sh.gate_proj[...].astype(dt), None), (xs, sh.up_proj[...].astype(dt), None)]
+            items += [(xs, cast(sh.gate_proj[...], dt), None), (xs, cast(sh.up_proj[...], dt), None)]
         kw = dict(implementation=run.implementation, placement=run.placement)
         if not matvec.fuses(items, **kw):
             return None
@@ -178,7 +178,7 @@ class MoE(nnx.Module):
         items = [(ex.act(up[0], up[1], run).astype(dt), ex.weight("w2").astype(dt), ids)]
         if sh is not None:
             hs = glu(up[2], up[3], sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)
-            items.append((hs.astype(dt), sh.down_proj[...].astype(dt), None))
+            items.append((hs.astype(dt), cast(sh.down_proj[...], dt), None))
         down = matvec.group(items, **kw)
         routed = down[0].reshape(N, X, -1).astype(dt)
         return routed, (down[1].astype(dt) if sh is not None else None)

@@ -1,0 +1,116 @@
+"""Quality of weight-only quantization (kimi_jax.model.quantize): bytes, per-token KL against float32 logits and
+greedy top-1 agreement, for the three families and the shared benchmark model.
+
+For each model: the float32 model continues a 64-token prompt greedily for 64 tokens; the prompt and continuation
+are then run teacher-forced through the float32 model and through each quantized copy, and at each of the 64
+continuation positions we take KL(p_float32 || p_quantized) and whether the argmax agrees. Bytes are the loaded
+parameter bytes (every field of a packed weight).
+
+    python benchmarks/quantization.py                 # the three tiny families + the benchmark model
+    python benchmarks/quantization.py --skip-bench    # tiny families only (a minute)
+
+The benchmark model's weights are built as benchmarks/decode.py builds them (../shared/bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+FORMATS = ["int8", "int4:g32", "int4:g64", "int4:g128", "int4:g32:zero", "int4:g128:zero", "nf4:g64"]
+PROMPT, NEW = 64, 64
+
+
+def param_bytes(model) -> int:
+    from flax import nnx
+
+    from kernels_pallas import packed
+
+    return sum(packed.nbytes(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+def continuation(model, prompt: np.ndarray) -> np.ndarray:
+    import kimi_jax
+
+    gen = kimi_jax.Generator(model, max_len=PROMPT + NEW, batch_buckets=(1,), prompt_buckets=(PROMPT,))
+    out = gen.generate(prompt, NEW, stop=())
+    return np.concatenate([prompt[0], np.asarray(out.tokens[0])])[None]
+
+
+def log_probs(model, seq: np.ndarray) -> np.ndarray:
+    import jax
+    import jax.numpy as jnp
+
+    logits = model(jnp.asarray(seq)).logits[0, PROMPT - 1:-1].astype(jnp.float32)  # predicting the continuation
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+
+
+def measure(name: str, load, include=None) -> list[dict]:
+    """``load(quantize)`` returns a float32 model, quantized when ``quantize`` is given."""
+    base = load(None)
+    vocab = base.cfg.vocab_size
+    prompt = np.random.default_rng(0).integers(3, vocab, (1, PROMPT)).astype(np.int32)
+    seq = continuation(base, prompt)
+    ref = log_probs(base, seq)
+    rows = [dict(model=name, format="float32", bytes=param_bytes(base), kl_mean=0.0, kl_max=0.0, top1=1.0)]
+    del base
+    p = np.exp(ref)
+    for fmt in FORMATS:
+        t0 = time.perf_counter()
+        model = load(fmt)
+        lq = log_probs(model, seq)
+        kl = np.sum(p * (ref - lq), axis=-1)
+        rows.append(dict(model=name, format=fmt, bytes=param_bytes(model), kl_mean=float(kl.mean()),
+                         kl_max=float(kl.max()), top1=float(np.mean(ref.argmax(-1) == lq.argmax(-1)))))
+        print(f"  {name} {fmt}: KL mean {rows[-1]['kl_mean']:.2e} max {rows[-1]['kl_max']:.2e} top-1 "
+              f"{rows[-1]['top1']:.3f} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        del model
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax",
+                                                      "kimi-linear-bench"))
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--include", default=None, help="module classes, comma separated (default: kimi_jax's)")
+    args = ap.parse_args(argv)
+
+    import kimi_jax
+    from kimi_jax.checkpoint import synthetic
+
+    include = args.include.split(",") if args.include else None
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("k3", "kimi_linear", "llama"):
+            path = os.path.join(tmp, family)
+            synthetic.write_checkpoint(path, family)
+            rows += measure(f"tiny {family} (random)", lambda q, p=path: kimi_jax.from_pretrained(
+                p, dtype="float32", progress=False, quantize=q, quantize_include=include))
+    if not args.skip_bench:
+        from decode import BENCH_CONFIG, build_weights
+
+        path = build_weights(args.weights, BENCH_CONFIG)
+        rows += measure("benchmark model (Kimi Linear 272.6M)", lambda q: kimi_jax.from_pretrained(
+            path, dtype="float32", progress=False, quantize=q, quantize_include=include))
+
+    print()
+    print(f"| model | format | bytes | vs float32 | KL mean | KL max | top-1 agreement ({NEW} tokens) |")
+    print("|---|---|---|---|---|---|---|")
+    full = {}
+    for r in rows:
+        full.setdefault(r["model"], r["bytes"])
+        print(f"| {r['model']} | {r['format']} | {r['bytes'] / 1e6:.1f} MB | {r['bytes'] / full[r['model']]:.2f} | "
+              f"{r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
