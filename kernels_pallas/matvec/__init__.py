@@ -3,31 +3,38 @@ MLA's per-head products).
 
 Each item of a group is ``x [M, I]`` with ``w [J, I]`` (a plain weight, checkpoint layout ``[out, in]``) and
 ``ids=None``, or ``w [E, J, I]`` (an expert stack) with ``ids [M]`` choosing a matrix per row:
-``out[m] = w[ids[m]] @ x[m]``. Each result is ``[M, J]`` float32, accumulated in float32 from the operands' dtype.
+``out[m] = w[ids[m]] @ x[m]``. ``w`` is a float array or a packed weight (:mod:`kernels_pallas.packed`: int8,
+int4, int4 with a zero point, NF4 of :mod:`kernels_pallas.quant`; MXFP4). Each result is ``[M, J]`` float32,
+accumulated in float32 from the operands' dtype (a packed weight's decoded values).
 
 At a handful of rows (decode) every product streams its weight once, so the step's time is memory bandwidth, and
 XLA:CPU leaves some of it unused. Two CPU implementations, the automatic choice on CPU:
 
 * ``"cpu_native"`` (``native.cc``, built on first use by :mod:`kernels_pallas._native`; float32 or bfloat16
-  weights, widened in registers, float32 sums): reads every weight in
-  place (a chosen expert too, where XLA copies it out of its stack first) and streams all the items of a call as
-  one piece of work split over the threads (launched one by one, XLA:CPU's products of 0.5-1 MB ran at about half
-  the rate of the large ones). Chosen when every plain item has one row (grouping at 8 rows gained nothing) and
-  the call holds several items or an expert item (a single plain product streams as fast under XLA: measured on
-  the output projections and the lm_head).
-* ``"xla_cpu"`` (``xla_cpu.py``; float32 operands): the few-row (2..32) products weight first.
+  weights, widened in registers, or int8 / int4 / NF4 codes decoded in registers; float32 sums; one weight format
+  per call): reads every weight in place (a chosen expert too, where XLA copies it out of its stack first) and
+  streams all the items of a call as one piece of work split over the threads (launched one by one, XLA:CPU's
+  products of 0.5-1 MB ran at about half the rate of the large ones). Float weights: chosen when every plain item
+  has one row (grouping at 8 rows gained nothing) and the call holds several items or an expert item (a single
+  plain product streams as fast under XLA: measured on the output projections and the lm_head). Packed weights:
+  chosen whenever every item has at most :data:`PACKED_ROWS` rows (the plain alternative decodes the whole weight
+  to a dense copy first). The native products of a packed weight are those of its exactly decoded float32 values
+  (with bfloat16 inputs the reference rounds the decoded weight to bfloat16 first, the kernel does not).
+* ``"xla_cpu"`` (``xla_cpu.py``; float32 array operands, no packed weights): the few-row (2..32) products weight
+  first.
 
-Elsewhere, and with ``implementation="reference"``, each item is a plain-jnp product. No partition rule: on a mesh
-of several devices the products are plain XLA that GSPMD partitions (the weights' own shardings decide), and the
-CPU implementations are not chosen there. The ops have no Pallas kernel: a run that asks for the Pallas kernels
-runs the reference here.
+Elsewhere, and with ``implementation="reference"``, each item is a plain-jnp product (a packed weight decoded first,
+the chosen experts only). No partition rule: on a mesh of several devices the products are plain XLA that GSPMD
+partitions (the weights' own shardings decide), and the CPU implementations are not chosen there. The ops have no
+Pallas kernel: a run that asks for the Pallas kernels runs the reference here, and so do TPU and GPU, packed
+weights included, until the packed-weight kernel (``kernels_pallas/qmatmul/``) is wired in (see ``GROUP``).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import _native
+from kernels_pallas import _native, packed
 from kernels_pallas._dispatch import (
     NATIVE,
     REFERENCE,
@@ -39,6 +46,10 @@ from kernels_pallas._dispatch import (
 from kernels_pallas.matvec import native, reference, xla_cpu
 
 _F32 = jnp.float32
+# Packed items up to this many rows run natively: each row decodes its part of the weight again (from cache), where
+# the reference decodes the whole weight once and then multiplies. Measured at [4096, 1024] (int8, int4 g32, nf4 g64):
+# native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows.
+PACKED_ROWS = 16
 
 
 def native_built() -> bool:
@@ -53,17 +64,25 @@ def native_ready() -> bool:
 
 def _float32(items) -> str | None:
     for x, w, _ in items:
-        if not hasattr(w, "dtype") or jnp.dtype(w.dtype) != _F32 or jnp.dtype(x.dtype) != _F32:
+        if packed.is_packed(w):
+            return (f"{packed.format_name(w)} weights (the XLA:CPU forms reorient float32 products; a packed weight "
+                    "runs the native kernel or the reference, which decodes it)")
+        if jnp.dtype(w.dtype) != _F32 or jnp.dtype(x.dtype) != _F32:
             return "operands other than float32 (XLA:CPU has no fast bf16 x bf16 -> f32 product to reorient)"
     return None
 
 
 def _native_automatic(items, **_) -> bool:
+    if any(packed.is_packed(w) for _, w, _ in items):  # decode-shaped packed items: read the codes in place
+        return all(x.shape[0] <= PACKED_ROWS for x, _, _ in items)
     if any(ids is None and x.shape[0] > 1 for x, _, ids in items):  # grouping plain products of 8 rows: no gain
         return False
     return len(items) > 1 or items[0][2] is not None
 
 
+# TPU / GPU: no Pallas entry yet, so the automatic choice there is the reference, packed items included (a dense
+# decode, then the einsum). The hook for the packed-weight Pallas kernel (kernels_pallas/qmatmul/, being written):
+# give GROUP a PALLAS entry that sends packed items to it and the rest to the reference, and drop plain=True.
 GROUP = Op("matvec", None, {REFERENCE: reference.group}, plain=True, cpu=(
     CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native_built,
             unsupported=lambda items, **_: native.unsupported(items), automatic=_native_automatic),

@@ -1,21 +1,42 @@
-// Decode-shaped matrix-vector products for XLA:CPU, several in one call: float32 x, float32 or bfloat16 weights
-// (KimiMatvecGroupF32, KimiMatvecGroupBF16), float32 sums and results. A bfloat16 weight is widened to float32 in
-// registers as it is loaded (exact), so a bf16 model streams half the bytes of a float32 one.
+// Decode-shaped matrix-vector products for XLA:CPU, several in one call: float32 x, float32 sums and results, and
+// weights read in their stored format, one format per call:
 //
-// The arguments come in triples, one per product ("item"): x [M, I], w [E, J, I] (each matrix [out, in], the
-// checkpoint layout), ids [M] int32; item i writes result i, out [M, J], with out[m] = w[ids[m]] @ x[m]. A plain
-// weight is w [1, J, I] with ids all zero; an expert stack is read in place at the chosen expert's rows, where
-// XLA:CPU would copy the expert out first (kernels_pallas/matvec/__init__.py). Built and registered by
-// kernels_pallas/_native.py.
+//   KimiMatvecGroupF32, KimiMatvecGroupBF16  float32 / bfloat16 w (a bfloat16 is widened in registers, exactly)
+//   KimiMatvecGroupI8                        int8 q with a float32 scale per output row (W = q * scale)
+//   KimiMatvecGroupI4, KimiMatvecGroupI4Z    int4 nibble pairs, a float32 scale per group of g input columns
+//                                            (W = q * scale), and for I4Z an int8 zero point per group
+//                                            (W = (q - zero) * scale)
+//   KimiMatvecGroupNF4                       NF4 nibble pairs, a float32 absmax per group (W = NF4[code] * absmax)
+//
+// (kernels_pallas/quant.py defines the integer formats; its dequantize is the oracle.) A narrower weight is fewer
+// bytes to stream: int8 is a quarter of float32, int4 about an eighth.
+//
+// The arguments come in tuples, one per product ("item"): x [M, I], the weight's fields, each [E, ...] (each matrix
+// [out, in], the checkpoint layout), ids [M] int32; item i writes result i, out [M, J], with
+// out[m] = w[ids[m]] @ x[m]. Fields per format: F32/BF16 w [E, J, I]; I8 q [E, J, I], scale [E, J, 1]; I4 packed
+// [E, J, I/2], scale [E, J, I/g]; I4Z packed, scale, zero [E, J, I/g]; NF4 packed, absmax [E, J, I/g]. A plain
+// weight has E = 1 with ids all zero; an expert stack is read in place at the chosen expert's rows, where XLA:CPU
+// would copy the expert out first (kernels_pallas/matvec/__init__.py). The items of one call may have different
+// shapes and group sizes. Built and registered by kernels_pallas/_native.py.
 //
 // At a handful of rows a product streams its weight once, so its speed is memory bandwidth. Launched one by one,
 // XLA:CPU's products of 0.5-1 MB reach about half the rate of the large ones (each starts a cold stream and wakes
 // the thread pool); here all the items of a call are cut into parts of about kPartBytes that the threads claim
-// from one counter, so the stream never stops between items.
+// from one counter, so the stream never stops between items (RunParts, shared by every format). Narrow rows are
+// prefetched a block of rows ahead (Ahead): the hardware prefetcher does not follow their short streams.
 //
 // Each dot product keeps kLanes partial sums in vector registers, and kRows weight rows share every load of x.
-// Summation order: lane l sums the products at i = l, l + kLanes, ...; the lanes are then added as a pairwise tree,
-// then the tail i >= I - I % kLanes in order. The order does not depend on kRows, the parts or the threads.
+// Summation order, float and int8 weights: lane l sums the products at i = l, l + kLanes, ...; the lanes are then
+// added as a pairwise tree, then the tail i >= I - I % kLanes in order; int8 multiplies that sum of q * x by the
+// row's scale. 4-bit weights (groups of a multiple of 32 columns, so no tail): each 16 bytes hold 32 columns, and
+// lane l of block b sums, in block order, W[32b + 2l] x[32b + 2l] then W[32b + 2l + 1] x[32b + 2l + 1] (x is
+// reordered once per call, even columns of each block first, so the nibbles need no shuffle); then the same tree.
+// W is decoded exactly as the oracle does (the 16 values of a group's codes, (code - zero) * scale or
+// NF4[code] * absmax in float32, are a 16-entry table looked up per lane), so a 4-bit product differs from the
+// float32 product of the decoded weight only in its summation order. The order depends on neither kRows, the
+// parts nor the threads, nor the instruction set: with AVX-512 the byte widening and the table lookup are one
+// instruction each (intrinsics; GCC 12 widens byte vectors lane by lane), elsewhere they are generic vector code
+// (an AVX2 + FMA build gave the same bits).
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +47,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -34,10 +59,12 @@ namespace {
 
 using F32Matrix = ffi::Buffer<ffi::F32, 2>;
 using Ids = ffi::Buffer<ffi::S32, 1>;
+template <ffi::DataType T>
+using Stack = ffi::Buffer<T, 3>;
 
 constexpr int64_t kLanes = 16;
 #ifdef __AVX512F__
-constexpr int kRows = 8;  // 8 accumulators + x + loads fit the 32 zmm registers
+constexpr int kRows = 8;  // 8 accumulators + x + loads fit the 32 zmm registers (4-bit: + 8 tables)
 #else
 constexpr int kRows = 4;
 #endif
@@ -50,6 +77,8 @@ inline Lanes Load(const float* p) {
   std::memcpy(&v, p, sizeof v);  // unaligned load
   return v;
 }
+
+inline Lanes Splat(float v) { return Lanes{} + v; }  // a scalar operand is broadcast
 
 // kLanes bfloat16 values widened to float32: a bfloat16 is the high half of the float32 with the same value.
 typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
@@ -64,7 +93,22 @@ inline Lanes Load(const uint16_t* p) {
   return v;
 }
 
+// kLanes int8 codes as float32 (exact): sign-extended and converted.
+typedef int8_t Codes __attribute__((vector_size(kLanes)));
+
+inline Lanes Load(const int8_t* p) {
+#if defined(__AVX512F__)
+  // GCC 12 converts a byte vector lane by lane; one vpmovsxbd does it
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  Codes c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, Lanes);
+#endif
+}
+
 inline float Widen(float v) { return v; }
+inline float Widen(int8_t v) { return float(v); }
 inline float Widen(uint16_t v) {
   const uint32_t w = uint32_t(v) << 16;
   float f;
@@ -118,25 +162,55 @@ inline void TreeSum8(const Lanes* a, float* y) {
   std::memcpy(y, &t, 8 * sizeof(float));
 }
 
-// y[r] = w[r, :] . x for r < RowCount (rows I apart); the RowCount accumulators stay in registers.
-template <int RowCount, typename W>
-inline void DotRows(const W* w, const float* x, float* y, int64_t I) {
-  Lanes acc[RowCount] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes) {
-    const Lanes xi = Load(x + i);
-    for (int r = 0; r < RowCount; ++r) acc[r] += Load(w + r * I + i) * xi;
-  }
-  float sums[RowCount];
+// y[r] = the tree sum of acc[r]'s lanes, r < RowCount.
+template <int RowCount>
+inline void TreeSums(const Lanes* acc, float* y) {
   if constexpr (RowCount == 8 && kLanes == 16) {
-    TreeSum8(acc, sums);
+    TreeSum8(acc, y);
   } else {
     for (int r = 0; r < RowCount; ++r) {
       float lanes[kLanes];
       std::memcpy(lanes, &acc[r], sizeof lanes);
-      sums[r] = TreeSum<kLanes>(lanes);
+      y[r] = TreeSum<kLanes>(lanes);
     }
   }
+}
+
+// Software prefetch of the block of rows after the current one, a stretch of bytes per step of the inner loop. A
+// block of narrow rows is kRows short streams (8 rows of 1 KB for int8 at I = 1024), too short for the hardware
+// prefetcher to follow from memory: one thread streamed int8 [32000, 1024] at 8 GB/s without this, 26 GB/s with it
+// (float32 rows: 21 GB/s, slower with it).
+struct Ahead {
+  const char* p;    // the next block's bytes not yet prefetched
+  const char* end;  // the end of this part's rows
+
+  template <int64_t Bytes>
+  inline void Step() {
+    for (int64_t b = 0; b < Bytes; b += 64) {
+      if (p + b < end) __builtin_prefetch(p + b);
+    }
+    p += Bytes;
+  }
+};
+
+// -- float and int8 weights: one value per element ------------------------------------------------------------
+
+template <typename W>
+constexpr bool kPrefetch = sizeof(W) < 4;  // float32 rows are long enough streams for the hardware prefetcher
+
+// y[r] = w[r, :] . x for r < RowCount (rows I apart); the RowCount accumulators stay in registers.
+template <int RowCount, typename W>
+inline void DotRows(const W* w, const float* x, float* y, int64_t I, const W* end) {
+  Lanes acc[RowCount] = {};
+  Ahead ahead{reinterpret_cast<const char*>(w + RowCount * I), reinterpret_cast<const char*>(end)};
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    if constexpr (kPrefetch<W>) ahead.Step<RowCount * kLanes * sizeof(W)>();
+    const Lanes xi = Load(x + i);
+    for (int r = 0; r < RowCount; ++r) acc[r] += Load(w + r * I + i) * xi;
+  }
+  float sums[RowCount];
+  TreeSums<RowCount>(acc, sums);
   for (int r = 0; r < RowCount; ++r) {
     float s = sums[r];
     for (int64_t t = i; t < I; ++t) s += Widen(w[r * I + t]) * x[t];
@@ -147,83 +221,182 @@ inline void DotRows(const W* w, const float* x, float* y, int64_t I) {
 // y = w @ x for w [J, I], x [I].
 template <typename W>
 void Matvec(const W* w, const float* x, float* y, int64_t J, int64_t I) {
+  const W* end = w + J * I;
   int64_t j = 0;
-  for (; j + kRows <= J; j += kRows) DotRows<kRows>(w + j * I, x, y + j, I);
-  for (; j < J; ++j) DotRows<1>(w + j * I, x, y + j, I);
+  for (; j + kRows <= J; j += kRows) DotRows<kRows>(w + j * I, x, y + j, I, end);
+  for (; j < J; ++j) DotRows<1>(w + j * I, x, y + j, I, end);
 }
 
-template <typename W>
-struct Item {
+// x, ids and out of one item: x [M, I], ids [M], out [M, J].
+struct Rows {
   const float* x;
-  const W* w;
   const int32_t* ids;
   float* out;
   int64_t M, J, I;
+};
+
+// A float weight w [E, J, I], or int8 codes with one scale per row, scale [E, J] (null for a float weight).
+template <typename W>
+struct DenseItem {
+  Rows r;
+  const W* w;
+  const float* scale;
+
+  int64_t RowBytes() const { return r.I * int64_t(sizeof(W)) + (scale ? 4 : 0); }
 
   // Output features [j0, j1) of every row.
-  void Rows(int64_t j0, int64_t j1) const {
-    for (int64_t m = 0; m < M; ++m) Matvec(w + (ids[m] * J + j0) * I, x + m * I, out + m * J + j0, j1 - j0, I);
+  void Compute(int64_t j0, int64_t j1) const {
+    const int64_t J = r.J, I = r.I;
+    for (int64_t m = 0; m < r.M; ++m) {
+      const int64_t row = r.ids[m] * J + j0;
+      float* y = r.out + m * J + j0;
+      Matvec(w + row * I, r.x + m * I, y, j1 - j0, I);
+      if (scale) {
+        for (int64_t j = 0; j < j1 - j0; ++j) y[j] *= scale[row + j];
+      }
+    }
   }
 };
 
-template <typename W>
-struct Part {
-  const Item<W>* item;
-  int64_t j0, j1;
+// -- 4-bit weights: nibble pairs, a table of 16 values per group -----------------------------------------------
+
+enum class Nibble { kInt4, kInt4Zero, kNF4 };
+
+// The value of each code before its group's scale: two's-complement int4, or the NormalFloat-4 table
+// (kernels_pallas/quant.py NF4_TABLE, bit for bit).
+constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+constexpr float kNF4Values[16] = {
+    -0x1p+0f,         -0x1.647362p-1f, -0x1.0cd66p-1f,  -0x1.94654p-2f,  -0x1.23449ap-2f, -0x1.7a6a7ep-3f,
+    -0x1.74f0e2p-4f,  0x0p+0f,         0x1.45f5fep-4f,  0x1.4995c6p-3f,  0x1.f809bap-3f,  0x1.5a0674p-2f,
+    0x1.c3497p-2f,    0x1.200f56p-1f,  0x1.722766p-1f,  0x1p+0f,
 };
+static_assert(kLanes == 16, "a 4-bit table is one vector of kLanes values");
+
+// table[idx[l] % 16] per lane.
+inline Lanes Lookup(Lanes table, Words idx) {
+#if defined(__AVX512F__)
+  return (Lanes)_mm512_permutexvar_ps((__m512i)idx, (__m512)table);  // uses the low 4 bits of each index
+#elif !defined(__clang__)
+  return __builtin_shuffle(table, (Ints)idx);  // GCC: the indices are taken modulo kLanes
+#else
+  Lanes r;
+  for (int64_t l = 0; l < kLanes; ++l) r[l] = table[idx[l] & 15];
+  return r;
+#endif
+}
+
+// 16 bytes (32 columns' codes) zero-extended to one word per lane: lane l holds column 2l's code in bits 0..3 and
+// column 2l + 1's in bits 4..7.
+typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+
+inline Words LoadPairs(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (Words)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // as Load(int8_t*)
+#else
+  Bytes b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, Words);
+#endif
+}
+
+constexpr int64_t kBlock = 2 * kLanes;  // columns per 16 bytes of codes; groups are whole blocks
+
+// A 4-bit weight: codes [E, J, I/2], scale [E, J, G] (and zero [E, J, G]), groups of g = I / G columns.
+template <Nibble F>
+struct NibbleItem {
+  Rows r;
+  const uint8_t* codes;
+  const float* scale;
+  const int8_t* zero;
+  int64_t G, g;
+  std::vector<float> xp;  // [M, I]: x, each block of 32 columns reordered even columns first
+
+  int64_t RowBytes() const { return r.I / 2 + G * (F == Nibble::kInt4Zero ? 5 : 4); }
+
+  void Reorder() {
+    xp.resize(r.M * r.I);
+    for (int64_t n = 0; n < r.M * r.I; n += kBlock) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        xp[n + l] = r.x[n + 2 * l];
+        xp[n + kLanes + l] = r.x[n + 2 * l + 1];
+      }
+    }
+  }
+
+  // The 16 values of group k of weight row `row` (of the whole stack), as the oracle decodes them in float32:
+  // (code - zero) * scale, or NF4[code] * absmax.
+  Lanes Table(int64_t row, int64_t k) const {
+    Lanes values;
+    std::memcpy(&values, F == Nibble::kNF4 ? kNF4Values : kInt4Values, sizeof values);
+    const Lanes s = Splat(scale[row * G + k]);
+    if constexpr (F == Nibble::kInt4Zero) return (values - Splat(float(zero[row * G + k]))) * s;
+    return values * s;
+  }
+
+  // y[r] = W[row + r, :] . x for r < RowCount, x reordered (xp); `end`: the end of this part's codes.
+  template <int RowCount>
+  void DotRows(int64_t row, const float* x, float* y, const uint8_t* end) const {
+    const int64_t stride = r.I / 2;
+    const uint8_t* c = codes + row * stride;
+    Ahead ahead{reinterpret_cast<const char*>(c + RowCount * stride), reinterpret_cast<const char*>(end)};
+    Lanes acc[RowCount] = {};
+    for (int64_t k = 0, i = 0; k < G; ++k) {
+      Lanes t[RowCount];
+      for (int q = 0; q < RowCount; ++q) t[q] = Table(row + q, k);
+      for (const int64_t stop = i + g; i < stop; i += kBlock) {
+        ahead.Step<RowCount * kBlock / 2>();
+        const Lanes xe = Load(x + i), xo = Load(x + i + kLanes);
+        for (int q = 0; q < RowCount; ++q) {
+          const Words b = LoadPairs(c + q * stride + i / 2);
+          acc[q] += Lookup(t[q], b) * xe;
+          acc[q] += Lookup(t[q], b >> 4) * xo;
+        }
+      }
+    }
+    TreeSums<RowCount>(acc, y);
+  }
+
+  // Output features [j0, j1) of every row.
+  void Compute(int64_t j0, int64_t j1) const {
+    const int64_t J = r.J;
+    for (int64_t m = 0; m < r.M; ++m) {
+      const int64_t first = r.ids[m] * J;  // the chosen matrix's first row
+      const float* x = xp.data() + m * r.I;
+      float* y = r.out + m * J;
+      const uint8_t* end = codes + (first + j1) * (r.I / 2);
+      int64_t j = j0;
+      for (; j + kRows <= j1; j += kRows) DotRows<kRows>(first + j, x, y + j, end);
+      for (; j < j1; ++j) DotRows<1>(first + j, x, y + j, end);
+    }
+  }
+};
+
+// -- the work: parts of every item, claimed by the threads -----------------------------------------------------
 
 // Work is cut into parts of about this many weight bytes, claimed one at a time by the threads.
 constexpr int64_t kPartBytes = 128 << 10;
 
-ffi::Error Invalid(int64_t i, const std::string& what) {
-  return ffi::Error::InvalidArgument("matvec group, item " + std::to_string(i) + ": " + what);
-}
-
-// WT: the weights' FFI element type; W: how their elements are stored.
-template <ffi::DataType WT, typename W>
-ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  using Stack = ffi::Buffer<WT, 3>;
-  const int64_t count = static_cast<int64_t>(rets.size());
-  if (static_cast<int64_t>(args.size()) != 3 * count) {
-    return ffi::Error::InvalidArgument("matvec group: expected three arguments (x, w, ids) per result");
-  }
-  std::vector<Item<W>> items(count);
-  for (int64_t i = 0; i < count; ++i) {
-    auto x = args.get<F32Matrix>(3 * i);
-    auto w = args.get<Stack>(3 * i + 1);
-    auto ids = args.get<Ids>(3 * i + 2);
-    auto out = rets.get<F32Matrix>(i);
-    if (!x || !w || !ids || !out) {
-      return Invalid(i, std::string("expected x f32[M, I], w ") + (WT == ffi::F32 ? "f32" : "bf16") +
-                            "[E, J, I], ids s32[M], out f32[M, J]");
-    }
-    const auto wd = w->dimensions();
-    const int64_t E = wd[0], J = wd[1], I = wd[2], M = ids->dimensions()[0];
-    if (x->dimensions()[0] != M || x->dimensions()[1] != I || (*out)->dimensions()[0] != M ||
-        (*out)->dimensions()[1] != J) {
-      return Invalid(i, "shapes must be x [M, I], w [E, J, I], ids [M], out [M, J]");
-    }
-    const int32_t* id = ids->typed_data();
-    for (int64_t m = 0; m < M; ++m) {
-      if (id[m] < 0 || id[m] >= E) return Invalid(i, "expert id out of range");
-    }
-    items[i] = Item<W>{x->typed_data(), reinterpret_cast<const W*>(w->untyped_data()), id, (*out)->typed_data(),
-                       M, J, I};
-  }
+// Item: Compute(j0, j1) writes output features [j0, j1) of every row; RowBytes() is one weight row's bytes.
+template <typename Item>
+ffi::Error RunParts(ffi::ThreadPool pool, const std::vector<Item>& items) {
+  struct Part {
+    const Item* item;
+    int64_t j0, j1;
+  };
   // Each item's output features are split so that every thread streams its share of each chosen matrix.
-  std::vector<Part<W>> parts;
-  for (const Item<W>& it : items) {
-    const int64_t bytes = it.M * it.J * it.I * int64_t(sizeof(W));
-    const int64_t n = std::max<int64_t>(1, std::min(bytes / kPartBytes, it.J / kRows));
+  std::vector<Part> parts;
+  for (const Item& it : items) {
+    const int64_t J = it.r.J, bytes = it.r.M * J * it.RowBytes();
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(bytes / kPartBytes, J / kRows));
     for (int64_t p = 0; p < n; ++p) {
-      const int64_t j0 = it.J * p / n / kRows * kRows, j1 = p + 1 == n ? it.J : it.J * (p + 1) / n / kRows * kRows;
-      if (j1 > j0) parts.push_back(Part<W>{&it, j0, j1});
+      const int64_t j0 = J * p / n / kRows * kRows, j1 = p + 1 == n ? J : J * (p + 1) / n / kRows * kRows;
+      if (j1 > j0) parts.push_back(Part{&it, j0, j1});
     }
   }
   const int64_t total = static_cast<int64_t>(parts.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
   if (helpers <= 0) {
-    for (const Part<W>& p : parts) p.item->Rows(p.j0, p.j1);
+    for (const Part& p : parts) p.item->Compute(p.j0, p.j1);
     return ffi::Error::Success();
   }
   // XLA:CPU runs a step's ops one after another, so the pool's threads are mostly idle here. Parts are claimed
@@ -238,10 +411,10 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
     std::atomic<int64_t> next{0}, finished{0};
   };
   auto state = std::make_shared<State>(total);
-  const Part<W>* list = parts.data();
+  const Part* list = parts.data();
   auto work = [list](State& st) {
     for (int64_t p; (p = st.next.fetch_add(1)) < st.parts;) {
-      list[p].item->Rows(list[p].j0, list[p].j1);
+      list[p].item->Compute(list[p].j0, list[p].j1);
       st.finished.fetch_add(1, std::memory_order_release);
     }
   };
@@ -253,9 +426,139 @@ ffi::Error MatvecGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
   return ffi::Error::Success();
 }
 
+// -- the handlers: arguments checked, items built ---------------------------------------------------------------
+
+ffi::Error Invalid(int64_t i, const std::string& what) {
+  return ffi::Error::InvalidArgument("matvec group, item " + std::to_string(i) + ": " + what);
+}
+
+// The arguments of one item: x, the weight's Fields fields, ids.
+template <int Fields>
+struct ItemArgs {
+  static constexpr int64_t kCount = Fields + 2;
+  ffi::RemainingArgs& args;
+  int64_t base;
+
+  template <typename T>
+  ffi::ErrorOr<T> field(int f) const { return args.get<T>(base + 1 + f); }
+};
+
+ffi::Error CheckCount(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, int64_t per, const char* what) {
+  if (static_cast<int64_t>(args.size()) != per * static_cast<int64_t>(rets.size())) {
+    return ffi::Error::InvalidArgument(std::string("matvec group: expected ") + what + " per result");
+  }
+  return ffi::Error::Success();
+}
+
+// x [M, I], ids [M] (each in [0, E)) and out [M, J] of item i, checked; `expected` names the item's arguments.
+template <int Fields>
+ffi::Error GetRows(int64_t i, const ItemArgs<Fields>& a, ffi::RemainingRets& rets, int64_t E, int64_t J, int64_t I,
+                   const std::string& expected, Rows* rows) {
+  auto x = a.args.template get<F32Matrix>(a.base);
+  auto ids = a.args.template get<Ids>(a.base + Fields + 1);
+  auto out = rets.get<F32Matrix>(i);
+  if (!x || !ids || !out) return Invalid(i, "expected " + expected + ", ids s32[M], out f32[M, J]");
+  const int64_t M = ids->dimensions()[0];
+  if (x->dimensions()[0] != M || x->dimensions()[1] != I || (*out)->dimensions()[0] != M ||
+      (*out)->dimensions()[1] != J) {
+    return Invalid(i, "shapes must be x [M, I], w [E, J, I], ids [M], out [M, J]");
+  }
+  const int32_t* id = ids->typed_data();
+  for (int64_t m = 0; m < M; ++m) {
+    if (id[m] < 0 || id[m] >= E) return Invalid(i, "expert id out of range");
+  }
+  *rows = Rows{x->typed_data(), id, (*out)->typed_data(), M, J, I};
+  return ffi::Error::Success();
+}
+
+// WT: the weights' FFI element type; W: how their elements are stored.
+template <ffi::DataType WT, typename W>
+ffi::Error FloatGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (auto e = CheckCount(args, rets, 3, "three arguments (x, w, ids)"); e.failure()) return e;
+  const std::string expected = std::string("x f32[M, I], w ") + (WT == ffi::F32 ? "f32" : "bf16") + "[E, J, I]";
+  std::vector<DenseItem<W>> items(rets.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    const ItemArgs<1> a{args, 3 * i};
+    auto w = a.field<Stack<WT>>(0);
+    if (!w) return Invalid(i, "expected " + expected);
+    const auto wd = w->dimensions();
+    items[i].w = reinterpret_cast<const W*>(w->untyped_data());
+    items[i].scale = nullptr;
+    if (auto e = GetRows(i, a, rets, wd[0], wd[1], wd[2], expected, &items[i].r); e.failure()) return e;
+  }
+  return RunParts(pool, items);
+}
+
+ffi::Error Int8Group(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (auto e = CheckCount(args, rets, 4, "four arguments (x, q, scale, ids)"); e.failure()) return e;
+  const std::string expected = "x f32[M, I], q s8[E, J, I], scale f32[E, J, 1]";
+  std::vector<DenseItem<int8_t>> items(rets.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    const ItemArgs<2> a{args, 4 * i};
+    auto q = a.field<Stack<ffi::S8>>(0);
+    auto scale = a.field<Stack<ffi::F32>>(1);
+    if (!q || !scale) return Invalid(i, "expected " + expected);
+    const auto qd = q->dimensions(), sd = scale->dimensions();
+    if (sd[0] != qd[0] || sd[1] != qd[1] || sd[2] != 1) return Invalid(i, "scale must be [E, J, 1] for q [E, J, I]");
+    items[i].w = q->typed_data();
+    items[i].scale = scale->typed_data();
+    if (auto e = GetRows(i, a, rets, qd[0], qd[1], qd[2], expected, &items[i].r); e.failure()) return e;
+  }
+  return RunParts(pool, items);
+}
+
+template <Nibble F>
+ffi::Error NibbleGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  constexpr int kFields = F == Nibble::kInt4Zero ? 3 : 2;
+  constexpr int64_t kPer = kFields + 2;
+  if (auto e = CheckCount(args, rets, kPer, kFields == 3 ? "five arguments (x, packed, scale, zero, ids)"
+                                                         : "four arguments (x, packed, scale, ids)");
+      e.failure()) {
+    return e;
+  }
+  const std::string expected = std::string("x f32[M, I], packed u8[E, J, I/2], scale f32[E, J, I/g]") +
+                               (kFields == 3 ? ", zero s8[E, J, I/g]" : "");
+  std::vector<NibbleItem<F>> items(rets.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    const ItemArgs<kFields> a{args, kPer * i};
+    auto codes = a.template field<Stack<ffi::U8>>(0);
+    auto scale = a.template field<Stack<ffi::F32>>(1);
+    if (!codes || !scale) return Invalid(i, "expected " + expected);
+    const auto cd = codes->dimensions(), sd = scale->dimensions();
+    const int64_t E = cd[0], J = cd[1], I = 2 * cd[2], G = sd[2];
+    if (sd[0] != E || sd[1] != J || G < 1 || I % G) {
+      return Invalid(i, "scale must be [E, J, I/g] for packed [E, J, I/2]");
+    }
+    NibbleItem<F>& it = items[i];
+    it.codes = codes->typed_data();
+    it.scale = scale->typed_data();
+    it.zero = nullptr;
+    it.G = G;
+    it.g = I / G;
+    if (it.g % kBlock) {
+      return Invalid(i, "groups of " + std::to_string(it.g) + " columns (the kernel takes multiples of 32)");
+    }
+    if constexpr (kFields == 3) {
+      auto zero = a.template field<Stack<ffi::S8>>(2);
+      if (!zero) return Invalid(i, "expected " + expected);
+      const auto zd = zero->dimensions();
+      if (zd[0] != E || zd[1] != J || zd[2] != G) return Invalid(i, "zero must have the shape of scale");
+      it.zero = zero->typed_data();
+    }
+    if (auto e = GetRows(i, a, rets, E, J, I, expected, &it.r); e.failure()) return e;
+    it.Reorder();
+  }
+  return RunParts(pool, items);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiMatvecGroupF32, (MatvecGroup<ffi::F32, float>),
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().RemainingRets());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KimiMatvecGroupBF16, (MatvecGroup<ffi::BF16, uint16_t>),
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().RemainingRets());
+#define KIMI_MATVEC_HANDLER(name, fn) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, fn, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().RemainingRets())
+
+KIMI_MATVEC_HANDLER(KimiMatvecGroupF32, (FloatGroup<ffi::F32, float>));
+KIMI_MATVEC_HANDLER(KimiMatvecGroupBF16, (FloatGroup<ffi::BF16, uint16_t>));
+KIMI_MATVEC_HANDLER(KimiMatvecGroupI8, Int8Group);
+KIMI_MATVEC_HANDLER(KimiMatvecGroupI4, NibbleGroup<Nibble::kInt4>);
+KIMI_MATVEC_HANDLER(KimiMatvecGroupI4Z, NibbleGroup<Nibble::kInt4Zero>);
+KIMI_MATVEC_HANDLER(KimiMatvecGroupNF4, NibbleGroup<Nibble::kNF4>);
