@@ -132,6 +132,11 @@ def main(argv=None):
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="ours (HF runs float32)")
+    ap.add_argument("--quantize", default=None, metavar="FORMAT",
+                    help="ours: weight-only format of the dense weights (int8, int4, nf4: kimi_jax.quantize)")
+    ap.add_argument("--quantize-include", default="attention,mlp,latent,lm_head,experts",
+                    help="module classes --quantize applies to (default: all but the embedding, as llama.cpp's "
+                         "Q8_0 quantizes every matrix)")
     args = ap.parse_args(argv)
 
     import jax
@@ -152,7 +157,8 @@ def main(argv=None):
 
     # ours: time to first token of a fresh generator (compiles prefill); first calls compile
     t0 = time.perf_counter()
-    model = kimi_jax.from_pretrained(path, dtype=args.dtype)
+    model = kimi_jax.from_pretrained(path, dtype=args.dtype, quantize=args.quantize,
+                                     quantize_include=args.quantize_include.split(",") if args.quantize else None)
     load_s = time.perf_counter() - t0
     gen = Generator(model, max_len=PROMPT + NEW, batch_buckets=tuple(batches), prompt_buckets=(PROMPT,))
     wbytes = decode_weight_bytes(model)

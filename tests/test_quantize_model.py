@@ -139,3 +139,34 @@ def test_bad_requests_refused_before_reading(checkpoints, monkeypatch, bad, why)
         kimi_jax.from_pretrained(checkpoints["llama"], dtype="float32", progress=False, quantize=bad)
     with pytest.raises(ValueError, match="unknown module classes"):
         kimi_jax.from_pretrained(checkpoints["llama"], progress=False, quantize="int8", quantize_include=("router",))
+
+
+def test_float_experts_opt_in(checkpoints):
+    """Kimi Linear's float expert stacks, quantized on request: every path of the MoE (the fused native decode, the
+    gathered and sorted matmuls of prefill) equals the float model with the decoded experts in place; the Pallas
+    grouped matmul refuses them by name."""
+    from kernels_pallas._dispatch import KernelUnavailable
+    from kernels_pallas.moe_gmm import pallas as gmm_pallas
+
+    path = checkpoints["kimi_linear"]
+    model = kimi_jax.from_pretrained(path, dtype="float32", progress=False, quantize="int8",
+                                     quantize_include=("experts",))
+    p = _params(model)
+    stacks = {k: v for k, v in p.items() if k.endswith(("experts.w1", "experts.w2", "experts.w3"))}
+    assert stacks and all(isinstance(v, quant.Int8Weight) and v.q.ndim == 3 for v in stacks.values())
+    fake = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
+    state = nnx.state(fake, nnx.Param)
+    for p_, var in nnx.to_flat_state(state):
+        key = ".".join(map(str, p_))
+        if key in stacks:
+            var.set_value(quant.dequantize(stacks[key], jnp.float32))
+    nnx.update(fake, state)
+    ids = np.random.default_rng(2).integers(3, model.cfg.vocab_size, (1, 12)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids)).logits), np.asarray(fake(jnp.asarray(ids)).logits),
+                               rtol=1e-4, atol=1e-4)
+    a = kimi_jax.Generator(model, max_len=24).generate(ids, 6, stop=())
+    b = kimi_jax.Generator(fake, max_len=24).generate(ids, 6, stop=())
+    assert list(a.tokens[0]) == list(b.tokens[0])
+    w = next(iter(stacks.values()))
+    with pytest.raises(KernelUnavailable, match="no Pallas kernel yet"):
+        gmm_pallas.gmm(jnp.ones((4, w.shape[-1])), w, jnp.array([4] + [0] * (w.shape[0] - 1)), interpret=True)

@@ -25,17 +25,21 @@ XLA:CPU leaves some of it unused. Two CPU implementations, the automatic choice 
 
 Elsewhere, and with ``implementation="reference"``, each item is a plain-jnp product (a packed weight decoded first,
 the chosen experts only). No partition rule: on a mesh of several devices the products are plain XLA that GSPMD
-partitions (the weights' own shardings decide), and the CPU implementations are not chosen there. The ops have no
-Pallas kernel: a run that asks for the Pallas kernels runs the reference here, and so do TPU and GPU, packed
-weights included, until the packed-weight kernel (``kernels_pallas/qmatmul/``) is wired in (see ``GROUP``).
+partitions (the weights' own shardings decide), and the CPU implementations are not chosen there. Float items have
+no Pallas kernel: a run that asks for the Pallas kernels runs the reference for them. A plain integer-weight item
+(:mod:`kernels_pallas.quant`) on one TPU / GPU device, or with ``"pallas_interpret"``, runs the Pallas matmul of
+:mod:`kernels_pallas.qmatmul`, which decodes the codes per tile (an expert-stack item, and any on a mesh of several
+devices, runs the reference).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import _native, packed
+from kernels_pallas import _native, packed, qmatmul, quant
 from kernels_pallas._dispatch import (
+    INTERPRET,
+    PALLAS,
     NATIVE,
     REFERENCE,
     XLA_CPU,
@@ -80,9 +84,8 @@ def _native_automatic(items, **_) -> bool:
     return len(items) > 1 or items[0][2] is not None
 
 
-# TPU / GPU: no Pallas entry yet, so the automatic choice there is the reference, packed items included (a dense
-# decode, then the einsum). The hook for the packed-weight Pallas kernel (kernels_pallas/qmatmul/, being written):
-# give GROUP a PALLAS entry that sends packed items to it and the rest to the reference, and drop plain=True.
+# TPU / GPU: the float items run the reference (XLA's products); plain packed items go to the Pallas matmul that
+# decodes integer weights per tile (kernels_pallas/qmatmul), see group().
 GROUP = Op("matvec", None, {REFERENCE: reference.group}, plain=True, cpu=(
     CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native_built,
             unsupported=lambda items, **_: native.unsupported(items), automatic=_native_automatic),
@@ -107,7 +110,29 @@ def group(items, *, implementation=None, precision=None, placement=None):
     the XLA products.
     """
     items = [(x, w, ids) for x, w, ids in items]
-    return GROUP(items, implementation=implementation, placement=placement, precision=precision)
+    if not _qmatmul_here(implementation, placement):
+        return GROUP(items, implementation=implementation, placement=placement, precision=precision)
+    mine = [i for i, (_, w, ids) in enumerate(items) if ids is None and isinstance(w, quant.TYPES)]
+    out = [None] * len(items)
+    for i in mine:
+        x, w, _ = items[i]
+        out[i] = qmatmul.matmul(x, w, implementation=implementation, placement=placement)
+    rest = [i for i in range(len(items)) if i not in mine]
+    if rest:
+        ys = GROUP([items[i] for i in rest], implementation=implementation, placement=placement, precision=precision)
+        for i, y in zip(rest, ys):
+            out[i] = y
+    return out
+
+
+def _qmatmul_here(implementation, placement) -> bool:
+    """Whether plain integer-weight items go to :mod:`kernels_pallas.qmatmul`'s Pallas kernel: on one TPU / GPU
+    device (automatically or with ``"pallas"``), or with ``"pallas_interpret"``. On a mesh of several devices they
+    run the reference, which GSPMD partitions (the kernel has no partition rule yet)."""
+    one_device = placement is None or placement.devices == 1
+    if implementation == INTERPRET:
+        return one_device
+    return implementation in (None, PALLAS) and one_device and target_platform(placement) in ("tpu", "gpu")
 
 
 def per_head(x_BTHI, w, *, transpose_w: bool, implementation=None, precision=None, placement=None):

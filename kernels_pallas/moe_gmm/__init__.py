@@ -3,7 +3,8 @@
 ``gmm(x [M, I], w [E, J, I], group_sizes [E]) -> [M, J]`` for expert-sorted rows (prefill-shaped) and
 ``gather_matmul(x [N, X, I], w [E, J, I], idx [N, X]) -> [N, X, J]`` for few tokens (decode-shaped). Both return
 float32.
-``w`` is a float array or a :class:`kernels_pallas.mxfp4.MXFP4Weight` (kept packed; the kernels decode per tile).
+``w`` is a float array or a :class:`kernels_pallas.mxfp4.MXFP4Weight` (kept packed; the kernels decode per tile); the
+reference and the CPU native gather also take the integer formats of :mod:`kernels_pallas.quant`.
 
 ``gather_matmul`` has a third implementation, ``"cpu_native"`` (:mod:`kernels_pallas.matvec`): on XLA:CPU with float32 or
 bfloat16 weights it reads the chosen experts in place, where the reference copies each one out of the stacked array first
@@ -32,7 +33,7 @@ from kernels_pallas._dispatch import (
 )
 from kernels_pallas.matvec import native
 from kernels_pallas.moe_gmm import pallas, reference, xla_cpu
-from kernels_pallas.mxfp4 import MXFP4Weight
+from kernels_pallas import packed
 
 GMM_RULE = Rule(args=("MI", "EJI", "E"), out="MJ")
 GATHER_RULE = Rule(args=("NXI", "EJI", "NX"), out="NXJ", split=(("N", "batch"),))
@@ -43,7 +44,7 @@ def _native_item(x, w, idx, compute_dtype):
     dt = jnp.dtype(compute_dtype or x.dtype)
     if dt not in native.SYMBOLS:
         return None, f"{dt.name} compute (the native kernel runs float32 or bfloat16)"
-    if not isinstance(w, MXFP4Weight) and jnp.dtype(w.dtype) != dt:
+    if not packed.is_packed(w) and jnp.dtype(w.dtype) != dt:
         return None, f"{jnp.dtype(w.dtype).name} experts with {dt.name} compute (the reference rounds them first)"
     # x rounded to the compute dtype as the reference does, then widened (exactly) for the kernel
     item = (x.reshape(-1, x.shape[-1]).astype(dt).astype(jnp.float32), w, idx.reshape(-1))

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kernels_pallas import quant
 from kernels_pallas._common import (
     F32,
     cdiv,
@@ -37,6 +38,7 @@ from kernels_pallas._common import (
     pad_axis,
     round_up,
 )
+from kernels_pallas._dispatch import KernelUnavailable
 from kernels_pallas.mxfp4 import GROUP, MXFP4Weight
 
 
@@ -144,6 +146,9 @@ def _pad_i(x, warrs, I, Ip, quant):
 
 def _weight_arrays(w, dt):
     """(MXFP4?, the weight's arrays, E, J, I) of a ``[E, J, I]`` weight."""
+    if isinstance(w, quant.TYPES):
+        raise KernelUnavailable(f"moe_gmm: {type(w).__name__} expert weights have no Pallas kernel yet (MXFP4 and "
+                                "float experts do); quantize without the 'experts' class on TPU / GPU")
     if isinstance(w, MXFP4Weight):
         packed, scale = w
         E, J, ih = packed.shape

@@ -1,7 +1,7 @@
 """MoE expert matmuls in plain jnp: the oracle for the grouped-matmul kernels and the CPU path.
 
-Weights are ``[E, J, I]`` (checkpoint layout ``[out, in]`` per expert), either a float array or an
-:class:`~kernels_pallas.mxfp4.MXFP4Weight` that is decoded here (the kernels decode per tile instead).
+Weights are ``[E, J, I]`` (checkpoint layout ``[out, in]`` per expert), either a float array or a packed weight
+(:mod:`kernels_pallas.packed`: MXFP4, int8, int4, NF4) that is decoded here (the kernels decode per tile instead).
 """
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.mxfp4 import MXFP4Weight, as_dense
+from kernels_pallas import packed
 
 _F32 = jnp.float32
 
 
 def _expert(w_EJI, e, dt):
-    """Expert ``e``'s weight ``[J, I]`` in ``dt`` (an MXFP4 expert is decoded here, only this one)."""
-    if isinstance(w_EJI, MXFP4Weight):
-        return as_dense(MXFP4Weight(w_EJI.packed[e], w_EJI.scale[e]), dt)
+    """Expert ``e``'s weight ``[J, I]`` in ``dt`` (a packed expert, MXFP4 or an integer format, is decoded here,
+    only this one)."""
+    if packed.is_packed(w_EJI):
+        return packed.as_dense(type(w_EJI)(*(f[e] for f in w_EJI)), dt)
     return w_EJI[e].astype(dt)
 
 
@@ -61,7 +62,7 @@ def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None, tile=32, capacity=Non
     out = jnp.zeros((M + tile, J), _F32)
     cap = capacity or -(-(5 * M) // (4 * E) // 8) * 8 or 8
     take = jnp.zeros_like(sizes)
-    if not isinstance(w_EJI, MXFP4Weight) and E * cap <= 2 * M:
+    if not packed.is_packed(w_EJI) and E * cap <= 2 * M:
         take = jnp.minimum(sizes, cap)
         rows = starts[:, None] + jnp.arange(cap)[None]  # [E, cap]
         valid = jnp.arange(cap)[None] < take[:, None]

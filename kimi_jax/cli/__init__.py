@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--scan-layers", action="store_true",
                     help="with --compile: the repeating run of layers as one scan over stacked weights (compiles "
                          "in a fraction of the time; see kimi_jax/model/layer_plan.py for what it costs per step)")
+    pl.add_argument("--quantize", default=None, metavar="FORMAT",
+                    help="weight-only format of the dense weights: int8, int4[:gN][:zero], nf4 (kimi_jax.quantize)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=_cmd_plan)

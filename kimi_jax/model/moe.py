@@ -163,11 +163,11 @@ class MoE(nnx.Module):
         the op would not run them that way (then each part runs on its own)."""
         N, X = idx_NX.shape
         ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
-        if ex.packed or ex.path(N * X, run) != "gather":
+        if isinstance(ex.weight("w1"), MXFP4Weight) or ex.path(N * X, run) != "gather":
             return None
         dt, ids = run.dtype, idx_NX.reshape(N * X)
         zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
-        items = [(zx, ex.weight("w1").astype(dt), ids), (zx, ex.weight("w3").astype(dt), ids)]
+        items = [(zx, cast(ex.weight("w1"), dt), ids), (zx, cast(ex.weight("w3"), dt), ids)]
         if sh is not None:
             xs = x_ND.astype(dt)
             items += [(xs, cast(sh.gate_proj[...], dt), None), (xs, cast(sh.up_proj[...], dt), None)]
@@ -175,7 +175,7 @@ class MoE(nnx.Module):
         if not matvec.fuses(items, **kw):
             return None
         up = matvec.group(items, **kw)
-        items = [(ex.act(up[0], up[1], run).astype(dt), ex.weight("w2").astype(dt), ids)]
+        items = [(ex.act(up[0], up[1], run).astype(dt), cast(ex.weight("w2"), dt), ids)]
         if sh is not None:
             hs = glu(up[2], up[3], sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)
             items.append((hs.astype(dt), cast(sh.down_proj[...], dt), None))

@@ -9,13 +9,15 @@ rows it looks up. Selection is by module class (:data:`CLASSES`):
   MLA's ``kv_b_proj``, which absorbed decode splits per head (kept in the model dtype; 1-4% of an MLA layer);
 * ``mlp``: the dense layers' and the shared experts' gate / up / down projections;
 * ``latent``: LatentMoE's ``routed_expert_down_proj`` / ``routed_expert_up_proj``;
-* ``lm_head`` and ``embed`` (a tied head is the embedding: it follows ``embed``).
+* ``lm_head`` and ``embed`` (a tied head is the embedding: it follows ``embed``);
+* ``experts`` (opt-in): float routed-expert stacks ``[E, out, in]`` (Kimi Linear's), decoded by the CPU products and
+  the reference; the TPU / GPU grouped-matmul kernels refuse them for now (MXFP4 experts are unaffected).
 
 A weight whose rows are narrower than the format's group is quantized with one group per row (never coarser than
 asked); one whose width the group does not divide is refused, by name, before anything is changed.
 
 Never quantized: norms, biases, convolution kernels, KDA's decay parameters, the router (``gate``, run in float32),
-and routed experts (K3's are MXFP4 as released; float expert stacks stay in the model dtype for now).
+and K3's routed experts, MXFP4 as released.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from flax import nnx
 
 from kernels_pallas import packed, quant
 
-CLASSES = ("attention", "mlp", "latent", "lm_head", "embed")
+CLASSES = ("attention", "mlp", "latent", "lm_head", "embed", "experts")
 DEFAULT = ("attention", "mlp", "latent", "lm_head")
 
 _RULES = (  # (class, pattern over the dotted parameter path)
@@ -37,6 +39,7 @@ _RULES = (  # (class, pattern over the dotted parameter path)
     ("latent", re.compile(r"(^|\.)mlp\.routed_expert_(down|up)_proj$")),
     ("lm_head", re.compile(r"^lm_head$")),
     ("embed", re.compile(r"^embed_tokens$")),
+    ("experts", re.compile(r"(^|\.)mlp\.experts\.w[123]$")),
 )
 
 

@@ -158,7 +158,7 @@ def is_hbm_oom(error: Exception) -> bool:
 
 def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: int, context: int,
                   dtype="bfloat16", prefill_chunk: int = 0, implementation: str | None = None,
-                  scan_layers: bool = False) -> dict:
+                  scan_layers: bool = False, quantize: str | None = None) -> dict:
     """Compile one decode step and (``prefill_chunk`` > 0) one fresh prefill of ``[batch, prefill_chunk]`` ids
     for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache.
 
@@ -177,7 +177,7 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
             continue
         try:
             r = plan.compile_step(cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype,
-                                  implementation=implementation, scan_layers=scan_layers)
+                                  implementation=implementation, scan_layers=scan_layers, quantize=quantize)
         except Exception as e:  # every refusal is a result here; plan.compile_step raises for callers who want it
             out[name] = {"fits": False, "hbm": hbm, "oom": is_hbm_oom(e), "error": _error_line(e)}
             continue

@@ -111,19 +111,21 @@ def _spec_axes(part):
 
 
 def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
-              kernels: str = "pallas", prefill_chunk: int = 0, model_name: str = "") -> Plan:
+              kernels: str = "pallas", prefill_chunk: int = 0, model_name: str = "",
+              quantize: str | None = None) -> Plan:
     """Per-chip bytes for ``cfg`` on a mesh of ``sizes`` (``{"data","expert","model"}``) under ``layout``.
 
     ``kernels``: ``"pallas"`` (TPU/GPU kernels decode MXFP4 and read caches per tile: no workspace) or
     ``"reference"`` (the jnp kernels, what CPU runs: one layer's local experts dequantized, the MLA latent cache
-    of one layer upcast to float32).
+    of one layer upcast to float32). ``quantize``: the weight-only format of :func:`kimi_jax.model.quantize.quantize`
+    (its default module classes), so parameters count their packed fields.
     """
     if kernels not in ("pallas", "reference"):
         raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
     lay = sharding.layout(layout)
     sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
     dt = jnp.dtype(dtype)
-    model, table = _abstract(cfg, dt.name)
+    model, table = _abstract(cfg, dt.name, quantize)
     specs = sharding.param_specs(model, sizes, lay, table=table)
     params, weights_read, expert_local = _param_bytes(table, specs, sizes)
     cache, b_loc, notes = _cache_bytes(cfg, batch, context, dt, sizes, lay)
@@ -220,9 +222,17 @@ def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract(cfg: ModelConfig, dtype: str):
-    model = abstract_model(cfg, RunConfig(dtype=jnp.dtype(dtype)))
+def _abstract(cfg: ModelConfig, dtype: str, quantize: str | None = None):
+    model = _quantized(abstract_model(cfg, RunConfig(dtype=jnp.dtype(dtype))), quantize)
     return model, sharding.module_table(model)
+
+
+def _quantized(model, quantize: str | None):
+    if quantize is None:
+        return model
+    from kimi_jax.model import quantize as quantize_lib
+
+    return quantize_lib.quantize(model, quantize)
 
 
 def _local_experts(model, specs, sizes):
@@ -321,14 +331,14 @@ def candidate_meshes(chips: int):
 
 
 def search(cfg: ModelConfig, layout, *, batch, context, dtype="bfloat16", kernels="pallas", chips=None,
-           reserve=0.1, max_chips=512) -> dict[str, list[Plan]]:
+           reserve=0.1, max_chips=512, quantize: str | None = None) -> dict[str, list[Plan]]:
     """For each chip, the fitting meshes with the fewest chips (power-of-two counts; all model-axis sizes there)."""
     chips = list(chips or CHIPS)
     out: dict[str, list[Plan]] = {}
     n = 1
     while n <= max_chips and len(out) < len(chips):
-        plans = [make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, kernels=kernels)
-                 for s in candidate_meshes(n)]
+        plans = [make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, kernels=kernels,
+                           quantize=quantize) for s in candidate_meshes(n)]
         for name in chips:
             fit = [p for p in plans if p.fits(CHIPS[name], reserve)]
             if name not in out and fit:
@@ -347,7 +357,8 @@ def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, co
 
 
 def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int = 1,
-                 dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False) -> dict:
+                 dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False,
+                 quantize: str | None = None) -> dict:
     """Lower and compile one step on ``mesh`` with abstract sharded parameters and cache (nothing is allocated).
 
     ``tokens == 1``: a decode step (``[batch, 1]`` ids after the cached prefix). ``tokens > 1``: a fresh prefill
@@ -355,6 +366,7 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
     :mod:`kimi_jax.generation.generate` runs it. ``mesh`` may hold CPU devices or a deviceless TPU / GPU topology's
     (:mod:`kimi_jax.parallel.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
     ``scan_layers``: the model with its repeating run of layers scanned (:mod:`kimi_jax.model.layer_plan`).
+    ``quantize``: the weight-only format the parameters take (:func:`kimi_jax.model.quantize.quantize`).
     Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device,
     ``compile_seconds``, the Pallas kernel calls in the program and the compiler's ``bytes_accessed`` per device.
     """
@@ -363,7 +375,8 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
     import jax
 
     graphdef, state, ids, cache, out_shardings = _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context,
-                                                                       jnp.dtype(dtype), implementation, scan_layers)
+                                                                       jnp.dtype(dtype), implementation, scan_layers,
+                                                                       quantize)
 
     def step(state, ids, cache):
         out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
@@ -391,7 +404,8 @@ def _pallas_calls(text: str) -> int:
     return len(re.findall(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)"', text))
 
 
-def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation, scan_layers=False):
+def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation, scan_layers=False,
+                          quantize=None):
     """(graphdef, parameters, ids [batch, tokens], cache, (logits, cache) shardings), all abstract and sharded
     by :mod:`kimi_jax.parallel.sharding` on ``mesh``."""
     import jax
@@ -400,7 +414,7 @@ def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, impleme
     lay = sharding.layout(layout)
     run = RunConfig(dtype=dt, implementation=implementation, parallel=sharding.Parallel(mesh, lay),
                     scan_layers=scan_layers)
-    model = abstract_model(cfg, run)
+    model = _quantized(abstract_model(cfg, run), quantize)
     graphdef, state = nnx.split(model)
     specs = sharding.param_specs(model, mesh, lay)
 
@@ -467,14 +481,16 @@ def run_cli(args) -> int:
         aot.target_mesh(target, **sizes)  # a mesh that does not use the target's devices fails before the plan
     chunk = args.prefill_chunk if args.prefill_chunk is not None else (COMPILE_PREFILL_CHUNK if target else 0)
     p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                  kernels=args.kernels, prefill_chunk=chunk, model_name=args.model)
+                  kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize,
+                  model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
     print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
     if target is not None:
         return _compile_cli(cfg, target, p, args, chunk)
     if args.search:
         print("\nsmallest fitting meshes (data=1), per chip:")
         for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                                  kernels=args.kernels, chips=chips, reserve=args.reserve).items():
+                                  kernels=args.kernels, chips=chips, reserve=args.reserve,
+                                  quantize=args.quantize).items():
             if not plans:
                 print(f"  {CHIPS[name].name:<18} none up to 512 chips")
             for q in plans:
@@ -494,7 +510,7 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     res = aot.compile_steps(cfg, target, p.sizes, args.layout, batch=args.batch, context=args.context,
                             dtype=args.dtype, prefill_chunk=chunk, implementation=implementation,
-                            scan_layers=args.scan_layers)
+                            scan_layers=args.scan_layers, quantize=args.quantize)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
     layers = "scanned layers" if args.scan_layers else "unrolled layers"
