@@ -53,7 +53,8 @@ def log_probs(model, seq: np.ndarray) -> np.ndarray:
 
 
 def measure(name: str, load, include=None) -> list[dict]:
-    """``load(quantize)`` returns a float32 model, quantized when ``quantize`` is given."""
+    """``load(quantize)`` returns a float32 model, quantized when ``quantize`` is given; ``load("bfloat16")`` the
+    model in bfloat16 (a reference point: what rounding every weight and activation to bfloat16 costs)."""
     base = load(None)
     vocab = base.cfg.vocab_size
     prompt = np.random.default_rng(0).integers(3, vocab, (1, PROMPT)).astype(np.int32)
@@ -62,14 +63,14 @@ def measure(name: str, load, include=None) -> list[dict]:
     rows = [dict(model=name, format="float32", bytes=param_bytes(base), kl_mean=0.0, kl_max=0.0, top1=1.0)]
     del base
     p = np.exp(ref)
-    for fmt in FORMATS:
+    for fmt in ["bfloat16", *FORMATS]:
         t0 = time.perf_counter()
         try:
             model = load(fmt)
         except ValueError as e:  # a width the group does not divide (the tiny models' 96-wide MLPs)
             print(f"  {name} {fmt}: {e}")
             continue
-        lq = log_probs(model, seq)
+        lq = log_probs(model, seq)  # float32 logits of either model
         kl = np.sum(p * (ref - lq), axis=-1)
         rows.append(dict(model=name, format=fmt, bytes=param_bytes(model), kl_mean=float(kl.mean()),
                          kl_max=float(kl.max()), top1=float(np.mean(ref.argmax(-1) == lq.argmax(-1)))))
@@ -79,15 +80,24 @@ def measure(name: str, load, include=None) -> list[dict]:
     return rows
 
 
+def _load(path, fmt, include):
+    import kimi_jax
+
+    if fmt == "bfloat16":
+        return kimi_jax.from_pretrained(path, dtype="bfloat16", progress=False)
+    return kimi_jax.from_pretrained(path, dtype="float32", progress=False, quantize=fmt,
+                                    quantize_include=include if fmt else None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax",
                                                       "kimi-linear-bench"))
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--include", default=None, help="module classes, comma separated (default: kimi_jax's)")
+    ap.add_argument("--include", default="attention,mlp,latent,lm_head,experts",
+                    help="module classes quantized, comma separated (default: all but the embedding)")
     args = ap.parse_args(argv)
 
-    import kimi_jax
     from kimi_jax.checkpoint import synthetic
 
     include = args.include.split(",") if args.include else None
@@ -96,14 +106,12 @@ def main(argv=None) -> int:
         from decode import BENCH_CONFIG, build_weights
 
         path = build_weights(args.weights, BENCH_CONFIG)
-        rows += measure("benchmark model (Kimi Linear 272.6M)", lambda q: kimi_jax.from_pretrained(
-            path, dtype="float32", progress=False, quantize=q, quantize_include=include))
+        rows += measure("benchmark model (Kimi Linear 272.6M)", lambda q: _load(path, q, include))
     with tempfile.TemporaryDirectory() as tmp:
         for family in ("k3", "kimi_linear", "llama"):
             path = os.path.join(tmp, family)
             synthetic.write_checkpoint(path, family)
-            rows += measure(f"tiny {family} (random)", lambda q, p=path: kimi_jax.from_pretrained(
-                p, dtype="float32", progress=False, quantize=q, quantize_include=include))
+            rows += measure(f"tiny {family} (random)", lambda q, p=path: _load(p, q, include))
 
     print()
     print(f"| model | format | bytes | vs float32 | KL mean | KL max | top-1 agreement ({NEW} tokens) |")
