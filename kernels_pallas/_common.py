@@ -25,6 +25,16 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def pow2_divisor(n: int, target: int, minimum: int) -> int | None:
+    """The largest power of two in ``[minimum, next_pow2(target)]`` that divides ``n`` (a block size), or None."""
+    b = next_pow2(target)
+    while b >= minimum:
+        if n % b == 0:
+            return b
+        b //= 2
+    return None
+
+
 def round_up(n: int, m: int) -> int:
     return -(-int(n) // m) * m
 

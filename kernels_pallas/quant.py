@@ -47,6 +47,14 @@ def _pairs_shape(packed):
     return (*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+# The 4-bit types' common protocol (a NamedTuple takes no mixin base, so the three share these as attributes): field
+# 0 is the nibble pairs, field 1 the per-group scale, any further field per group too.
+_nibble_shape = property(lambda self: _pairs_shape(self[0]), doc="Logical (decoded) shape.")
+_group = property(lambda self: 2 * self[0].shape[-1] // self[1].shape[-1], doc="Input columns per scale.")
+_group_units = property(lambda self: (self.group // 2,) + (1,) * (len(self) - 1),
+                        doc="Elements of each field's last dimension per group (the packed-type protocol).")
+
+
 class Int8Weight(NamedTuple):
     """int8 codes ``q [..., J, I]`` with one float32 scale per output row, ``scale [..., J, 1]``."""
 
@@ -75,17 +83,7 @@ class Int4Weight(NamedTuple):
     packed: jax.Array
     scale: jax.Array
 
-    @property
-    def shape(self):
-        return _pairs_shape(self.packed)
-
-    @property
-    def group(self) -> int:
-        return 2 * self.packed.shape[-1] // self.scale.shape[-1]
-
-    @property
-    def GROUP_UNITS(self):  # noqa: N802 (the packed-type protocol's name)
-        return (self.group // 2, 1)
+    shape, group, GROUP_UNITS = _nibble_shape, _group, _group_units
 
     __getitem__ = _whole_or_field
     FORMAT = "int4"
@@ -104,17 +102,7 @@ class Int4ZeroWeight(NamedTuple):
     scale: jax.Array
     zero: jax.Array  # int8 [..., J, I/g], values -8..7
 
-    @property
-    def shape(self):
-        return _pairs_shape(self.packed)
-
-    @property
-    def group(self) -> int:
-        return 2 * self.packed.shape[-1] // self.scale.shape[-1]
-
-    @property
-    def GROUP_UNITS(self):  # noqa: N802
-        return (self.group // 2, 1, 1)
+    shape, group, GROUP_UNITS = _nibble_shape, _group, _group_units
 
     __getitem__ = _whole_or_field
     FORMAT = "int4_zero"
@@ -131,17 +119,7 @@ class NF4Weight(NamedTuple):
     packed: jax.Array
     absmax: jax.Array
 
-    @property
-    def shape(self):
-        return _pairs_shape(self.packed)
-
-    @property
-    def group(self) -> int:
-        return 2 * self.packed.shape[-1] // self.absmax.shape[-1]
-
-    @property
-    def GROUP_UNITS(self):  # noqa: N802
-        return (self.group // 2, 1)
+    shape, group, GROUP_UNITS = _nibble_shape, _group, _group_units
 
     __getitem__ = _whole_or_field
     FORMAT = "nf4"

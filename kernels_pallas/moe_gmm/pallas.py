@@ -35,6 +35,7 @@ from kernels_pallas._common import (
     compiler_params,
     dot_nt,
     next_pow2,
+    pow2_divisor,
     pad_axis,
     round_up,
 )
@@ -109,15 +110,6 @@ def _gmm_kernel(*refs, quant, bk, n_k, dt, platform, precision):
         o_ref[...] = jnp.zeros(o_ref.shape, F32)
 
 
-def _pow2_divisor(n: int, target: int, minimum: int) -> int | None:
-    b = next_pow2(target)
-    while b >= minimum:
-        if n % b == 0:
-            return b
-        b //= 2
-    return None
-
-
 def _blocks(J, I, *, quant, platform, block_n, block_k, k_target=512):
     """Output (``block_n``, over J) and contraction (``block_k``, over I) blocks, the tile knobs of :func:`gmm`
     (with ``block_m`` rows) and :func:`gather_matmul` in GEMM terms, that divide J and I where they can,
@@ -128,8 +120,8 @@ def _blocks(J, I, *, quant, platform, block_n, block_k, k_target=512):
         bn = block_n or next((b for b in (512, 256, 128) if J % b == 0), J)
         return bn, I  # whole I per step on TPU (no lane-misaligned slices)
     k_min = 64 if quant else 16
-    bn = block_n or _pow2_divisor(J, 64, 16) or 16
-    bk = block_k or _pow2_divisor(I, k_target, k_min) or k_min
+    bn = block_n or pow2_divisor(J, 64, 16) or 16
+    bk = block_k or pow2_divisor(I, k_target, k_min) or k_min
     return bn, bk
 
 

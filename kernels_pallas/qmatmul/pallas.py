@@ -47,7 +47,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import quant
-from kernels_pallas._common import F32, compiler_params, dot_nt, next_pow2, pad_axis, precision_for, round_up, row_block
+from kernels_pallas._common import (
+    F32,
+    compiler_params,
+    dot_nt,
+    pad_axis,
+    pow2_divisor,
+    precision_for,
+    round_up,
+    row_block,
+)
 
 BF16 = jnp.bfloat16
 _NF4 = tuple(float(v) for v in quant.NF4_TABLE)
@@ -90,15 +99,6 @@ def _largest_divisor(n: int, unit: int, target: int) -> int | None:
     return None
 
 
-def _pow2_divisor(n: int, target: int, minimum: int) -> int | None:
-    b = next_pow2(target)
-    while b >= minimum:
-        if n % b == 0:
-            return b
-        b //= 2
-    return None
-
-
 class Blocks(NamedTuple):
     bm: int  # rows of x per tile
     bn: int  # output columns (rows of W) per tile
@@ -120,12 +120,12 @@ def blocks(kind: str, M: int, J: int, I: int, group: int, dtype, platform: str, 
     if kind != "int8" and group & (group - 1):
         raise ValueError(f"qmatmul (GPU): group {group} is not a power of two (Triton blocks are powers of two)")
     bm = block_m or row_block(M, 64, "gpu", dtype)
-    bn = block_n or _pow2_divisor(J, 64 if M <= 16 else 128, 16) or 64
+    bn = block_n or pow2_divisor(J, 64 if M <= 16 else 128, 16) or 64
     k_min = 16 if kind == "int8" else max(32, group)  # a dot's K >= 16: 16 bytes of nibble pairs per step
     # Triton stages each step's x and weight tiles in shared memory: float32 steps of 256 columns at bm=64,
     # bn=128 asked 296-320 KiB of the 227 KiB an H200 block may use (compiled), so float32 takes 128.
     k_target = max(512 // jnp.dtype(dtype).itemsize, k_min)
-    bk = block_k or _pow2_divisor(I, k_target, k_min) or k_target
+    bk = block_k or pow2_divisor(I, k_target, k_min) or k_target
     if bk & (bk - 1) or bk < k_min or (kind != "int8" and bk % group):
         raise ValueError(f"qmatmul (GPU): block_k {bk} must be a power of two >= {k_min} and a multiple of the group")
     return Blocks(bm, bn, bk)
