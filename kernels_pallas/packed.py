@@ -59,6 +59,5 @@ def format_name(value) -> str:
     if isinstance(value, MXFP4Weight):
         return "mxfp4"
     if isinstance(value, quant.TYPES):
-        kind = value.FORMAT.split("_")[0]
-        return kind if kind == "int8" else f"{kind}:g{value.group}" + (":zero" if "zero" in value.FORMAT else "")
+        return quant.format_of(value).name()
     return np.dtype(value.dtype).name

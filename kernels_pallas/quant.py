@@ -68,7 +68,6 @@ class Int8Weight(NamedTuple):
     # The scale's last dimension is broadcast (0): a split of the input dimension leaves it whole.
     GROUP_UNITS = (1, 0)
     __getitem__ = _whole_or_field
-    FORMAT = "int8"
 
     @classmethod
     def random(cls, key, shape) -> "Int8Weight":
@@ -86,7 +85,6 @@ class Int4Weight(NamedTuple):
     shape, group, GROUP_UNITS = _nibble_shape, _group, _group_units
 
     __getitem__ = _whole_or_field
-    FORMAT = "int4"
 
     @classmethod
     def random(cls, key, shape, group: int = 32) -> "Int4Weight":
@@ -105,7 +103,6 @@ class Int4ZeroWeight(NamedTuple):
     shape, group, GROUP_UNITS = _nibble_shape, _group, _group_units
 
     __getitem__ = _whole_or_field
-    FORMAT = "int4_zero"
 
     @classmethod
     def random(cls, key, shape, group: int = 32) -> "Int4ZeroWeight":
@@ -122,7 +119,6 @@ class NF4Weight(NamedTuple):
     shape, group, GROUP_UNITS = _nibble_shape, _group, _group_units
 
     __getitem__ = _whole_or_field
-    FORMAT = "nf4"
 
     @classmethod
     def random(cls, key, shape, group: int = 64) -> "NF4Weight":
@@ -193,6 +189,17 @@ class Format:
         if self.kind == "int8":
             return 1.0 + 4 / columns
         return 0.5 + (4 + (1 if self.zero_point else 0)) / self.group
+
+
+def format_of(w) -> Format:
+    """The :class:`Format` a packed weight of :data:`TYPES` is in."""
+    if isinstance(w, Int8Weight):
+        return Format("int8")
+    kinds = {Int4Weight: ("int4", False), Int4ZeroWeight: ("int4", True), NF4Weight: ("nf4", False)}
+    if type(w) not in kinds:
+        raise TypeError(f"{type(w).__name__} is not an integer weight format")
+    kind, zero = kinds[type(w)]
+    return Format(kind, w.group, zero)
 
 
 def _pack_nibbles(codes):
