@@ -22,6 +22,12 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-check-finite", action="store_true",
                    help="convert tensors holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
+    p.add_argument("--quantize", default=None, metavar="FORMAT",
+                   help="store the selected weights packed: int8, int4[:gN][:zero], nf4[:gN] (kimi_jax.quantize); "
+                        "from_pretrained(DST) returns the quantized model")
+    p.add_argument("--quantize-include", default=None, metavar="CLASSES",
+                   help="comma-separated module classes to quantize (attention, mlp, latent, lm_head, embed, "
+                        "experts; default attention,mlp,latent,lm_head)")
 
 
 def run(args):
@@ -29,5 +35,7 @@ def run(args):
 
     summary = convert_checkpoint(args.src, args.dst, dtype=args.dtype, layers=args.layers, experts=args.experts,
                                  overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress,
-                                 check_finite=not args.no_check_finite)
+                                 check_finite=not args.no_check_finite, quantize=args.quantize,
+                                 quantize_include=None if args.quantize_include is None
+                                 else [c.strip() for c in args.quantize_include.split(",") if c.strip()])
     print(summary)

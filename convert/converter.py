@@ -1,4 +1,4 @@
-"""HF safetensors -> Orbax conversion: streaming, resumable, memory-bounded, MXFP4 kept packed.
+"""HF safetensors -> Orbax conversion: streaming, resumable, memory-bounded, MXFP4 kept packed, optionally quantized.
 
 Order of work:
   1. Validate everything that can be validated without writing: config.json (and the --layers/--experts slice), every
@@ -10,12 +10,18 @@ Order of work:
   3. Convert parameter by parameter in source-file order. Each output array is allocated 64-byte aligned, filled
      straight from the shard files by the reader (``preadv`` when no transform is needed: one copy) and
      handed to JAX on the CPU device without a copy; a batch of arrays (at most one large one) becomes one Orbax
-     partial save. Peak memory is about one output array plus the batch limit, far under 2x the largest + 1 GB.
+     partial save. Under --quantize each selected weight is read like any other, quantized as soon as it is read
+     (the compiled call ``from_pretrained(quantize=...)`` makes, so the packed fields are the same bits) and only its
+     packed fields are saved (``...q_proj.q``, ``...q_proj.scale``): the float weight lives one batch. Peak memory
+     is about one output array plus the batch limit, far under 2x the largest + 1 GB.
      The saves are not fsynced one by one (the kernel writes them back while the next batches are read); DST's
      filesystem is synced every ``sync_bytes`` and the state file then records those saves as durable, and their
      pages are dropped from the page cache (the output is not read back; the cache stays bounded).
   4. Sync, config.json and tokenizer files, then finalize the Orbax checkpoint, optionally --verify, and only then
      write ``kimi_jax_checkpoint.json``: an interrupted run never leaves a directory that loads.
+
+The quantization (format and module classes) is part of the options a resume must repeat, and is recorded in the
+marker, so ``from_pretrained(DST)`` builds the quantized model and reads the packed fields into it.
 
 Resuming reads which parameters earlier partial saves committed (kimi_jax.checkpoint.orbax.committed_saves) and skips
 them. A killed process leaves its unsynced saves intact in the page cache, so all of them count. The state file holds the
@@ -28,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -42,6 +49,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import quant
 from kimi_jax.checkpoint import orbax as orbax_io
 from kimi_jax.checkpoint import reader as reader_lib
 from kimi_jax.checkpoint.names import canonical
@@ -49,6 +57,7 @@ from kimi_jax.checkpoint.reader import Job
 from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError
 from kimi_jax.model import config as config_lib
 from kimi_jax.model import params
+from kimi_jax.model import quantize as quantize_lib
 from kimi_jax.model.decoder import KimiModel
 from kimi_jax.model.run import RunConfig
 
@@ -114,6 +123,93 @@ def _plan_jobs(ckpt: Checkpoint, cfg, targets, layers, experts) -> tuple[list[Jo
     return reader_lib.jobs(ckpt, cfg, targets, tensors=keep, rows=rows)
 
 
+def quantization(fmt: str | None, include=None) -> dict | None:
+    """The --quantize / --quantize-include request as the state file and the marker record it: ``{"format":
+    "int4:g32", "include": [classes in quantize_lib.CLASSES order]}``, or None. Raises on an unknown format or
+    class."""
+    if fmt is None:
+        if include is not None:
+            raise ConvertError("--quantize-include needs --quantize FORMAT")
+        return None
+    try:
+        name = quant.Format.parse(fmt).name()
+    except ValueError as e:
+        raise ConvertError(f"--quantize {fmt!r}: {e}") from None
+    include = quantize_lib.DEFAULT if include is None else tuple(include)
+    bad = sorted(set(include) - set(quantize_lib.CLASSES))
+    if bad or not include:
+        raise ConvertError(f"--quantize-include {','.join(include)!r}: unknown module classes {bad} (choose from "
+                           f"{', '.join(quantize_lib.CLASSES)})")
+    return {"format": name, "include": [c for c in quantize_lib.CLASSES if c in include]}
+
+
+def describe_quantization(q: dict | None) -> str:
+    """How a recorded quantization reads as options (for messages)."""
+    if q is None:
+        return "no --quantize"
+    return f"--quantize {q['format']} --quantize-include {','.join(q['include'])}"
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(fmt: quant.Format):
+    """The compiled ``quant.quantize`` for one fitted format: the computation ``from_pretrained(quantize=...)`` runs
+    on a loaded weight (kimi_jax.model.quantize), so the packed fields come out as the same bits."""
+    return jax.jit(lambda w: quant.quantize(w, fmt))
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What DST stores for a model: ``targets`` {stored leaf: ShapeDtypeStruct} (a quantized weight: its packed
+    fields), the reader's ``jobs`` (each fills one float or MXFP4 leaf), and for each quantized job target its
+    fitted format and the stored leaves of its fields."""
+
+    targets: dict
+    jobs: list
+    formats: dict  # job target -> quant.Format
+    fields: dict  # job target -> (stored leaf, ...) of its packed fields
+
+    def outputs(self, job: Job) -> tuple[str, ...]:
+        return self.fields.get(job.target, (job.target,))
+
+    def out_bytes(self, job: Job) -> int:
+        return sum(_nbytes(self.targets[k]) for k in self.outputs(job))
+
+    def values(self, job: Job, arr, device) -> dict:
+        """{stored leaf: jax.Array} of one job from its read leaf ``arr`` (quantized when the plan says so)."""
+        value = jax.device_put(arr, device)  # 64-byte aligned: adopted without a copy
+        fmt = self.formats.get(job.target)
+        if fmt is None:
+            return {job.target: value}
+        packed = jax.block_until_ready(_quantizer(fmt)(value))
+        value.delete()  # the float leaf is not kept (its buffer is the caller's)
+        return dict(zip(self.fields[job.target], packed))
+
+
+def _nbytes(sds) -> int:
+    return int(np.prod(sds.shape)) * np.dtype(sds.dtype).itemsize
+
+
+def _plan_for(ckpt: Checkpoint, cfg_src, cfg_out, dtype: str, layers, experts, q: dict | None) -> _Plan:
+    """The jobs and stored leaves of converting ``ckpt`` into the model ``cfg_out`` (quantized as ``q`` records).
+    Raises, naming it, on a weight the format cannot take."""
+    abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(dtype)), rngs=nnx.Rngs(0)))
+    floats = params.leaves(nnx.state(abstract))
+    jobs, _ = _plan_jobs(ckpt, cfg_src, floats, layers, experts)
+    if q is None:
+        return _Plan(floats, jobs, {}, {})
+    try:
+        formats = quantize_lib.plan(abstract, q["format"], q["include"])
+    except ValueError as e:
+        raise ConvertError(f"{describe_quantization(q)}: {e}") from None
+    quantize_lib.quantize(abstract, q["format"], q["include"])  # abstract: the packed fields' shapes
+    fields = {}
+    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+        name = ".".join(map(str, path))
+        if name in formats:
+            fields[name] = tuple(f"{name}.{f}" for f in var.get_value()._fields)
+    return _Plan(params.leaves(nnx.state(abstract)), jobs, formats, fields)
+
+
 # -- buffers ---------------------------------------------------------------------------------------------------
 
 
@@ -170,6 +266,11 @@ def _claim_dst(dst: str, src: str, state: dict, overwrite: bool) -> dict | None:
         elif os.path.exists(os.path.join(dst, orbax_io.STATE)):
             with open(os.path.join(dst, orbax_io.STATE)) as f:
                 old = json.load(f)
+            if old.get("quantize") != state["quantize"]:
+                raise ConvertError(f"DST {dst} holds an unfinished conversion made with "
+                                   f"{describe_quantization(old.get('quantize'))}; this run asks for "
+                                   f"{describe_quantization(state['quantize'])}. Rerun with the same quantization to "
+                                   "resume, or pass --overwrite to start again")
             keys = ("format", "fingerprint", "dtype", "layers", "experts")
             diff = {k: (old.get(k), state[k]) for k in keys if old.get(k) != state[k]}
             if diff:
@@ -241,6 +342,7 @@ def convert_checkpoint(src, dst, **kw) -> Summary:
 def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, experts: int | None = None,
              overwrite: bool = False, verify: bool = False, progress: bool = True,
              batch_bytes: int = BATCH_BYTES, sync_bytes: int = SYNC_BYTES, check_finite: bool = True,
+             quantize: str | None = None, quantize_include=None,
              on_event: Callable[[str, int], None] | None = None) -> Summary:
     """Convert the HF checkpoint directory ``src`` into a kimi-jax Orbax checkpoint at ``dst``.
 
@@ -251,26 +353,33 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
     saved together per Orbax partial save (a larger parameter is saved alone). ``sync_bytes``: partial saves are
     not fsynced one by one; DST's filesystem is synced after this many bytes and before finalizing, and the state
     file records which saves are durable. ``check_finite``: refuse tensors holding NaN / Inf (MXFP4: the NaN scale
-    byte), naming tensor and file, before their batch is saved. ``on_event(event, n)``: called with ("saved", n) after the n-th partial
+    byte), naming tensor and file, before their batch is saved. ``quantize`` / ``quantize_include``: store the
+    selected weights in a weight-only format (``"int8"``, ``"int4:g64"``, ...; module classes as
+    :func:`kimi_jax.model.quantize.quantize` takes them, default its DEFAULT), each quantized from the ``dtype``
+    weight as it is read; ``from_pretrained(DST)`` then returns the quantized model. ``on_event(event, n)``: called
+    with ("saved", n) after the n-th partial
     save of this run, ("finalize", 0) before the Orbax checkpoint is finalized and ("marker", 0) before the
     completion marker is written (tests kill the process there).
     """
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
-    source = _validate(src, dtype, layers, experts)  # 1. nothing written yet
+    q = quantization(quantize, quantize_include)
+    source = _validate(src, dtype, layers, experts, q)  # 1. nothing written yet
     state = {"format": orbax_io.FORMAT, "source": os.path.abspath(src), "fingerprint": _fingerprint(source.ckpt),
-             "dtype": dtype, "layers": layers, "experts": experts, "check_finite": check_finite}
+             "dtype": dtype, "layers": layers, "experts": experts, "check_finite": check_finite, "quantize": q}
     disk = _Durability(dst, state, sync_bytes)
     done = disk.claim(src, overwrite, set(source.targets))  # 2.
     event = on_event or (lambda name, n: None)
-    todo = [j for j in source.jobs if j.target not in done]
+    plan = source.plan
+    todo = [j for j in plan.jobs if not set(plan.outputs(j)) <= done]
+    skipped = len(plan.jobs) - len(todo)
     t_stream = time.perf_counter()
-    bar = _progress(progress, sum(j.nbytes for j in todo), len(todo), len(done))
+    bar = _progress(progress, sum(j.nbytes for j in todo), len(todo), skipped)
     reader = reader_lib.Reader(source.ckpt, check_finite=check_finite)
-    _stream(reader, todo, disk, batch_bytes, bar, len(source.jobs), len(done), event)  # 3.
+    _stream(reader, plan, todo, disk, batch_bytes, bar, len(plan.jobs), skipped, event)  # 3.
     stream_seconds = time.perf_counter() - t_stream
     _finish(src, dst, source, disk, verify, progress, event)  # 4.
-    summary = Summary(dst, reader.tensors, len(todo), len(done), reader.bytes_in, sum(j.nbytes for j in todo),
+    summary = Summary(dst, reader.tensors, len(todo), skipped, reader.bytes_in, sum(plan.out_bytes(j) for j in todo),
                       time.perf_counter() - t0, peak_rss(), verify, t_stream - t0, stream_seconds)
     _write_marker(dst, source, state, event)
     return summary
@@ -278,20 +387,24 @@ def _convert(src, dst, *, dtype: str = "bfloat16", layers: int | None = None, ex
 
 @dataclasses.dataclass
 class _Source:
-    """A validated source: its config (as read and as sliced), the rewritten config.json, the jobs."""
+    """A validated source: its config (as read and as sliced), the rewritten config.json, the plan (jobs, stored
+    leaves)."""
 
     ckpt: Checkpoint
     cfg_file: str
     cfg_out: config_lib.ModelConfig
     raw_cfg: dict
     new_raw: dict
-    targets: dict
-    jobs: list
+    plan: _Plan
+
+    @property
+    def targets(self) -> dict:
+        return self.plan.targets
 
 
-def _validate(src: str, dtype: str, layers, experts) -> _Source:
+def _validate(src: str, dtype: str, layers, experts, q: dict | None = None) -> _Source:
     """Everything that can be checked before writing: options, config.json and its slice, every header, the name
-    table, every shape and dtype (kimi_jax.checkpoint.reader.preflight)."""
+    table, every shape and dtype (kimi_jax.checkpoint.reader.preflight), every weight against the quantization."""
     if dtype not in ("bfloat16", "float32"):
         raise ConvertError(f"--dtype {dtype!r}: choose bfloat16 or float32")
     if not os.path.isdir(src):
@@ -310,11 +423,9 @@ def _validate(src: str, dtype: str, layers, experts) -> _Source:
         raise ConvertError(f"{cfg_file}: could not rewrite it for --layers {layers} --experts {experts} "
                            "(the rewritten config does not parse to the sliced model)")
     ckpt = Checkpoint(src)
-    abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(dtype)), rngs=nnx.Rngs(0)))
-    targets = params.leaves(nnx.state(abstract))
-    jobs, _ = _plan_jobs(ckpt, cfg, targets, layers, experts)
-    reader_lib.preflight(ckpt, jobs)
-    return _Source(ckpt, cfg_file, cfg_out, raw_cfg, new_raw, targets, jobs)
+    plan = _plan_for(ckpt, cfg, cfg_out, dtype, layers, experts, q)
+    reader_lib.preflight(ckpt, plan.jobs)
+    return _Source(ckpt, cfg_file, cfg_out, raw_cfg, new_raw, plan)
 
 
 class _Durability:
@@ -405,10 +516,13 @@ def _batches(todo: list[Job], batch_bytes: int) -> tuple[list[list[Job]], int]:
     return batches, capacity
 
 
-def _stream(reader, todo: list[Job], disk: _Durability, batch_bytes: int, bar, total: int, skipped: int, event):
+def _stream(reader, plan: _Plan, todo: list[Job], disk: _Durability, batch_bytes: int, bar, total: int, skipped: int,
+            event):
     """Read and save every job, in batches. Double buffering: a worker thread reads batch n+1 into one slab while
     Orbax writes batch n from the other (Orbax partial saves themselves must not overlap: they share one temporary
-    directory). Each array is filled straight from the shard files and handed to JAX without a copy."""
+    directory). Each array is filled straight from the shard files and handed to JAX without a copy; a weight to
+    quantize is quantized in the worker right after it is read (its float copy is the slab's, reused two batches
+    later), so the batch holds only its packed fields."""
     cpu = jax.devices("cpu")[0]
     batches, capacity = _batches(todo, batch_bytes)
     slabs = [_Slab(capacity), _Slab(capacity)]
@@ -419,7 +533,7 @@ def _stream(reader, todo: list[Job], disk: _Durability, batch_bytes: int, bar, t
         out = {}
         for job in batches[i]:
             arr = reader.read(job, out=slab.take(job.sds.shape, job.sds.dtype))
-            out[job.target] = jax.device_put(arr, cpu)  # 64-byte aligned: adopted without a copy
+            out.update(plan.values(job, arr, cpu))
             if bar is not None:
                 bar.update(job.nbytes)
         return out
@@ -435,7 +549,7 @@ def _stream(reader, todo: list[Job], disk: _Durability, batch_bytes: int, bar, t
             batch_id = f"{time.time_ns()}-{i}"
             orbax_io.save_batch(disk.dst, arrays, batch_id, synced=disk.synced)
             written += len(arrays)
-            disk.saved(batch_id, sum(j.nbytes for j in batches[i]))
+            disk.saved(batch_id, sum(a.nbytes for a in arrays.values()))
             for a in arrays.values():
                 a.delete()  # its slab is refilled two batches from now
             del arrays
@@ -475,7 +589,7 @@ def _finish(src: str, dst: str, source: _Source, disk: _Durability, verify: bool
         raise ConvertError(f"DST {dst}: finalized checkpoint has {len(have)} parameters, the model {len(source.targets)} "
                            f"(missing {sorted(set(source.targets) - set(have))[:3]}); pass --overwrite to convert again")
     if verify:
-        verify_checkpoint(dst, src, _jobs=source.jobs, _ckpt=source.ckpt, progress=progress)
+        verify_checkpoint(dst, src, _plan=source.plan, _ckpt=source.ckpt, progress=progress)
     source.ckpt.close()
 
 
@@ -518,19 +632,19 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
                                                                         b.reshape(-1).view(np.uint8))
 
 
-def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None):
+def verify_checkpoint(dst, src, *, progress: bool = True, _plan=None, _ckpt=None):
     """Reread every stored parameter of ``dst`` and compare it bit for bit with the source tensors, transformed as
-    conversion transforms them (MXFP4 bytes are copied, so they must be identical bytes)."""
+    conversion transforms them (MXFP4 bytes are copied, so they must be identical bytes; a quantized weight's packed
+    fields must be the bits its source weight quantizes to)."""
     dst, src = os.fspath(dst), os.fspath(src)
     ckpt = _ckpt or Checkpoint(src)
-    jobs = _jobs
-    if jobs is None:
-        meta = json.load(open(os.path.join(dst, orbax_io.MARKER)))
-        cfg_src = config_lib.load(src)
-        cfg_out = config_lib.load(dst)
-        abstract = nnx.eval_shape(lambda: KimiModel(cfg_out, run=RunConfig(dtype=np.dtype(meta["dtype"])),
-                                                    rngs=nnx.Rngs(0)))
-        jobs, _ = _plan_jobs(ckpt, cfg_src, params.leaves(nnx.state(abstract)), meta["layers"], meta["experts"])
+    plan = _plan
+    if plan is None:
+        meta = orbax_io.read_marker(dst)
+        plan = _plan_for(ckpt, config_lib.load(src), config_lib.load(dst), meta["dtype"], meta["layers"],
+                         meta["experts"], meta.get("quantize"))
+    jobs = plan.jobs
+    cpu_device = jax.devices("cpu")[0]
     reader = reader_lib.Reader(ckpt, check_finite=False)  # bytes are compared as they are
     bar = _progress(progress, sum(j.nbytes for j in jobs), len(jobs), 0)
     if bar is not None:
@@ -544,15 +658,18 @@ def verify_checkpoint(dst, src, *, progress: bool = True, _jobs=None, _ckpt=None
                 size += jobs[i].nbytes
                 i += 1
             cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-            got = orbax_io.restore(dst, {j.target: jax.ShapeDtypeStruct(j.sds.shape, j.sds.dtype, sharding=cpu)
-                                         for j in chunk}, check_complete=False)
+            got = orbax_io.restore(dst, {k: jax.ShapeDtypeStruct(plan.targets[k].shape, plan.targets[k].dtype,
+                                                                 sharding=cpu)
+                                         for j in chunk for k in plan.outputs(j)}, check_complete=False)
             for j in chunk:
-                want = reader.read(j)
-                have = np.asarray(got[j.target])
-                if not _same_bytes(have, want):
-                    srcs = [p.tensor for p in j.sources]
-                    raise VerifyError(f"{dst}: parameter {j.target} differs from its source {srcs[:2]}"
-                                      f"{' ...' if len(srcs) > 2 else ''} in {os.path.basename(ckpt.tensors[srcs[0]].file)}")
+                for k, want in plan.values(j, reader.read(j), cpu_device).items():
+                    if not _same_bytes(np.asarray(got[k]), np.asarray(want)):
+                        srcs = [p.tensor for p in j.sources]
+                        raise VerifyError(f"{dst}: parameter {k} differs from its source {srcs[:2]}"
+                                          f"{' ...' if len(srcs) > 2 else ''} in "
+                                          f"{os.path.basename(ckpt.tensors[srcs[0]].file)}"
+                                          + (f" quantized to {plan.formats[j.target].name()}"
+                                             if j.target in plan.formats else ""))
                 if bar is not None:
                     bar.update(j.nbytes)
             del got

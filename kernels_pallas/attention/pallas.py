@@ -11,6 +11,10 @@ Scores and the softmax run in float32; the ``p @ v`` product takes ``p`` in the 
 model, as flash attention does; exact float32 on a float32 model). A row that sees no key returns zeros (the
 reference returns NaN there; no caller produces such rows).
 
+int8 caches (``kernels_pallas.cache_quant.Int8Rows`` keys, values or k_pe): the kernel reads the int8 tiles with
+their per-row scales and dequantizes each tile in VMEM / registers (float32 product, rounded to the query dtype)
+before the same products; the scales move as ``[.., S, 1]`` blocks beside their tiles.
+
 Long caches can be split over several programs (``num_splits``, flash-decoding): each split writes an
 unnormalised partial result with its running max and sum, and a small XLA epilogue merges them.
 
@@ -42,6 +46,8 @@ from kernels_pallas._common import (
     round_up,
     row_block,
 )
+from kernels_pallas.cache_quant import split as split_rows
+from kernels_pallas.cache_quant import tile
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -59,14 +65,33 @@ def run_and_store(body, lo, hi, bq, U, o_ref, m_ref, l_ref, split):
         o_ref[...] = acc / jnp.where(l > 0, l, 1.0)
 
 
-def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale, precision):
+def _take_refs(it, has_pe, v_is_k, quant):
+    """(k, k scale, kpe, kpe scale, v, v scale) refs in the launch order (scales None when plain)."""
+    k_q, kpe_q, v_q = quant
+    k_ref = next(it)
+    ks_ref = next(it) if k_q else None
+    kpe_ref = next(it) if has_pe else None
+    kpes_ref = next(it) if (has_pe and kpe_q) else None
+    if v_is_k:
+        return k_ref, ks_ref, kpe_ref, kpes_ref, k_ref, ks_ref
+    v_ref = next(it)
+    vs_ref = next(it) if v_q else None
+    return k_ref, ks_ref, kpe_ref, kpes_ref, v_ref, vs_ref
+
+
+def _load(ref, scale_ref, index, dtype):
+    """A key / value tile ``ref[index]``: as stored, or int8 codes dequantized by their row scales to ``dtype``."""
+    if scale_ref is None:
+        return ref[index]
+    return tile(ref[index], scale_ref[index], dtype)
+
+
+def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale, precision, quant):
     """GPU (and interpret): one program per (batch, group, row block, split) loops over its key blocks."""
     it = iter(refs)
     qpos_ref, q_ref = next(it), next(it)
     qpe_ref = next(it) if has_pe else None
-    k_ref = next(it)
-    kpe_ref = next(it) if has_pe else None
-    v_ref = k_ref if v_is_k else next(it)
+    k_ref, ks_ref, kpe_ref, kpes_ref, v_ref, vs_ref = _take_refs(it, has_pe, v_is_k, quant)
     kpos_ref = next(it) if has_kpos else None
     o_ref = next(it)
     m_ref, l_ref = (next(it), next(it)) if split else (None, None)
@@ -86,10 +111,11 @@ def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale,
     def body(i, carry):
         m, l, acc = carry
         s0 = pl.multiple_of(i * bk, bk)
-        k = k_ref[pl.ds(s0, bk), :]
+        rows = (pl.ds(s0, bk), slice(None))
+        k = _load(k_ref, ks_ref, rows, q.dtype)
         s = dot_nt(q, k, precision)
         if has_pe:
-            s = s + dot_nt(qpe, kpe_ref[pl.ds(s0, bk), :], precision)
+            s = s + dot_nt(qpe, _load(kpe_ref, kpes_ref, rows, q.dtype), precision)
         s = s * scale
         if has_kpos:
             kpos = kpos_ref[:, pl.ds(s0, bk)]
@@ -101,23 +127,21 @@ def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale,
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-        v = k if v_is_k else v_ref[pl.ds(s0, bk), :]
+        v = k if v_is_k else _load(v_ref, vs_ref, rows, q.dtype)
         acc = alpha * acc + dot_nn(p.astype(v.dtype), v, precision)
         return m_new, l, acc
 
     run_and_store(body, lo, hi, bq, U, o_ref, m_ref, l_ref, split)
 
 
-def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, precision):
+def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, precision, quant):
     """TPU: the key axis is the last (sequential) grid axis; m, l and the accumulator live in VMEM scratch, and
     key blocks past what the row block can see are neither fetched (the index map repeats the last needed block)
     nor computed."""
     it = iter(refs)
     qpos_ref, q_ref = next(it), next(it)
     qpe_ref = next(it) if has_pe else None
-    k_ref = next(it)
-    kpe_ref = next(it) if has_pe else None
-    v_ref = k_ref if v_is_k else next(it)
+    k_ref, ks_ref, kpe_ref, kpes_ref, v_ref, vs_ref = _take_refs(it, has_pe, v_is_k, quant)
     kpos_ref = next(it) if has_kpos else None
     o_ref, m_sc, l_sc, acc_sc = next(it), next(it), next(it), next(it)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -130,10 +154,11 @@ def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, preci
 
     @pl.when(j < need_ref[b * n_q + i])
     def _():
-        k = k_ref[...]
-        s = dot_nt(q_ref[...], k, precision)
+        q = q_ref[...]
+        k = _load(k_ref, ks_ref, ..., q.dtype)
+        s = dot_nt(q, k, precision)
         if has_pe:
-            s = s + dot_nt(qpe_ref[...], kpe_ref[...], precision)
+            s = s + dot_nt(qpe_ref[...], _load(kpe_ref, kpes_ref, ..., q.dtype), precision)
         s = s * scale
         kpos = kpos_ref[...] if has_kpos else j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         visible = kpos <= qpos_ref[...]
@@ -144,7 +169,7 @@ def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, preci
         alpha = jnp.exp(m_prev - m_new)
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_new
-        v = k if v_is_k else v_ref[...]
+        v = k if v_is_k else _load(v_ref, vs_ref, ..., q.dtype)
         acc_sc[...] = alpha[:, :1] * acc_sc[...] + dot_nn(p.astype(v.dtype), v, precision)
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -161,10 +186,13 @@ def flash(q_BGAK, k, v, qpos_BA, *, scale, q_pe_BGAO=None, k_pe_BSO=None, k_pos_
     q ``[B, G, A, K]`` (A rows per kv group), k ``[B, S, Gk, K]``, v ``[B, S, Gk, U]`` with Gk = G (or 1, shared
     by every group), qpos ``[B, A]`` int32 (row positions, the same for every group). Optional split key dims:
     q_pe ``[B, G, A, O]`` against k_pe ``[B, S, O]`` (shared by all groups). ``v_is_k``: values are the keys
-    (absorbed MLA reads its latent cache once per block). ``num_splits`` applies on GPU only.
+    (absorbed MLA reads its latent cache once per block). ``num_splits`` applies on GPU only. k, v and k_pe may
+    each be int8 rows (``Int8Rows``: scales ``[B, S, Gk, 1]`` / ``[B, S, 1]``), dequantized per tile to q's dtype.
     """
     B, G, A, K = q_BGAK.shape
     S, Gk = k.shape[1], k.shape[2]
+    (k, ks), (v, vs), (k_pe_BSO, kpes) = split_rows(k), split_rows(v), split_rows(k_pe_BSO)
+    quant = (ks is not None, kpes is not None, vs is not None)
     if Gk not in (1, G):
         raise ValueError(f"flash: k has {Gk} kv groups for q with {G}")
     has_pe = q_pe_BGAO is not None
@@ -177,13 +205,16 @@ def flash(q_BGAK, k, v, qpos_BA, *, scale, q_pe_BGAO=None, k_pe_BSO=None, k_pos_
     q, k, v, qpos, qpe, kpe, kpos, U = _pad_operands(
         q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, Ap=round_up(A, bq), Sp=round_up(S, bk), v_is_k=v_is_k,
         platform=platform)
+    Sp = k.shape[1]
+    scales = tuple(None if x is None else pad_axis(x, 1, Sp) for x in (ks, kpes, vs))  # padded keys: scale 0
     Up = k.shape[-1] if v_is_k else v.shape[-1]
-    kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt))
+    kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt),
+              quant=quant)
     if platform == "tpu":
-        out = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, interpret=interpret, **kw)
+        out = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, bk=bk, Up=Up, interpret=interpret, **kw)
     else:
-        out = _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, bq=bq, bk=bk, Up=Up, num_splits=num_splits, platform=platform,
-                         interpret=interpret, num_warps=num_warps, num_stages=num_stages, **kw)
+        out = _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, bk=bk, Up=Up, num_splits=num_splits,
+                         platform=platform, interpret=interpret, num_warps=num_warps, num_stages=num_stages, **kw)
     return out[:, :, :A, :U]
 
 
@@ -214,8 +245,8 @@ def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, S
     return q, k, v, qpos, qpe, kpe, kpos, U
 
 
-def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, num_splits, platform, interpret, num_warps, num_stages,
-               has_pe, v_is_k, has_kpos, **kw):
+def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, num_splits, platform, interpret, num_warps,
+               num_stages, has_pe, v_is_k, has_kpos, **kw):
     """GPU (and interpret) launch: grid (B, G, row blocks, kv splits) over the padded operands of
     :func:`_pad_operands`; each program loops over its share of the key blocks. Returns ``[B, G, Ap, Up]``
     float32; split partial results are merged here."""
@@ -224,7 +255,7 @@ def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, num_splits, platfor
     splits = max(1, min(int(num_splits), n_blocks))
     per_split = cdiv(n_blocks, splits)
     splits = cdiv(n_blocks, per_split)  # no empty split
-    args, in_specs = _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, bq=bq, Up=Up, has_pe=has_pe, v_is_k=v_is_k,
+    args, in_specs = _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, Up=Up, has_pe=has_pe, v_is_k=v_is_k,
                                  has_kpos=has_kpos)
     split = splits > 1
     if split:
@@ -248,11 +279,12 @@ def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, num_splits, platfor
     return _merge_splits(*out) if split else out
 
 
-def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, *, bq, Up, has_pe, v_is_k, has_kpos):
+def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, Up, has_pe, v_is_k, has_kpos):
     """The operands in :func:`_kernel`'s order and their block specs over the grid (b, g, i, j): a row block of q
-    (and q_pe, qpos), the whole key sequence of group g (k, k_pe, v, k_pos)."""
+    (and q_pe, qpos), the whole key sequence of group g (k, k_pe, v, k_pos, and the scales of int8 ones)."""
     G, Kp = q.shape[1], q.shape[-1]
     Sp, Gk = k.shape[1], k.shape[2]
+    ks, kpes, vs = scales
     row_spec = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, g, i, j: (b, g, i, 0))
     # Triton takes the strided [B, S, Gk, K] cache as it is: no transposed copy of a static cache per step
     kv_spec = lambda d: pl.BlockSpec(
@@ -262,14 +294,16 @@ def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, *, bq, Up, has_pe, v_is_k, has_kp
     if has_pe:
         args.append(qpe)
         in_specs.append(row_spec(qpe.shape[-1]))
-    args.append(k)
-    in_specs.append(kv_spec(Kp))
+    seq = lambda d: pl.BlockSpec((None, Sp, d), lambda b, g, i, j: (b, 0, 0))
+    operands = [(k, kv_spec(Kp)), (ks, kv_spec(1))]
     if has_pe:
-        args.append(kpe)
-        in_specs.append(pl.BlockSpec((None, Sp, kpe.shape[-1]), lambda b, g, i, j: (b, 0, 0)))
+        operands += [(kpe, seq(kpe.shape[-1])), (kpes, seq(1))]
     if not v_is_k:
-        args.append(v)
-        in_specs.append(kv_spec(Up))
+        operands += [(v, kv_spec(Up)), (vs, kv_spec(1))]
+    for x, spec in operands:
+        if x is not None:
+            args.append(x)
+            in_specs.append(spec)
     if has_kpos:
         args.append(kpos)
         in_specs.append(pl.BlockSpec((None, 1, Sp), lambda b, g, i, j: (b, 0, 0)))
@@ -285,7 +319,7 @@ def _merge_splits(acc, m, l):
     return num / jnp.where(den > 0, den, 1.0)
 
 
-def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, v_is_k, has_kpos, **kw):
+def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, interpret, has_pe, v_is_k, has_kpos, **kw):
     """TPU launch: grid (B, G, row blocks, key blocks), kv-major [B, Gk, S, K] blocks of ``bk`` keys, and the
     number of key blocks each row block needs scalar-prefetched into SMEM."""
     from jax.experimental.pallas import tpu as pltpu
@@ -307,15 +341,17 @@ def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, *, bq, bk, Up, interpret, has_pe, 
     if has_pe:
         args.append(qpe)
         in_specs.append(row_spec(qpe.shape[-1]))
-    args.append(kv_major(k))
-    in_specs.append(kv_spec(Kp))
+    seq = lambda d: pl.BlockSpec((None, bk, d), lambda b, g, i, j, need: (b, last(b, i, j, need), 0))
+    ks, kpes, vs = scales
+    operands = [(k, kv_major, kv_spec(Kp)), (ks, kv_major, kv_spec(1))]
     if has_pe:
-        args.append(kpe)
-        in_specs.append(pl.BlockSpec((None, bk, kpe.shape[-1]),
-                                     lambda b, g, i, j, need: (b, last(b, i, j, need), 0)))
+        operands += [(kpe, None, seq(kpe.shape[-1])), (kpes, None, seq(1))]
     if not v_is_k:
-        args.append(kv_major(v))
-        in_specs.append(kv_spec(Up))
+        operands += [(v, kv_major, kv_spec(Up)), (vs, kv_major, kv_spec(1))]
+    for x, layout, spec in operands:
+        if x is not None:
+            args.append(x if layout is None else layout(x))
+            in_specs.append(spec)
     if has_kpos:
         args.append(kpos)
         in_specs.append(pl.BlockSpec((None, 1, bk), lambda b, g, i, j, need: (b, 0, last(b, i, j, need))))

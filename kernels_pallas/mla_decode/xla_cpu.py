@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.cache_quant import dense
 from kernels_pallas.mla_decode.reference import probabilities
 
 _F32 = jnp.float32
@@ -20,5 +21,5 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale):
     p = probabilities(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, scale=scale)
     B, H, T, S = p.shape
     u = jax.lax.optimization_barrier(
-        jnp.einsum("bms,bsr->bmr", p.reshape(B, H * T, S), c_BSR.astype(_F32), precision=_HI))
+        jnp.einsum("bms,bsr->bmr", p.reshape(B, H * T, S), dense(c_BSR, _F32), precision=_HI))
     return jnp.swapaxes(u.reshape(B, H, T, -1), 1, 2)

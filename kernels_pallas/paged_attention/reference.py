@@ -4,10 +4,13 @@ A paged cache keeps every sequence's keys in fixed-size pages of one pool shared
 position ``s`` of sequence ``b`` lives in row ``s % page_size`` of page ``page_table[b, s // page_size]``. The
 reference gathers each sequence's pages into the contiguous cache the static-cache references read, then runs
 their math unchanged: causal by absolute position, so slots not yet written (or left stale in a reused page) sit
-beyond every query that could see them.
+beyond every query that could see them. int8 pools (``kernels_pallas.cache_quant.Int8Rows``) are gathered codes and
+scales alike, then read dequantized.
 """
 
 from __future__ import annotations
+
+import jax
 
 from kernels_pallas.attention import reference as dense
 from kernels_pallas.mla_decode import reference as mla_dense
@@ -15,10 +18,9 @@ from kernels_pallas.mla_decode import reference as mla_dense
 
 def gather(pages, page_table):
     """``pages [n_pages, page_size, ...]`` read through ``page_table [B, pages_per_seq]`` -> ``[B, S, ...]`` with
-    ``S = pages_per_seq * page_size``."""
+    ``S = pages_per_seq * page_size`` (each field of an int8 pool alike)."""
     B, n = page_table.shape
-    ps = pages.shape[1]
-    return pages[page_table].reshape(B, n * ps, *pages.shape[2:])
+    return jax.tree.map(lambda p: p[page_table].reshape(B, n * p.shape[1], *p.shape[2:]), pages)
 
 
 def paged_mla_attention(q_lat_BTHR, q_pe_BTHO, c_pages, kpe_pages, page_table, q_pos_BT, *, scale):

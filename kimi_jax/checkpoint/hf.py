@@ -8,21 +8,147 @@ leaf), the preflight (every shape and dtype checked before any data is read), th
   ``jax.make_array_from_callback``, whose callback runs only for this process's devices and reads only that
   device's region of the checkpoint tensor; routed experts are read one expert at a time, only the experts of the
   region. A region needed by several local devices (replicated over some mesh axis) is read once per process.
+
+A compressed-tensors ``pack-quantized`` checkpoint (weight-only int4 / int8, symmetric, group or channel scales:
+:func:`pack_quantized`) loads into the packed types of :mod:`kernels_pallas.quant`: every weight the files store as
+``weight_packed`` becomes an :class:`~kernels_pallas.quant.Int4Weight` / :class:`~kernels_pallas.quant.Int8Weight`
+parameter whose fields the name table fills (:data:`kimi_jax.checkpoint.names.CT_FIELDS`); the others stay float.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from kernels_pallas import quant
+from kimi_jax.checkpoint import names
 from kimi_jax.checkpoint import reader as reader_lib
-from kimi_jax.checkpoint.safetensors import Checkpoint
+from kimi_jax.checkpoint.names import WeightError
+from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError
 from kimi_jax.model import params
 from kimi_jax.parallel import sharding
 
 # What this process read in its last load_hf_sharded (parameter bytes after dtype conversion), for tests and logs.
 LAST_LOAD = {"bytes_read": 0, "bytes_total": 0, "expert_bytes_read": 0, "expert_bytes_total": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class PackQuantized:
+    """A compressed-tensors ``pack-quantized`` checkpoint: ``kind`` "int4" | "int8", ``group`` input columns per
+    scale (None: one scale per row, the ``channel`` strategy), and ``config`` (config.json without its
+    quantization_config, for the model config parser)."""
+
+    kind: str
+    group: int | None
+    config: dict = dataclasses.field(compare=False, repr=False)
+
+    def format_for(self, shape) -> quant.Format:
+        """Our format of one weight ``[..., J, I]``."""
+        if self.kind == "int8":
+            return quant.Format("int8")
+        return quant.Format("int4", self.group if self.group is not None else int(shape[-1]))
+
+    def name(self) -> str:
+        return f"{self.kind} pack-quantized ({'channel' if self.group is None else f'group {self.group}'})"
+
+
+_CT_ARGS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic", "actorder",
+            "observer", "observer_kwargs", "scale_dtype", "zp_dtype")
+
+
+def pack_quantized(path) -> PackQuantized | None:
+    """The compressed-tensors ``pack-quantized`` weight format of the checkpoint at ``path`` (config.json's
+    ``quantization_config``, top level or in ``text_config``), or None when it has another quantization_config or
+    none (the config parser takes MXFP4 and refuses the rest). Refuses, naming the key, what kimi-jax does not take:
+    activation or KV-cache quantization, asymmetric weights (``weight_zero_point``), int8 groups, other bit widths,
+    activation-order (``g_idx``) groups, transforms, sparsity, or groups that disagree."""
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None  # the config parser reports it
+    holder = raw if isinstance(raw.get("quantization_config"), dict) else raw.get("text_config")
+    q = holder.get("quantization_config") if isinstance(holder, dict) else None
+    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors" or q.get("format") != "pack-quantized":
+        return None
+    where = f"{file}: quantization_config"
+
+    def refuse(what):
+        raise CheckpointError(f"{where}: {what}; kimi-jax reads pack-quantized weight-only int4 (group or channel "
+                              "scales) and int8 (channel scales), symmetric")
+
+    if q.get("quantization_status", "compressed") != "compressed":
+        refuse(f"quantization_status={q.get('quantization_status')!r} (expected 'compressed')")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if q.get(key):
+            refuse(f"{key} is set")
+    formats = set()
+    for gname, group in (q.get("config_groups") or {}).items():
+        at = f"config_groups.{gname}"
+        if (group.get("format") or "pack-quantized") != "pack-quantized":
+            refuse(f"{at}.format={group.get('format')!r}")
+        for key in ("input_activations", "output_activations"):
+            if group.get(key) is not None:
+                refuse(f"{at}.{key} is set (activation quantization)")
+        w = group.get("weights") or {}
+        bits, strategy = w.get("num_bits"), w.get("strategy")
+        if w.get("type", "int") != "int" or bits not in (4, 8):
+            refuse(f"{at}.weights: type={w.get('type')!r} num_bits={bits!r}")
+        if not w.get("symmetric", True):
+            refuse(f"{at}.weights.symmetric=False (asymmetric weights with weight_zero_point)")
+        if w.get("dynamic") or w.get("actorder") not in (None, "static"):
+            refuse(f"{at}.weights: dynamic={w.get('dynamic')!r} actorder={w.get('actorder')!r}")
+        if strategy == "group" and bits == 4 and isinstance(w.get("group_size"), int) and w["group_size"] >= 2 \
+                and w["group_size"] % 2 == 0:
+            formats.add(("int4", w["group_size"]))
+        elif strategy == "channel":
+            formats.add((f"int{bits}", None))
+        else:
+            refuse(f"{at}.weights: strategy={strategy!r} group_size={w.get('group_size')!r} with num_bits={bits}")
+    if len(formats) != 1:
+        refuse(f"{len(formats)} weight formats in config_groups {sorted(map(str, formats))} (one is supported)")
+    config = json.loads(json.dumps(raw))
+    (config if holder is raw else config["text_config"]).pop("quantization_config")
+    kind, group = formats.pop()
+    return PackQuantized(kind, group, config)
+
+
+def _adopt_pack_quantized(spec: PackQuantized, ckpt: Checkpoint, cfg, state) -> None:
+    """Give each parameter the checkpoint stores ``pack-quantized`` its packed type (abstract, in ``state``), after
+    checking the file's ``weight_shape`` against the parameter's shape."""
+    for path, var in nnx.to_flat_state(state):
+        value, leaf = var.get_value(), ".".join(map(str, path))
+        name = names.expected_tensor(leaf, cfg)
+        if name is None or not name.endswith(".weight"):
+            continue
+        stem = name[:-len("weight")]
+        if "{expert}" in stem:
+            if (stem + "weight_packed").format(expert=0) in ckpt.tensors:
+                raise WeightError(f"tensor {(stem + 'weight_packed').format(expert=0)!r}: pack-quantized routed "
+                                  f"experts are not supported (parameter {leaf})")
+            continue
+        if stem + "weight_packed" not in ckpt.tensors:
+            continue
+        shape_name = stem + names.CT_SHAPE
+        if shape_name not in ckpt.tensors:
+            raise WeightError(f"tensor {stem + 'weight_packed'!r} has no {shape_name!r} beside it")
+        stored = tuple(int(x) for x in np.asarray(ckpt.get(shape_name)).reshape(-1))
+        if stored != tuple(value.shape):
+            raise WeightError(f"tensor {shape_name!r} says {list(stored)}, parameter {leaf} is {list(value.shape)}")
+        fmt = spec.format_for(value.shape)
+        why = fmt.fits(value.shape)
+        if why is not None:
+            raise WeightError(f"tensor {stem + 'weight_packed'!r}: {spec.name()} cannot fill parameter {leaf} "
+                              f"{list(value.shape)}: {why}")
+        var.set_value(jax.eval_shape(functools.partial(quant.quantize, fmt=fmt.fitted(value.shape)), value))
 
 
 def _prepare(path, cfg, model_factory):
@@ -31,6 +157,9 @@ def _prepare(path, cfg, model_factory):
     graphdef, state = nnx.split(abstract)
     ckpt = Checkpoint(path)
     try:
+        spec = pack_quantized(path)
+        if spec is not None:
+            _adopt_pack_quantized(spec, ckpt, cfg, state)
         jobs, _ = reader_lib.jobs(ckpt, cfg, params.leaves(state))
         reader_lib.preflight(ckpt, jobs)
     except BaseException:

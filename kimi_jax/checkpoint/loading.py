@@ -60,16 +60,29 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     ``"int4:g128:zero"``, ``"nf4"``; :mod:`kimi_jax.model.quantize`) of the module classes in ``quantize_include``
     (default: attention, MLP and latent projections and the lm_head; add ``"embed"`` for the embedding). The format
     and the selection are checked against the config before any weight is read. Each weight is quantized after the
-    model is loaded (the float model is held once, then each weight is replaced in turn)."""
+    model is loaded (the float model is held once, then each weight is replaced in turn).
+
+    A checkpoint converted with ``kimi-jax convert --quantize`` loads as the quantized model it stores (the packed
+    fields are read as they are; no float weight is built). Asking it for its own format and classes is a no-op;
+    asking for another is refused, naming both (load the source, or convert again)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
     from kimi_jax.checkpoint import orbax as orbax_io
 
     converted = orbax_io.looks_converted(path)  # `kimi-jax convert` output (Orbax)
+    stored = None
     if converted:
-        orbax_io.read_marker(path)  # refuses an unfinished conversion, naming what is missing
-    cfg = config_lib.load(path, strict=strict)
+        stored = orbax_io.quantization(orbax_io.read_marker(path))  # refuses an unfinished conversion, naming why
+    if stored is not None and quantize is not None:
+        _check_stored(path, stored, quantize, quantize_include)
+        quantize = None  # what it asks for is what is stored
+    # compressed-tensors int4 / int8: its weights load packed (kimi_jax.checkpoint.hf); the model config is the rest
+    ct = None if converted else hf.pack_quantized(path)
+    if ct is not None and quantize is not None:
+        raise ValueError(f"{path} stores its weights {ct.name()} (compressed-tensors); they load as stored, and "
+                         f"quantize={quantize!r} would requantize them: load it without quantize=")
+    cfg = config_lib.load(path, strict=strict) if ct is None else config_lib.from_dict(ct.config, strict=strict)
     run = run or RunConfig(dtype=resolve_dtype(dtype), implementation=implementation)
     scan = scan_layers or run.scan_layers
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
@@ -84,17 +97,33 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     return relayout(model, scan_layers=True, consume=True) if scan else model
 
 
+def _check_stored(path: str, stored, quantize, include) -> None:
+    """A converted checkpoint stores ``stored`` (format, classes): refuse a ``quantize`` request for anything else."""
+    from kernels_pallas import quant
+
+    fmt, classes = stored
+    asked = quant.Format.parse(quantize) if not isinstance(quantize, quant.Format) else quantize
+    asked_classes = quantize_lib.DEFAULT if include is None else tuple(include)
+    if asked != fmt or set(asked_classes) != set(classes):
+        raise ValueError(f"{path} was converted with its weights quantized to {fmt.name()} (classes "
+                         f"{', '.join(classes)}); cannot load it as {asked.name()} (classes "
+                         f"{', '.join(asked_classes)}): packed weights are not requantized. Load it without "
+                         "quantize=, load the source checkpoint with the format you want, or convert again with "
+                         f"--quantize {asked.name()}")
+
+
 def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progress: bool) -> KimiModel:
     factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
     if converted:
         from kimi_jax.checkpoint import orbax as orbax_io
 
+        abstract = orbax_io.abstract_model(path, factory)  # quantized as the conversion quantized it
         shardings = None
         if run.parallel is not None:
             from kimi_jax.parallel import sharding
 
-            shardings = sharding.param_shardings(nnx.eval_shape(factory), run.parallel.mesh, run.parallel.layout)
-        model = orbax_io.load_converted(path, cfg, factory, shardings=shardings)
+            shardings = sharding.param_shardings(abstract, run.parallel.mesh, run.parallel.layout)
+        model = orbax_io.load_converted(path, cfg, factory, shardings=shardings, abstract=abstract)
         if check_finite:
             _check_loaded(model, path)
         return model
@@ -104,9 +133,11 @@ def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progre
 
 
 def _check_loaded(model: KimiModel, path: str) -> None:
-    """NaN / Inf in the loaded float parameters of a converted checkpoint (a device-side reduction per leaf)."""
+    """NaN / Inf in the loaded float parameters of a converted checkpoint (a device-side reduction per leaf; a
+    quantized weight: its float scales)."""
     import jax
 
+    from kernels_pallas import quant
     from kernels_pallas.mxfp4 import MXFP4Weight
     from kimi_jax.checkpoint.reader import NonFiniteError
 
@@ -116,6 +147,9 @@ def _check_loaded(model: KimiModel, path: str) -> None:
         value, name = var.get_value(), ".".join(map(str, path_))
         if isinstance(value, MXFP4Weight):
             n, what = int(nan_scales(value.scale)), "E8M0 NaN scale bytes (0xFF)"
+        elif isinstance(value, quant.TYPES):
+            n = sum(int(count(f)) for f in value if jnp.issubdtype(f.dtype, jnp.floating))
+            what = "NaN / Inf scales"
         elif jnp.issubdtype(value.dtype, jnp.floating):
             n, what = int(count(value)), "NaN / Inf values"
         else:

@@ -3,7 +3,8 @@
 A row is (pattern over the checkpoint name with the family prefix stripped, parameter path template, transform).
 Targets are parameter *leaves* by dotted path (:mod:`kimi_jax.model.params`): ``layers.3.self_attn.q_proj``, or a
 field of a packed weight, ``layers.3.mlp.experts.w1.packed``. This table is the one place that knows how a packed
-weight's fields are named in a file (compressed-tensors' ``weight_packed`` / ``weight_scale``). Routed experts
+weight's fields are named in a file (compressed-tensors' ``weight_packed`` / ``weight_scale``; a ``pack-quantized``
+int4 / int8 weight's fields follow the row of its float ``.weight``: :data:`CT_FIELDS`). Routed experts
 ``experts.{e}.w{1,2,3}`` land in slot ``e`` of a stacked parameter. The same checkpoint name can mean different
 tensors on different layer kinds (``g_proj`` on KDA vs MLA layers, ``q_proj`` on KDA vs GQA vs low-rank-less MLA):
 the path is resolved against the model built for the config, and the shape check tells them apart.
@@ -70,6 +71,40 @@ def _a_log(x, where, shape):
 
 # Transforms that must see the tensor's values to check it (read in the preflight, before anything is written).
 CHECKS_VALUES = (_a_log,)
+
+
+def _int32_words(x, where, per_word: int, columns: int):
+    """compressed-tensors ``weight_packed``: ``per_word`` values per little-endian int32 word, element ``i`` of a row
+    at bits ``(i % per_word) * 32 / per_word`` of word ``i // per_word``, each stored offset-binary (``q + 2**(b-1)``).
+    Returns the words' bytes ``[..., J, 4 * words]`` (a zero-strided stand-in stays one). ``columns``: the
+    parameter's logical input width (a width the words do not fill exactly was padded: refused)."""
+    if np.dtype(x.dtype) != np.dtype(np.int32) or x.ndim < 2:
+        raise WeightError(f"{where}: pack-quantized weight_packed must be int32 [..., rows, words], got "
+                          f"{np.dtype(x.dtype).name} {list(x.shape)}")
+    if x.shape[-1] * per_word != columns:
+        raise WeightError(f"{where}: {x.shape[-1]} int32 words of {per_word} values per row do not hold the "
+                          f"parameter's {columns} columns exactly (kimi-jax takes widths that are a multiple of "
+                          f"{per_word})")
+    out = (*x.shape[:-1], x.shape[-1] * 4)
+    if all(st == 0 for st in x.strides):
+        return np.broadcast_to(np.zeros((), np.uint8), out)
+    return np.ascontiguousarray(x, dtype="<i4").view(np.uint8).reshape(out)
+
+
+def _ct_int4(x, where, shape):
+    """``pack-quantized`` 4-bit words ``int32 [..., J, I/8]`` -> our nibble pairs ``uint8 [..., J, I/2]``: the byte
+    order already puts element 2k in the low nibble, and flipping each nibble's top bit turns offset-binary
+    (``q + 8``) into two's complement (:class:`kernels_pallas.quant.Int4Weight`)."""
+    b = _int32_words(x, where, 8, 2 * shape[-1])
+    return b if b.strides and b.strides[-1] == 0 else b ^ np.uint8(0x88)
+
+
+def _ct_int8(x, where, shape):
+    """``pack-quantized`` 8-bit words ``int32 [..., J, I/4]`` -> codes ``int8 [..., J, I]`` (``q + 128`` stored)."""
+    b = _int32_words(x, where, 4, shape[-1])
+    if b.strides and b.strides[-1] == 0:
+        return np.broadcast_to(np.zeros((), np.int8), b.shape)
+    return (b ^ np.uint8(0x80)).view(np.int8)
 
 
 # -- value checks: what a tensor's bytes must not hold ---------------------------------------------------------
@@ -185,6 +220,14 @@ RULES = (
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
 
+# compressed-tensors ``pack-quantized`` (int4 / int8, weight-only, symmetric): a dense weight ``X.weight`` stored as
+# ``X.weight_packed`` + ``X.weight_scale`` + ``X.weight_shape``. The row that places ``X.weight`` names the parameter;
+# the fields go to its packed type's leaves (:class:`~kernels_pallas.quant.Int4Weight` ``packed`` /
+# :class:`~kernels_pallas.quant.Int8Weight` ``q``, ``scale``; whichever the model holds). ``weight_shape`` is no
+# parameter: the loader checks it against the parameter's shape (kimi_jax.checkpoint.hf).
+CT_FIELDS = {"weight_packed": (("packed", _ct_int4), ("q", _ct_int8)), "weight_scale": (("scale", identity),)}
+CT_SHAPE = "weight_shape"
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -209,16 +252,31 @@ def canonical(name: str, cfg: ModelConfig) -> str | None:
     return name
 
 
+def _match_packed(name: str, cname: str, targets) -> Placement | None:
+    """A compressed-tensors ``pack-quantized`` field (:data:`CT_FIELDS`), placed by the row of its ``.weight``."""
+    stem, _, field = cname.rpartition(".")
+    if field not in CT_FIELDS:
+        return None
+    base = _match(name, stem + ".weight", targets=None)
+    if base is None or base.expert is not None or base.transform is not identity:
+        return None
+    for leaf, transform in CT_FIELDS[field]:
+        if f"{base.target}.{leaf}" in targets:
+            return Placement(name, f"{base.target}.{leaf}", None, transform, finite)
+    return None
+
+
 def _match(name: str, cname: str, targets) -> Placement | None:
+    """The placement of one tensor (``targets=None``: the row's target without checking that the model has it)."""
     hits = [(rule, m) for rule in RULES if (m := rule.match(cname))]
     if len(hits) > 1:
         raise WeightError(f"tensor {name!r} matches {len(hits)} name-table rows: {[h[0].pattern for h in hits]}")
     if not hits:
-        return None
+        return _match_packed(name, cname, targets) if targets is not None else None
     rule, m = hits[0]
     groups = m.groupdict()
     target = rule.target.format(**groups)
-    if target not in targets:
+    if targets is not None and target not in targets:
         return None
     return Placement(name, target, int(groups["expert"]) if rule.stacked else None, rule.transform, rule.check)
 
@@ -228,17 +286,23 @@ def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
     """Match checkpoint tensor names to parameter leaves. Returns (placements, ignored names); raises on any tensor
     that fits nothing, any leaf (or expert slot) filled twice or not at all. ``files``: the checkpoint's file names,
     for the messages about tensors that are missing."""
-    placements, ignored, unmatched = [], [], []
+    placements, ignored, unmatched, shapes = [], [], [], []
     for name in names:
         cname = canonical(name, cfg)
         if cname is None:
             ignored.append(name)
+            continue
+        if cname.endswith("." + CT_SHAPE):
+            shapes.append(name)  # consumed by its weight_packed's placement, below
             continue
         p = _match(name, cname, targets)
         if p is None:
             unmatched.append(name)
         else:
             placements.append(p)
+    placed = {p.tensor for p in placements}
+    for name in shapes:
+        (ignored if name[:-len(CT_SHAPE)] + "weight_packed" in placed else unmatched).append(name)
     if unmatched:
         raise WeightError(
             f"{len(unmatched)} checkpoint tensor(s) match no parameter of this {cfg.family} model "

@@ -6,8 +6,12 @@ A converted directory (DST) holds::
     tiktoken.model, tokenizer_config.json, ...   copied from the source
     params/                       one Orbax checkpoint: a flat dict {"layers.3.self_attn.q_proj": array, ...} keyed
                                   by the model's parameter leaves (kimi_jax.model.params), experts stacked [E, ...],
-                                  an MXFP4 weight as its uint8 fields (``...experts.w1.packed``, ``...w1.scale``)
-    kimi_jax_checkpoint.json      written last: its presence is what makes DST a complete checkpoint
+                                  an MXFP4 weight as its uint8 fields (``...experts.w1.packed``, ``...w1.scale``),
+                                  a weight converted with --quantize as its packed fields (``...q_proj.q``,
+                                  ``...q_proj.scale``; kernels_pallas.quant)
+    kimi_jax_checkpoint.json      written last: its presence is what makes DST a complete checkpoint; records the
+                                  options, including ``"quantize": {"format": "int8", "include": [classes]}`` (or
+                                  null), which :func:`abstract_model` applies to the model the checkpoint fills
 
 While a conversion runs, ``params.partial_save/`` accumulates one Orbax partial save per batch of parameters and
 ``kimi_jax_convert_state.json`` records what is being converted; ``from_pretrained`` refuses such a directory.
@@ -88,6 +92,20 @@ def read_marker(path) -> dict:
     if not os.path.isdir(os.path.join(path, PARAMS)):
         raise IncompleteCheckpointError(f"{path}: {MARKER} is present but {PARAMS}/ is missing")
     return meta
+
+
+def quantization(meta: dict):
+    """The weight-only quantization a converted checkpoint stores (``kimi-jax convert --quantize``), as
+    ``(kernels_pallas.quant.Format, module classes)``, or None."""
+    q = meta.get("quantize")
+    if q is None:
+        return None
+    from kernels_pallas import quant
+
+    try:
+        return quant.Format.parse(q["format"]), tuple(q["include"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{MARKER}: unreadable quantization record {q!r} ({e})") from None
 
 
 # -- writing (used by the converter) -----------------------------------------------------------------------------
@@ -270,6 +288,10 @@ def restore(path, target: dict, *, check_complete: bool = True) -> dict:
         if tuple(t.shape) != tuple(have[k].shape):
             raise CheckpointError(f"{path}: parameter {k} is stored as {list(have[k].shape)}, "
                                   f"the target wants {list(t.shape)}")
+        stored_int, want_int = (np.issubdtype(np.dtype(d), np.integer) for d in (have[k].dtype, t.dtype))
+        if (stored_int or want_int) and np.dtype(have[k].dtype) != np.dtype(t.dtype):  # codes are never cast
+            raise CheckpointError(f"{path}: parameter {k} is stored as {np.dtype(have[k].dtype).name}, "
+                                  f"the target wants {np.dtype(t.dtype).name}")
         if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None:
             default = default or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             t = jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=default)
@@ -278,14 +300,30 @@ def restore(path, target: dict, *, check_complete: bool = True) -> dict:
         return ocp().load(os.path.join(path, PARAMS), abstract)
 
 
-def load_converted(path, cfg, model_factory, *, shardings=None):
+def abstract_model(path, model_factory):
+    """The abstract model (shapes, no memory) the converted checkpoint at ``path`` fills: ``model_factory``'s, with
+    the weights the conversion quantized in their packed types (:func:`quantization`)."""
+    from flax import nnx
+
+    from kimi_jax.model import quantize as quantize_lib
+
+    abstract = nnx.eval_shape(model_factory)
+    q = quantization(read_marker(path))
+    if q is not None:
+        quantize_lib.quantize(abstract, *q)  # the packed fields' shapes; nothing is computed
+    return abstract
+
+
+def load_converted(path, cfg, model_factory, *, shardings=None, abstract=None):
     """Build the model for ``cfg`` and fill it from the converted checkpoint at ``path`` (``shardings``: optional
-    {param path: Sharding}, e.g. ``kimi_jax.parallel.sharding.param_shardings(...)``)."""
+    {param path: Sharding}, e.g. ``kimi_jax.parallel.sharding.param_shardings(...)``). A checkpoint converted with
+    --quantize fills the quantized model directly: its packed fields are read as stored, no float weight is built.
+    ``abstract``: :func:`abstract_model`, when the caller has it already."""
     from flax import nnx
 
     from kimi_jax.model import params
 
-    abstract = nnx.eval_shape(model_factory)
+    abstract = abstract_model(path, model_factory) if abstract is None else abstract
     graphdef, state = nnx.split(abstract)
     targets = params.leaves(state)
     if shardings:

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shards", type=int, default=2)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.set_defaults(func=_cmd_make_tiny)
+    from kimi_jax.cli import train as train_cli
+
+    train_cli.add_train_arguments(sub.add_parser(
+        "train", help="train or LoRA-tune a model on text files (Orbax checkpoints, resumable; exports the HF layout)"))
     for command in _plugin_commands():  # `kimi-jax convert` (the convert package) registers itself here
         command.load()(sub)
     pl = sub.add_parser("plan", help="per-chip memory and roofline decode time of a model on a (data, expert, model) mesh")
@@ -106,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "in a fraction of the time; see kimi_jax/model/layer_plan.py for what it costs per step)")
     pl.add_argument("--quantize", default=None, metavar="FORMAT",
                     help="weight-only format of the dense weights: int8, int4[:gN][:zero], nf4 (kimi_jax.quantize)")
+    pl.add_argument("--kv-cache", default=None, choices=["int8"],
+                    help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
+    pl.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
+                    help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=_cmd_plan)

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx, struct
 
 from kimi_jax.model.cache import Cache, cache_shapes, init_cache
-from kimi_jax.parallel import distributed
+from kimi_jax.parallel import distributed, offload
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
@@ -294,15 +294,20 @@ class Generator:
 
     ``max_len``: cache length S (prompt + new tokens must fit). ``batch_buckets`` / ``prompt_buckets``:
     static shapes requests are padded to (defaults: powers of two; prompts from 16 up to ``max_len``).
+    ``kv_cache`` (None or ``"int8"``) and ``kda_state`` (None = float32, or bfloat16): how the cache stores its
+    rows and the KDA state (:mod:`kimi_jax.model.cache`).
     """
 
     def __init__(self, model, tokenizer: Tokenizer | str | None = None, *, max_len: int = 1024,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), prompt_buckets: Sequence[int] | None = None,
-                 min_prompt_bucket: int = 16):
+                 min_prompt_bucket: int = 16, kv_cache: str | None = None, kda_state=None):
         if max_len < 2:
             raise GenerationError(f"max_len must be >= 2, got {max_len}")
+        cache_shapes(model.cfg, 1, 2, kv_cache=kv_cache, kda_state=kda_state)  # unknown options fail here
+        self.cache_options = dict(kv_cache=kv_cache, kda_state=kda_state)
         self.cfg = model.cfg
         self.dtype = model.run.dtype
+        offload.place_model(model)  # RunConfig(offload=("experts",)): its expert weights into host memory
         self.graphdef, self.params = nnx.split(model)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.cfg.vocab_size:
@@ -315,6 +320,7 @@ class Generator:
         self._caches: dict[int, Cache] = {}
         self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
         self.scan = model.run.scan_layers  # and laid out as its layers are (stacked when scanned)
+        self.offload = model.run.offload
 
     def default_stop(self) -> list[int]:
         return default_stop_ids(self.tokenizer, self.cfg)
@@ -323,14 +329,16 @@ class Generator:
         cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate
         if cache is not None:
             return cache
-        shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan)
+        shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan, **self.cache_options)
         shardings = None
         if self.parallel is not None:
             from kimi_jax.parallel import sharding
 
             shardings = sharding.cache_shardings(self.cfg, shapes, self.parallel.mesh, self.parallel.layout)
         self._check_cache_fits(B, shapes, shardings)
-        return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan)
+        cache = init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan,
+                           **self.cache_options)
+        return offload.place_cache(cache, self.offload)  # RunConfig(offload=...): those entries in host memory
 
     def _check_cache_fits(self, B: int, shapes: Cache, shardings):
         """Refuse, before allocating, a cache larger than the memory free on the device that holds the most of it."""
@@ -493,14 +501,15 @@ def _auto_max_len(longest_prompt: int, max_new: int) -> int:
 
 def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
              stop: Sequence[int] | None = None, seed: int = 0, tokenizer: Tokenizer | str | None = None,
-             stream=None, stream_every: int = 8, max_len: int | None = None, record_logits: bool = False
-             ) -> Generation:
+             stream=None, stream_every: int = 8, max_len: int | None = None, record_logits: bool = False,
+             kv_cache: str | None = None, kda_state=None) -> Generation:
     """Generate from a :class:`~kimi_jax.model.KimiModel`: see :meth:`Generator.generate`.
 
     ``prompts``: a string, a list of token ids, or a list of either (different lengths are fine). ``tokenizer``:
     a :class:`~kimi_jax.text.tokenizer.Tokenizer` or a model directory holding tokenizer files (needed for text).
-    ``max_len``: cache length; by default the smallest power of two >= 256 that fits. The generator (and its
-    compiled functions and caches) is kept per model, so repeated calls do not recompile.
+    ``max_len``: cache length; by default the smallest power of two >= 256 that fits. ``kv_cache`` /
+    ``kda_state``: the cache's storage options (:class:`Generator`). The generator (and its compiled functions and
+    caches) is kept per model, so repeated calls do not recompile.
     """
     if isinstance(tokenizer, str):
         if tokenizer not in _TOKENIZERS:
@@ -510,9 +519,9 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
         longest = max(len(p) for p in encode_prompts(prompts, tokenizer, model.cfg.vocab_size))
         max_len = _auto_max_len(longest, int(np.max(max_new_tokens)))
     per_model = _GENERATORS.setdefault(model, {})
-    key = (id(tokenizer), int(max_len))
+    key = (id(tokenizer), int(max_len), kv_cache, str(kda_state))
     gen = per_model.get(key)
     if gen is None or gen.tokenizer is not tokenizer:
-        gen = per_model[key] = Generator(model, tokenizer, max_len=max_len)
+        gen = per_model[key] = Generator(model, tokenizer, max_len=max_len, kv_cache=kv_cache, kda_state=kda_state)
     return gen.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
                         seed=seed, stream=stream, stream_every=stream_every, record_logits=record_logits)

@@ -9,6 +9,10 @@ With a page table (``Step.pages``, the serving engine's paged cache) the MLA lat
 the cache entry are page pools ``[n_pages, page_size, ...]`` shared by all sequences: rows are stored through the
 table (padding rows dropped, so a shared page is never touched by a sequence that does not own it) and cached
 attention reads through it (``kernels_pallas.paged_attention``).
+
+A cache entry's fields may be int8 rows (:class:`kernels_pallas.cache_quant.Int8Rows`, ``kv_cache="int8"`` in
+:mod:`kimi_jax.model.cache`): rows are quantized as they are stored and the kernels read the codes. A bfloat16 KDA
+state is widened to float32 for the update and rounded back when stored.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import kernels_pallas.attention as attn_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
 import kernels_pallas.paged_attention as paged_kernels
-from kernels_pallas import matvec
+from kernels_pallas import cache_quant, matvec
 from kimi_jax.model.cache import KDACache, KVCache, MLACache
 from kimi_jax.model.config import GQAConfig, KDAConfig, MLAConfig
 from kimi_jax.model.layers import F32, linear, linear_group, param, rms_norm
@@ -40,7 +44,11 @@ class Step(NamedTuple):
 
 def _store(cache_arr, new_BT, step: Step):
     """This call's rows into the cache entry: the static ``[B, S, ...]`` cache at their positions, or through the
-    page table into the page pool ``[n_pages, page_size, ...]`` (padding rows and rows past the table dropped)."""
+    page table into the page pool ``[n_pages, page_size, ...]`` (padding rows and rows past the table dropped).
+    An int8 entry gets the rows quantized (codes and scales stored alike)."""
+    if isinstance(cache_arr, cache_quant.Int8Rows):
+        rows = cache_quant.quantize(new_BT)
+        return cache_quant.Int8Rows(_store(cache_arr.q, rows.q, step), _store(cache_arr.scale, rows.scale, step))
     if step.pages is None:
         return _write(cache_arr, new_BT, step.positions)
     n_pages, ps = cache_arr.shape[:2]
@@ -152,7 +160,7 @@ class KDA(nnx.Module):
         if not decode:
             # The reference's chunked path stores normalised q/k in the activation dtype (no-op in float32).
             q, k = q.astype(run.dtype).astype(F32), k.astype(run.dtype).astype(F32)
-        state = cache.state if (cache is not None and step.prefix) else None
+        state = cache.state.astype(F32) if (cache is not None and step.prefix) else None
         impl = dict(implementation=run.implementation, placement=run.placement)
         if decode:
             o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, **impl)
@@ -166,7 +174,7 @@ class KDA(nnx.Module):
         o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)
         o32 = o32 * self.o_norm[...].astype(F32) * jax.nn.sigmoid(heads(gate).astype(F32))
         y = linear(o32.astype(run.dtype).reshape(B, T, c.proj), self.o_proj[...], run)
-        new_cache = None if cache is None else KDACache(*new_tails, state)
+        new_cache = None if cache is None else KDACache(*new_tails, state.astype(cache.state.dtype))
         return y, new_cache
 
 

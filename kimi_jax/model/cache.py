@@ -6,6 +6,14 @@
   ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer.
 * GQA layer: keys (already rotated) ``[B, S, G, K]`` and values ``[B, S, G, U]`` (U = K).
 
+Two storage options, chosen where the cache is built (every function below takes them):
+
+* ``kv_cache="int8"``: each MLA / GQA field is a :class:`kernels_pallas.cache_quant.Int8Rows` (int8 codes and a
+  float32 scale per row: per token for ``c`` and ``kpe``, per token and kv head for ``k`` and ``v``), quantized as
+  rows are written; the attention kernels read the codes. K3: 576 + 8 bytes per MLA token instead of 1152 (bf16).
+* ``kda_state=jnp.bfloat16``: the KDA state stored in bfloat16, widened to float32 for each update and rounded back
+  when stored (half the bytes; the recurrence itself stays float32).
+
 Paged form (:func:`paged_cache`, the serving engine's): KDA entries are per *slot* as above (``B`` = slots), while
 the MLA and GQA entries hold one page pool per layer, ``c [n_pages, page_size, R]`` / ``k [n_pages, page_size, G,
 K]``, shared by every slot through a page table the model receives with each call (``page_table``).
@@ -21,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas import cache_quant
+from kernels_pallas.cache_quant import Int8Rows
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.layer_plan import layer_plan
 
@@ -30,19 +40,19 @@ class KDACache:
     conv_q: jax.Array  # [B, W-1, P] activation dtype
     conv_k: jax.Array  # [B, W-1, P]
     conv_v: jax.Array  # [B, W-1, P]
-    state: jax.Array  # [B, H, K, U] float32
+    state: jax.Array  # [B, H, K, U] float32 (or bfloat16: kda_state)
 
 
 @struct.dataclass
 class MLACache:
-    c: jax.Array  # [B, S, R]
-    kpe: jax.Array  # [B, S, O]
+    c: jax.Array | Int8Rows  # [B, S, R]
+    kpe: jax.Array | Int8Rows  # [B, S, O]
 
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [B, S, G, K]
-    v: jax.Array  # [B, S, G, U]
+    k: jax.Array | Int8Rows  # [B, S, G, K]
+    v: jax.Array | Int8Rows  # [B, S, G, U]
 
 
 @struct.dataclass
@@ -74,42 +84,69 @@ class Cache:
         return self.lengths.shape[0]
 
 
-def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype):
+def _state_dtype(kda_state):
+    try:
+        dt = jnp.dtype(jnp.float32 if kda_state is None else kda_state)
+    except TypeError:
+        dt = None
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"kda_state={kda_state!r}: choose float32 (None) or bfloat16")
+    return dt
+
+
+def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype, kv_cache=None, kda_state=None):
+    def rows(shape):
+        return Int8Rows.shapes(shape) if kv_cache == "int8" else jax.ShapeDtypeStruct(shape, dtype)
+
     if kind == "kda":
         k = cfg.kda
         tail = jax.ShapeDtypeStruct((batch, k.conv_size - 1, k.proj), dtype)
-        return KDACache(tail, tail, tail, jax.ShapeDtypeStruct((batch, k.num_heads, k.head_dim, k.head_dim), jnp.float32))
+        state = jax.ShapeDtypeStruct((batch, k.num_heads, k.head_dim, k.head_dim), _state_dtype(kda_state))
+        return KDACache(tail, tail, tail, state)
     if kind == "mla":
         m = cfg.mla
-        return MLACache(jax.ShapeDtypeStruct((batch, max_len, m.kv_lora_rank), dtype),
-                        jax.ShapeDtypeStruct((batch, max_len, m.qk_rope_dim), dtype))
+        return MLACache(rows((batch, max_len, m.kv_lora_rank)), rows((batch, max_len, m.qk_rope_dim)))
     g = cfg.gqa
-    kv = jax.ShapeDtypeStruct((batch, max_len, g.num_kv_heads, g.head_dim), dtype)
-    return KVCache(kv, kv)
+    return KVCache(rows((batch, max_len, g.num_kv_heads, g.head_dim)), rows((batch, max_len, g.num_kv_heads, g.head_dim)))
 
 
-def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, scan: bool = False) -> Cache:
-    """The cache as ``ShapeDtypeStruct`` leaves: no memory. ``scan``: laid out for a model with scanned layers."""
+def _options(kv_cache, kda_state):
+    cache_quant.check(kv_cache)
+    _state_dtype(kda_state)
+    return dict(kv_cache=kv_cache, kda_state=kda_state)
+
+
+def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, scan: bool = False,
+                 kv_cache: str | None = None, kda_state=None) -> Cache:
+    """The cache as ``ShapeDtypeStruct`` leaves: no memory. ``scan``: laid out for a model with scanned layers.
+    ``kv_cache`` (None or ``"int8"``) and ``kda_state`` (None = float32, or bfloat16): the storage options of the
+    module docstring."""
+    opts = _options(kv_cache, kda_state)
     plan = layer_plan(cfg, scan)
     dt = jnp.dtype(dtype)
-    layers = tuple(None if i in plan.scanned else _layer_shapes(cfg, kind, batch, max_len, dt)
+    layers = tuple(None if i in plan.scanned else _layer_shapes(cfg, kind, batch, max_len, dt, **opts)
                    for i, kind in enumerate(cfg.attn_types))
     stacked = lambda s: jax.ShapeDtypeStruct((plan.count, *s.shape), s.dtype)  # noqa: E731
-    stack = tuple(jax.tree.map(stacked, _layer_shapes(cfg, cfg.attn_types[plan.layer(j, 0)], batch, max_len, dt))
+    stack = tuple(jax.tree.map(stacked, _layer_shapes(cfg, cfg.attn_types[plan.layer(j, 0)], batch, max_len, dt,
+                                                      **opts))
                   for j in range(plan.period if plan.count else 0))
     return Cache(layers, jax.ShapeDtypeStruct((batch,), jnp.int32), stack)
 
 
 def paged_cache_shapes(cfg: ModelConfig, slots: int, n_pages: int, page_size: int, dtype=jnp.bfloat16, *,
-                       scan: bool = False) -> Cache:
-    """The paged cache as ``ShapeDtypeStruct`` leaves: per-slot KDA entries, ``[n_pages, page_size, ...]`` pools."""
+                       scan: bool = False, kv_cache: str | None = None, kda_state=None) -> Cache:
+    """The paged cache as ``ShapeDtypeStruct`` leaves: per-slot KDA entries, ``[n_pages, page_size, ...]`` pools
+    (int8 pools with ``kv_cache="int8"``: codes ``[n_pages, page_size, ...]``, scales ``[n_pages, page_size, ...,
+    1]``)."""
+    opts = _options(kv_cache, kda_state)
     plan = layer_plan(cfg, scan)
     dt = jnp.dtype(dtype)
 
     def entry(kind):
         if kind == "kda":
-            return _layer_shapes(cfg, kind, slots, 0, dt)
-        return _layer_shapes(cfg, kind, n_pages, page_size, dt)  # [n_pages, page_size, ...]: a page as a "sequence"
+            return _layer_shapes(cfg, kind, slots, 0, dt, **opts)
+        # [n_pages, page_size, ...]: a page as a "sequence"
+        return _layer_shapes(cfg, kind, n_pages, page_size, dt, **opts)
 
     layers = tuple(None if i in plan.scanned else entry(kind) for i, kind in enumerate(cfg.attn_types))
     stacked = lambda s: jax.ShapeDtypeStruct((plan.count, *s.shape), s.dtype)  # noqa: E731
@@ -119,26 +156,28 @@ def paged_cache_shapes(cfg: ModelConfig, slots: int, n_pages: int, page_size: in
 
 
 def paged_cache(cfg: ModelConfig, slots: int, n_pages: int, page_size: int, dtype=jnp.bfloat16, *,
-                scan: bool = False) -> Cache:
+                scan: bool = False, kv_cache: str | None = None, kda_state=None) -> Cache:
     """A zeroed paged cache (see the module docstring)."""
-    shapes = paged_cache_shapes(cfg, slots, n_pages, page_size, dtype, scan=scan)
+    shapes = paged_cache_shapes(cfg, slots, n_pages, page_size, dtype, scan=scan, kv_cache=kv_cache,
+                                kda_state=kda_state)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, sharding=None, *,
-               scan: bool = False) -> Cache:
+               scan: bool = False, kv_cache: str | None = None, kda_state=None) -> Cache:
     """A zeroed cache. ``sharding``: optional pytree of shardings matching :func:`cache_shapes`."""
-    shapes = cache_shapes(cfg, batch, max_len, dtype, scan=scan)
+    shapes = cache_shapes(cfg, batch, max_len, dtype, scan=scan, kv_cache=kv_cache, kda_state=kda_state)
     if sharding is None:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=sharding)()
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
-    """Bytes of the cache by kind: {"kda_state", "kda_conv", "mla", "kv", "total"}."""
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, kv_cache: str | None = None,
+                kda_state=None) -> dict:
+    """Bytes of the cache by kind: {"kda_state", "kda_conv", "mla", "kv", "total"} (int8 rows: codes and scales)."""
     out = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
-    for layer, _ in cache_shapes(cfg, batch, max_len, dtype).entries():
-        nbytes = lambda s: s.size * s.dtype.itemsize
+    nbytes = lambda e: sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(e))  # noqa: E731
+    for layer, _ in cache_shapes(cfg, batch, max_len, dtype, kv_cache=kv_cache, kda_state=kda_state).entries():
         if isinstance(layer, KDACache):
             out["kda_state"] += nbytes(layer.state)
             out["kda_conv"] += 3 * nbytes(layer.conv_q)

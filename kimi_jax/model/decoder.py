@@ -24,6 +24,7 @@ from kimi_jax.model.layer_plan import LayerPlan, layer_plan
 from kimi_jax.model.layers import MLP, AttnRes, embed, linear, param, rms_norm
 from kimi_jax.model.moe import MoE
 from kimi_jax.model.run import RunConfig
+from kimi_jax.parallel import offload
 
 
 @struct.dataclass
@@ -161,6 +162,9 @@ class KimiModel(nnx.Module):
     Layers live in ``layers`` (one module per layer). With ``RunConfig(scan_layers=True)`` the longest repeating run
     of layers (``self.plan``) lives in ``stack`` instead, one :class:`LayerGroup` whose parameters carry a leading
     repetition dimension, and runs as one ``lax.scan``; its entries of ``layers`` are None.
+
+    With ``RunConfig(offload=...)`` the offloaded cache entries arrive in host memory: each layer's entry is moved to
+    device memory before the layer runs and its new entry back before the next (:mod:`kimi_jax.parallel.offload`).
     """
 
     def __init__(self, cfg: ModelConfig, *, run: RunConfig | None = None, param_dtype=None, rngs: nnx.Rngs | None = None):
@@ -208,14 +212,15 @@ class KimiModel(nnx.Module):
                                                       run, want, outs)
                 continue
             layer = self.layers[i]
-            layer_cache = None if cache is None else cache.layers[i]
+            layer_cache = None if cache is None else offload.fetch_entry(cache.layers[i], run, after=h)
             if cfg.attn_res:
                 seal = i % cfg.attn_res_block_size == 0
-                h, blocks, layer_cache, r, w = layer.attn_res_call(h, blocks, seal, step, layer_cache, run)
+                h, blocks, layer_cache, r, w = _remat(
+                    lambda m, h, b, c: m.attn_res_call(h, b, seal, step, c, run), run)(layer, h, blocks, layer_cache)
                 outs.weights[i] = w
             else:
-                h, layer_cache, r = layer(h, step, layer_cache, run)
-            new_layers[i] = layer_cache
+                h, layer_cache, r = _remat(lambda m, h, c: m(h, step, c, run), run)(layer, h, layer_cache)
+            new_layers[i] = offload.store_entry(layer_cache, run)
             outs.hidden[i], outs.router[i] = h, r
         weights, mixed = [], None
         if cfg.attn_res:
@@ -262,6 +267,7 @@ class KimiModel(nnx.Module):
             caches, ys = list(caches) if caches is not None else None, []
             for j, layer in enumerate(group.layers):
                 entry = None if caches is None else jax.tree.map(lambda a: a[g], caches[j])
+                entry = offload.fetch_entry(entry, run, after=h)
                 w = None
                 if cfg.attn_res:
                     seal = (plan.start + g * plan.period + j) % cfg.attn_res_block_size == 0
@@ -270,12 +276,13 @@ class KimiModel(nnx.Module):
                 else:
                     h, entry, r = layer(h, step, entry, run)
                 if caches is not None:
+                    entry = offload.store_entry(entry, run)
                     caches[j] = jax.tree.map(lambda a, e: a.at[g].set(e), caches[j], entry)
                 ys.append(tuple(v if keep else None for v, keep in zip((h, r, w), want)))
             return (h, buf, cnt, None if caches is None else tuple(caches)), ys
 
         (h, buf, cnt, stack_cache), ys = jax.lax.scan(
-            body, (h, buf, cnt, stack_cache), (params, jnp.arange(plan.count, dtype=jnp.int32)))
+            jax.checkpoint(body) if run.remat else body, (h, buf, cnt, stack_cache), (params, jnp.arange(plan.count, dtype=jnp.int32)))
         for layer in plan.scanned:
             j, g = plan.slot(layer)
             hidden, router, weights = jax.tree.map(lambda a: a[g], ys[j])
@@ -288,6 +295,19 @@ class KimiModel(nnx.Module):
             sealed = len(range(0, plan.stop, cfg.attn_res_block_size))
             blocks = Blocks(tuple(buf[k] for k in range(sealed)))
         return h, blocks, (stack_cache if stack_cache is not None else ())
+
+
+def _remat(fn, run: RunConfig):
+    """``fn(layer, ...)`` rematerialised in the backward pass when ``run.remat`` (:class:`RunConfig`). The layer
+    goes in as its state (``jax.checkpoint`` over ``nnx.split``): a layer's forward pass mutates nothing."""
+    if not run.remat:
+        return fn
+
+    def call(layer, *args):
+        graphdef, state = nnx.split(layer)
+        return jax.checkpoint(lambda st, *a: fn(nnx.merge(graphdef, st), *a))(state, *args)
+
+    return call
 
 
 def _blocks_seen(cfg: ModelConfig, layer: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax.model.config import MoEConfig
 from kimi_jax.model.layers import F32, MLP, cast, glu, linear, param, rms_norm
 from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import expert_parallel
+from kimi_jax.parallel import expert_parallel, offload
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -45,7 +45,8 @@ class Experts(nnx.Module):
     """Routed experts stacked per layer: w1 (gate) / w3 (up) ``[E, F, L]``, w2 (down) ``[E, L, F]``.
 
     With MXFP4 each weight is one :class:`~kernels_pallas.mxfp4.MXFP4Weight` (uint8 codes and scales), kept packed in
-    device memory and decoded next to the matmul.
+    device memory and decoded next to the matmul. With ``RunConfig(offload=("experts",))`` the weights live in host
+    memory and each call moves its layer's weights (every field) to the device first (:mod:`kimi_jax.parallel.offload`).
     """
 
     def __init__(self, cfg: MoEConfig, *, param_dtype, rngs):
@@ -85,7 +86,7 @@ class Experts(nnx.Module):
 
     def __call__(self, z_NL, idx_NX, run: RunConfig):
         """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
-        return self.apply(self.weights(), z_NL, idx_NX, run)
+        return self.apply(offload.fetch_experts(self.weights(), run, after=z_NL), z_NL, idx_NX, run)
 
     def apply(self, w, z_NL, idx_NX, run: RunConfig):
         """:meth:`__call__` with the weights given (``w`` as :meth:`weights` returns them; expert parallelism
@@ -143,6 +144,9 @@ class MoE(nnx.Module):
         z = linear(x, self.routed_expert_down_proj[...], run) if c.latent is not None else x.astype(run.dtype)
         shared = None
         if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/parallel/expert_parallel.py)
+            if "experts" in run.offload:
+                raise ValueError("offload='experts' runs on one device for now: the expert-parallel dispatch "
+                                 "(kimi_jax/parallel/expert_parallel.py) reads the weights where they live")
             out = expert_parallel.routed_experts(self.experts, z, idx, run)
         else:
             out, shared = self._grouped_decode(x, z, idx, run) or (self.experts(z, idx, run), None)  # [N, X, L]
@@ -165,9 +169,10 @@ class MoE(nnx.Module):
         ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
         if isinstance(ex.weight("w1"), MXFP4Weight) or ex.path(N * X, run) != "gather":
             return None
+        w = offload.fetch_experts(ex.weights(), run, after=z_NL)
         dt, ids = run.dtype, idx_NX.reshape(N * X)
         zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
-        items = [(zx, cast(ex.weight("w1"), dt), ids), (zx, cast(ex.weight("w3"), dt), ids)]
+        items = [(zx, cast(w["w1"], dt), ids), (zx, cast(w["w3"], dt), ids)]
         if sh is not None:
             xs = x_ND.astype(dt)
             items += [(xs, cast(sh.gate_proj[...], dt), None), (xs, cast(sh.up_proj[...], dt), None)]
@@ -175,7 +180,7 @@ class MoE(nnx.Module):
         if not matvec.fuses(items, **kw):
             return None
         up = matvec.group(items, **kw)
-        items = [(ex.act(up[0], up[1], run).astype(dt), cast(ex.weight("w2"), dt), ids)]
+        items = [(ex.act(up[0], up[1], run).astype(dt), cast(w["w2"], dt), ids)]
         if sh is not None:
             hs = glu(up[2], up[3], sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)
             items.append((hs.astype(dt), cast(sh.down_proj[...], dt), None))

@@ -26,6 +26,10 @@ class RunConfig:
     ``scan_layers``: build the model with the parameters of its longest repeating run of layers stacked and run
     that run as one ``lax.scan`` (:mod:`kimi_jax.model.layer_plan`: compile time falls by the repetition count; the
     compilers copy each iteration's weight slice, so off by default). The model's parameter layout follows it.
+    ``offload``: what lives in host memory and moves to the device per layer (:mod:`kimi_jax.parallel.offload`):
+    any of ``"kda_state"`` (KDA cache entries), ``"cache"`` (MLA / GQA cache entries), ``"experts"`` (routed experts).
+    ``remat``: rematerialise each decoder layer (a scanned run: each repetition of its group) in the backward pass
+    (``jax.checkpoint``): training keeps one residual stream per layer instead of every activation.
     """
 
     dtype: jnp.dtype = jnp.bfloat16
@@ -34,6 +38,13 @@ class RunConfig:
     moe_path: str = "auto"  # "auto" | "gather" | "sorted" | "dense"
     parallel: object = None  # kimi_jax.parallel.sharding.Parallel | None
     scan_layers: bool = False
+    offload: tuple[str, ...] = ()  # of "kda_state", "cache", "experts"
+    remat: bool = False
+
+    def __post_init__(self):
+        from kimi_jax.parallel.offload import check_kinds
+
+        object.__setattr__(self, "offload", check_kinds(self.offload))
 
     @property
     def placement(self):

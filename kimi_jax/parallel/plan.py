@@ -18,8 +18,10 @@ import functools
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes
@@ -64,6 +66,8 @@ class Plan:
     step_read: dict  # name -> bytes read per decode step per chip
     prefill_activations: dict
     notes: list
+    kv_cache: str | None = None  # the cache's storage options (kimi_jax.model.cache)
+    kda_state: str = "float32"
 
     @property
     def chips(self) -> int:
@@ -112,13 +116,14 @@ def _spec_axes(part):
 
 def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
               kernels: str = "pallas", prefill_chunk: int = 0, model_name: str = "",
-              quantize: str | None = None) -> Plan:
+              quantize: str | None = None, kv_cache: str | None = None, kda_state=None) -> Plan:
     """Per-chip bytes for ``cfg`` on a mesh of ``sizes`` (``{"data","expert","model"}``) under ``layout``.
 
     ``kernels``: ``"pallas"`` (TPU/GPU kernels decode MXFP4 and read caches per tile: no workspace) or
     ``"reference"`` (the jnp kernels, what CPU runs: one layer's local experts dequantized, the MLA latent cache
     of one layer upcast to float32). ``quantize``: the weight-only format of :func:`kimi_jax.model.quantize.quantize`
-    (its default module classes), so parameters count their packed fields.
+    (its default module classes), so parameters count their packed fields. ``kv_cache`` / ``kda_state``: the
+    cache's storage options (:func:`kimi_jax.model.cache.cache_shapes`): int8 rows count codes and scales.
     """
     if kernels not in ("pallas", "reference"):
         raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
@@ -128,7 +133,8 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     model, table = _abstract(cfg, dt.name, quantize)
     specs = sharding.param_specs(model, sizes, lay, table=table)
     params, weights_read, expert_local = _param_bytes(table, specs, sizes)
-    cache, b_loc, notes = _cache_bytes(cfg, batch, context, dt, sizes, lay)
+    cache_options = dict(kv_cache=kv_cache, kda_state=kda_state)
+    cache, b_loc, notes = _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options)
     act = _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt, kernels, bool(expert_local))
     read = {"weights (non-expert)": weights_read, "embedding rows": b_loc * cfg.hidden_size * dt.itemsize}
     if expert_local:
@@ -139,8 +145,9 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
     read["MLA / KV cache"] = cache["mla"] + cache["kv"]
     prefill = _prefill_activations(cfg, sizes, lay, specs, model, b_loc, prefill_chunk, dt) if prefill_chunk else {}
+    state = jnp.dtype(jnp.float32 if kda_state is None else kda_state).name
     return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
-                prefill, notes)
+                prefill, notes, kv_cache, state)
 
 
 def _param_bytes(table, specs, sizes) -> tuple[dict, int, dict]:
@@ -167,15 +174,18 @@ _CACHE_KIND = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv",
                "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}
 
 
-def _cache_bytes(cfg, batch, context, dt, sizes, lay) -> tuple[dict, int, list]:
+def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tuple[dict, int, list]:
     """(cache bytes per chip by kind, sequences per chip, notes on what the layout cannot split)."""
-    cshapes = cache_shapes(cfg, batch, context, dt)
+    cshapes = cache_shapes(cfg, batch, context, dt, **(cache_options or {}))
     cspecs = sharding.cache_specs(cfg, cshapes, sizes, lay)
     cache = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
     for entry, spec in zip(cshapes.layers, cspecs.layers):
         for field in dataclasses.fields(entry):
-            sds, sp = getattr(entry, field.name), getattr(spec, field.name)
-            cache[_CACHE_KIND[field.name]] += sharding.shard_bytes(sds.shape, sds.dtype, sp, sizes)
+            value, sp = getattr(entry, field.name), getattr(spec, field.name)
+            # an int8 field: its codes and its scales, each under its own spec
+            specs = jax.tree.leaves(sp, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            for sds, s in zip(jax.tree.leaves(value), specs):
+                cache[_CACHE_KIND[field.name]] += sharding.shard_bytes(sds.shape, sds.dtype, s, sizes)
     cache["lengths"] = sharding.shard_bytes(cshapes.lengths.shape, cshapes.lengths.dtype, cspecs.lengths, sizes)
     b_loc = sharding.shard_shape((batch,), cspecs.lengths, sizes)[0]
     notes = []
@@ -212,7 +222,7 @@ def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt
         work["workspace: expert dequant (ref.)"] = (2 * e_loc * f_loc * L + rows * e_loc * max(f_loc, L)) * dt.itemsize
     if cfg.mla is not None and "mla" in cfg.attn_types:
         # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for the
-        # value read; the rope key part once.
+        # value read; the rope key part once (an int8 cache: its dequantized copy, the same float32 bytes).
         m = cfg.mla
         work["workspace: MLA upcast (ref.)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
     if kernels == "reference" and work:
@@ -290,13 +300,17 @@ def _gb(b):
 def format_plan(p: Plan, chips=None, reserve: float = 0.1, bandwidth: float | None = None) -> str:
     chips = chips or list(CHIPS)
     mesh = ",".join(f"{a}={p.sizes[a]}" for a in sharding.MESH_AXES)
+    cache_format = f", {p.kv_cache} MLA/KV cache" if p.kv_cache else ""
+    cache_format += f", {p.kda_state} KDA state" if p.kda_state != "float32" else ""
     lines = [f"{p.model}: mesh {mesh} ({p.chips} chips), layout {p.layout}, batch {p.batch}, context {p.context}, "
-             f"{p.dtype}, {p.kernels} kernels", "", "per-chip bytes"]
+             f"{p.dtype}{cache_format}, {p.kernels} kernels", "", "per-chip bytes"]
     for k, v in p.params.items():
         lines.append(f"  params  {k:<34}{_gb(v)}")
     lines.append(f"  params  {'total':<34}{_gb(p.param_total)}")
-    labels = {"kda_state": "KDA state (f32)", "kda_conv": "KDA conv tails", "mla": "MLA latent cache", "kv": "GQA KV cache",
-              "lengths": "sequence lengths"}
+    state = {"float32": "f32", "bfloat16": "bf16"}.get(p.kda_state, p.kda_state)
+    rows = f", {p.kv_cache}" if p.kv_cache else ""
+    labels = {"kda_state": f"KDA state ({state})", "kda_conv": "KDA conv tails", "mla": f"MLA latent cache{rows}",
+              "kv": f"GQA KV cache{rows}", "lengths": "sequence lengths"}
     for k, v in p.cache.items():
         if v:
             lines.append(f"  cache   {labels[k]:<34}{_gb(v)}")
@@ -331,14 +345,15 @@ def candidate_meshes(chips: int):
 
 
 def search(cfg: ModelConfig, layout, *, batch, context, dtype="bfloat16", kernels="pallas", chips=None,
-           reserve=0.1, max_chips=512, quantize: str | None = None) -> dict[str, list[Plan]]:
+           reserve=0.1, max_chips=512, quantize: str | None = None, kv_cache: str | None = None,
+           kda_state=None) -> dict[str, list[Plan]]:
     """For each chip, the fitting meshes with the fewest chips (power-of-two counts; all model-axis sizes there)."""
     chips = list(chips or CHIPS)
     out: dict[str, list[Plan]] = {}
     n = 1
     while n <= max_chips and len(out) < len(chips):
         plans = [make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, kernels=kernels,
-                           quantize=quantize) for s in candidate_meshes(n)]
+                           quantize=quantize, kv_cache=kv_cache, kda_state=kda_state) for s in candidate_meshes(n)]
         for name in chips:
             fit = [p for p in plans if p.fits(CHIPS[name], reserve)]
             if name not in out and fit:
@@ -358,7 +373,7 @@ def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, co
 
 def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int = 1,
                  dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False,
-                 quantize: str | None = None) -> dict:
+                 quantize: str | None = None, kv_cache: str | None = None, kda_state=None) -> dict:
     """Lower and compile one step on ``mesh`` with abstract sharded parameters and cache (nothing is allocated).
 
     ``tokens == 1``: a decode step (``[batch, 1]`` ids after the cached prefix). ``tokens > 1``: a fresh prefill
@@ -367,6 +382,7 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
     (:mod:`kimi_jax.parallel.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
     ``scan_layers``: the model with its repeating run of layers scanned (:mod:`kimi_jax.model.layer_plan`).
     ``quantize``: the weight-only format the parameters take (:func:`kimi_jax.model.quantize.quantize`).
+    ``kv_cache`` / ``kda_state``: the abstract cache's storage options (:func:`kimi_jax.model.cache.cache_shapes`).
     Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device,
     ``compile_seconds``, the Pallas kernel calls in the program and the compiler's ``bytes_accessed`` per device.
     """
@@ -374,9 +390,9 @@ def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context:
 
     import jax
 
-    graphdef, state, ids, cache, out_shardings = _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context,
-                                                                       jnp.dtype(dtype), implementation, scan_layers,
-                                                                       quantize)
+    graphdef, state, ids, cache, out_shardings = _abstract_step_inputs(
+        cfg, mesh, layout, batch, tokens, context, jnp.dtype(dtype), implementation, scan_layers, quantize,
+        dict(kv_cache=kv_cache, kda_state=kda_state))
 
     def step(state, ids, cache):
         out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
@@ -405,7 +421,7 @@ def _pallas_calls(text: str) -> int:
 
 
 def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation, scan_layers=False,
-                          quantize=None):
+                          quantize=None, cache_options=None):
     """(graphdef, parameters, ids [batch, tokens], cache, (logits, cache) shardings), all abstract and sharded
     by :mod:`kimi_jax.parallel.sharding` on ``mesh``."""
     import jax
@@ -421,7 +437,7 @@ def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, impleme
     leaves = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
               for k, v in params.leaves(state).items()}
     state = params.fill(state, leaves)
-    shapes = cache_shapes(cfg, batch, context, dt, scan=scan_layers)
+    shapes = cache_shapes(cfg, batch, context, dt, scan=scan_layers, **(cache_options or {}))
     cshard = sharding.cache_shardings(cfg, shapes, mesh, lay)
     cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, cshard)
     bspec = sharding.batch_spec((batch, tokens), mesh, lay)
@@ -480,8 +496,9 @@ def run_cli(args) -> int:
     if target is not None:
         aot.target_mesh(target, **sizes)  # a mesh that does not use the target's devices fails before the plan
     chunk = args.prefill_chunk if args.prefill_chunk is not None else (COMPILE_PREFILL_CHUNK if target else 0)
+    cache_options = dict(kv_cache=args.kv_cache, kda_state=args.kda_state)
     p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                  kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize,
+                  kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize, **cache_options,
                   model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
     print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
     if target is not None:
@@ -490,7 +507,7 @@ def run_cli(args) -> int:
         print("\nsmallest fitting meshes (data=1), per chip:")
         for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
                                   kernels=args.kernels, chips=chips, reserve=args.reserve,
-                                  quantize=args.quantize).items():
+                                  quantize=args.quantize, **cache_options).items():
             if not plans:
                 print(f"  {CHIPS[name].name:<18} none up to 512 chips")
             for q in plans:
@@ -508,9 +525,13 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
     from kimi_jax.parallel import aot
 
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
-    res = aot.compile_steps(cfg, target, p.sizes, args.layout, batch=args.batch, context=args.context,
-                            dtype=args.dtype, prefill_chunk=chunk, implementation=implementation,
-                            scan_layers=args.scan_layers, quantize=args.quantize)
+    kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, prefill_chunk=chunk,
+              implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize)
+    if args.kv_cache is None and args.kda_state is None:
+        res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
+    else:
+        res = _compile_steps(cfg, target, p.sizes, args.layout, kv_cache=args.kv_cache, kda_state=args.kda_state,
+                             **kw)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
     layers = "scanned layers" if args.scan_layers else "unrolled layers"
@@ -522,6 +543,27 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
     for name, r in res.items():
         print(format_compiled(titles[name], p.param_total + p.cache_total, plan_act[name], r))
     return 0 if all(r["fits"] for r in res.values()) else 1
+
+
+def _compile_steps(cfg, target, sizes, layout, *, prefill_chunk, kv_cache, kda_state, **kw) -> dict:
+    """:func:`kimi_jax.parallel.aot.compile_steps` with the cache's storage options (which it does not take yet;
+    the same loop and the same results)."""
+    from kimi_jax.parallel import aot
+
+    mesh = aot.target_mesh(target, **{a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES})
+    hbm = aot.hbm_bytes(target)
+    out = {}
+    for name, tokens in (("decode", 1), ("prefill", prefill_chunk)):
+        if not tokens:
+            continue
+        try:
+            r = compile_step(cfg, mesh, layout, tokens=tokens, kv_cache=kv_cache, kda_state=kda_state, **kw)
+        except Exception as e:  # every refusal is a result, as in aot.compile_steps
+            out[name] = {"fits": False, "hbm": hbm, "oom": aot.is_hbm_oom(e), "error": aot._error_line(e)}
+            continue
+        r["hbm"], r["fits"] = hbm, r["peak"] <= hbm
+        out[name] = r
+    return out
 
 
 def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:

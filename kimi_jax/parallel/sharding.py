@@ -31,6 +31,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from kernels_pallas import packed
 from kernels_pallas._dispatch import Placement, dividing_prefix
+from kernels_pallas.cache_quant import Int8Rows
 from kimi_jax.model.cache import Cache, KDACache, KVCache, MLACache
 from kimi_jax.model.config import ModelConfig
 
@@ -336,18 +337,28 @@ CACHE_AXES = {
 def cache_specs(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> Cache:
     """A :class:`Cache` of PartitionSpecs matching ``cache`` (real or ``cache_shapes``), heads split only when the
     layer's head count divides (the same decision as its parameters). Stacked entries of scanned layers keep their
-    repetition dimension whole."""
+    repetition dimension whole. An int8 field (``Int8Rows``) gets one spec per part, codes and scales split alike
+    (the scales' trailing 1 whole)."""
     lay = layout(lay)
     sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
     virtual = {KDACache: {"heads": cfg.kda.num_heads} if cfg.kda else {},
                MLACache: {},
                KVCache: {"heads": cfg.gqa.num_heads, "kv_heads": cfg.gqa.num_kv_heads} if cfg.gqa else {}}
 
+    def parts(value):  # {suffix: leaf}: a plain field, or the codes and scales of an int8 one
+        return {f".{k}": v for k, v in value._asdict().items()} if isinstance(value, Int8Rows) else {"": value}
+
     def specs(entry, where, stacked):
         fields = CACHE_AXES[type(entry)]
         lead = (None,) if stacked else ()
-        arrays = {f: ((*lead, *axes), tuple(getattr(entry, f).shape)) for f, axes in fields.items()}
-        return type(entry)(**group_specs(arrays, sizes, lay, virtual[type(entry)], where))
+        arrays = {f + k: ((*lead, *axes), tuple(leaf.shape)) for f, axes in fields.items()
+                  for k, leaf in parts(getattr(entry, f)).items()}
+        got = group_specs(arrays, sizes, lay, virtual[type(entry)], where)
+        out = {}
+        for f in fields:
+            value = getattr(entry, f)
+            out[f] = Int8Rows(got[f + ".q"], got[f + ".scale"]) if isinstance(value, Int8Rows) else got[f]
+        return type(entry)(**out)
 
     layers = tuple(None if e is None else specs(e, f"cache layer {i} ", False) for i, e in enumerate(cache.layers))
     stack = tuple(specs(e, f"cache stack {j} ", True) for j, e in enumerate(cache.stack))

@@ -1,0 +1,188 @@
+"""``kimi-jax train``: train (or LoRA-tune) a model on text files, checkpoint with Orbax, export to the HF layout.
+
+    kimi-jax train --model DIR --data a.txt b.txt --steps 300 --out runs/x [--lora 8]
+
+Text is tokenized with the model directory's tokenizer (else as UTF-8 bytes) and the last ``--eval-frac`` of it is
+held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step), so a run
+resumed from its checkpoint (``OUT/checkpoints``, rerun the same command) sees exactly the batches it would have.
+Every step's metrics -- loss, gradient norm, learning rate, per-layer gradient and output norms, expert load, AttnRes
+weights -- go to ``OUT/metrics.jsonl``; the final model goes to ``OUT/model`` in the released layout (MXFP4
+experts re-quantized, LoRA merged) with the tokenizer files, readable by ``kimi_jax.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+
+import numpy as np
+
+
+def add_train_arguments(p):
+    p.add_argument("--model", required=True, help="model directory (HF layout or converted) or 'tiny-k3' (random)")
+    p.add_argument("--data", nargs="+", required=True, help="UTF-8 text files")
+    p.add_argument("--steps", type=int, required=True, help="total optimizer steps (the schedule's length)")
+    p.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, model/")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="train rank-R LoRA adapters only (0: full)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2R)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128, help="tokens per training window")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 10)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="compute dtype (master weights are float32 either way)")
+    p.add_argument("--remat", action="store_true", help="rematerialise each layer in the backward pass")
+    p.add_argument("--balance-rate", type=float, default=1e-3, help="router correction-bias step per update")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-frac", type=float, default=0.1, help="fraction of the text held out for eval")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step as if interrupted, leaving a checkpoint (rerun to resume)")
+    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+class _Bytes:
+    """UTF-8 bytes as token ids (models without tokenizer files; needs a vocabulary of 256 or more)."""
+
+    def encode(self, text):
+        return list(text.encode())
+
+
+def _load(args):
+    """(model, raw config dict, tokenizer, tokenizer source directory or None)."""
+    import jax.numpy as jnp
+
+    import kimi_jax
+    from kimi_jax.model import config as C
+    from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
+
+    if args.model == "tiny-k3":
+        raw = C.tiny_k3_config_dict()
+        model = kimi_jax.KimiModel(C.from_dict(raw), param_dtype=jnp.float32)
+        return model, raw, _Bytes(), None
+    if not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model!r}: not a model directory (or 'tiny-k3')")
+    with open(os.path.join(args.model, "config.json")) as f:
+        raw = json.load(f)
+    model = kimi_jax.from_pretrained(args.model, dtype="float32", progress=False)
+    if has_tokenizer(args.model):
+        return model, raw, load_tokenizer(args.model), args.model
+    return model, raw, _Bytes(), None
+
+
+def unigram_entropy(ids: np.ndarray) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the best model that ignores context."""
+    counts = np.bincount(ids)
+    p = counts[counts > 0] / ids.size
+    return float(-(p * np.log(p)).sum())
+
+
+def windows(ids: np.ndarray, batch: int, seq: int, seed: int, step: int) -> np.ndarray:
+    """``[batch, seq]`` windows at random offsets, a function of (seed, step) only."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(ids) - seq + 1, batch)
+    return np.stack([ids[s:s + seq] for s in starts])
+
+
+def _eval_batches(ids: np.ndarray, batch: int, seq: int):
+    n = max(1, min(4, len(ids) // (batch * seq)))
+    starts = np.linspace(0, len(ids) - seq, n * batch).astype(int)
+    return [np.stack([ids[s:s + seq] for s in starts[i * batch:(i + 1) * batch]]) for i in range(n)]
+
+
+def _host(metrics) -> dict:
+    import jax
+
+    return jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from kimi_jax import training
+    from kimi_jax.training import checkpoint as ckpt
+    from kimi_jax.training.export import export_hf
+
+    model, raw, tok, tok_dir = _load(args)
+    text = "\n".join(open(f, encoding="utf-8").read() for f in args.data)
+    ids = np.asarray(tok.encode(text), np.int32)
+    if ids.size and int(ids.max()) >= model.cfg.vocab_size:
+        raise ValueError(f"token id {int(ids.max())} >= vocab size {model.cfg.vocab_size}")
+    cut = int(len(ids) * (1 - args.eval_frac))
+    train_ids, eval_ids = ids[:cut], ids[cut:]
+    if len(train_ids) < args.seq or len(eval_ids) < args.seq:
+        raise ValueError(f"{len(ids)} tokens of text: too few for windows of --seq {args.seq} in both the training "
+                         f"and the held-out part (--eval-frac {args.eval_frac})")
+    h1 = unigram_entropy(train_ids)
+    print(f"{len(train_ids)} training tokens, {len(eval_ids)} held out; unigram entropy {h1:.3f} nats", file=sys.stderr)
+
+    model.run = dataclasses.replace(model.run, remat=args.remat)
+    training.prepare(model, dtype=args.dtype)
+    optim = training.OptimConfig(lr=args.lr, steps=args.steps, warmup=args.warmup if args.warmup is not None
+                                 else args.steps // 10, weight_decay=args.weight_decay, clip=args.clip)
+    lora = None
+    if args.lora:
+        lora = training.LoraConfig(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora)
+    config = training.TrainConfig(optim=optim, lora=lora, balance_rate=args.balance_rate, seed=args.seed)
+    trainer, state = training.init(model, config)
+    step_fn, eval_fn = training.compile_steps(trainer)
+
+    os.makedirs(args.out, exist_ok=True)
+    mgr = ckpt.manager(os.path.join(args.out, "checkpoints"))
+    got = ckpt.restore_latest(mgr, state)
+    if got is not None:
+        state, extra = got
+        print(f"resumed from step {int(state.step)}", file=sys.stderr)
+    start = int(state.step)
+
+    def evaluate():
+        tot = cnt = 0.0
+        for b in _eval_batches(eval_ids, args.batch, args.seq):
+            b = jnp.asarray(b)
+            loss, n = eval_fn(state, training.Batch(b, jnp.ones_like(b)))
+            tot, cnt = tot + float(loss) * float(n), cnt + float(n)
+        return tot / cnt
+
+    log = open(os.path.join(args.out, "metrics.jsonl"), "a")
+    stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    bar = tqdm(range(start, stop), initial=start, total=args.steps, desc="train", file=sys.stderr)
+    last = {}
+    for i in bar:
+        b = jnp.asarray(windows(train_ids, args.batch, args.seq, args.seed, i))
+        state, metrics = step_fn(state, training.Batch(b, jnp.ones_like(b)))
+        row = {"step": i + 1, **_host(metrics)}
+        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+            row["eval_loss"] = evaluate()
+        log.write(json.dumps(row) + "\n")
+        last = row
+        bar.set_postfix(loss=f"{row['loss']:.3f}", **({"eval": f"{row['eval_loss']:.3f}"} if "eval_loss" in row else {}))
+        if (i + 1) % args.save_every == 0 and i + 1 < stop:
+            ckpt.save(mgr, state, {"unigram_entropy": h1})
+    log.close()
+    if int(state.step) > start or got is None:
+        ckpt.save(mgr, state, {"unigram_entropy": h1})
+    if int(state.step) < args.steps:
+        print(f"stopped at step {int(state.step)} of {args.steps}; rerun the command to resume", file=sys.stderr)
+        return 0
+    out = export_hf(trainer.model(state), raw, os.path.join(args.out, "model"), dtype=args.export_dtype)
+    if tok_dir is not None:
+        for f in os.listdir(tok_dir):
+            if f.startswith("tokenizer") or f.endswith((".model", ".tiktoken")) or f == "special_tokens_map.json":
+                shutil.copy(os.path.join(tok_dir, f), out)
+    summary = {"steps": int(state.step), "final_loss": last.get("loss"), "eval_loss": last.get("eval_loss"),
+               "unigram_entropy": h1, "model": out}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    jax.effects_barrier()
+    return 0 if math.isfinite(last.get("loss", 0.0) or 0.0) else 1
