@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas import quant
+from kimi_jax.checkpoint import hf
 from kimi_jax.checkpoint import orbax as orbax_io
 from kimi_jax.checkpoint import reader as reader_lib
 from kimi_jax.checkpoint.names import canonical
@@ -412,6 +413,10 @@ def _validate(src: str, dtype: str, layers, experts, q: dict | None = None) -> _
     if orbax_io.looks_converted(src):
         raise ConvertError(f"SRC {src} is already a kimi-jax (Orbax) checkpoint")
     cfg_file = os.path.join(src, "config.json")
+    ct = hf.pack_quantized(src)
+    if ct is not None:
+        raise ConvertError(f"SRC {src} stores its weights {ct.name()} (compressed-tensors): convert does not take "
+                           "pack-quantized sources; kimi_jax.from_pretrained(SRC) reads them packed as they are")
     cfg = config_lib.load(src)
     if experts is not None and cfg.moe is None:
         raise ConvertError(f"--experts {experts}: {cfg_file} describes a model without routed experts")

@@ -175,8 +175,9 @@ raise SystemExit("the hook should have killed this process")
 
 
 def test_kill_and_resume_same_quantization_only(k3_tiny_a, converted, tmp_path):
-    """SIGKILL after 3 partial saves of an int8 conversion: a resume asking for int4 (or none) is refused naming both,
-    the int8 resume skips what was saved and equals the uninterrupted int8 conversion bit for bit."""
+    """SIGKILL after 3 partial saves of an int8 conversion: a resume asking for int4 (or none, or other classes) is
+    refused naming both; the int8 resume skips what was saved and equals the uninterrupted int8 conversion bit for
+    bit."""
     dst = tmp_path / "killed"
     r = subprocess.run([sys.executable, "-c", KILLER, k3_tiny_a, str(dst), "int8"], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
@@ -186,6 +187,9 @@ def test_kill_and_resume_same_quantization_only(k3_tiny_a, converted, tmp_path):
         convert_checkpoint(k3_tiny_a, dst, quantize="int4", progress=False)
     with pytest.raises(ConvertError, match=r"made with --quantize int8 .*asks for no --quantize"):
         convert_checkpoint(k3_tiny_a, dst, progress=False)
+    with pytest.raises(ConvertError, match=r"made with --quantize int8 --quantize-include attention,mlp,latent,lm_head;"
+                                           r" this run asks for --quantize int8 --quantize-include mlp\. "):
+        convert_checkpoint(k3_tiny_a, dst, quantize="int8", quantize_include=["mlp"], progress=False)
     summary = convert_checkpoint(k3_tiny_a, dst, quantize="int8", progress=False, batch_bytes=200_000, verify=True)
     assert 0 < summary.skipped < 282 and summary.params == 282 - summary.skipped and summary.verified
     ref = orbax_io.stored(converted["int8"])

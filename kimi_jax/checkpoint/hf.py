@@ -59,10 +59,6 @@ class PackQuantized:
         return f"{self.kind} pack-quantized ({'channel' if self.group is None else f'group {self.group}'})"
 
 
-_CT_ARGS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic", "actorder",
-            "observer", "observer_kwargs", "scale_dtype", "zp_dtype")
-
-
 def pack_quantized(path) -> PackQuantized | None:
     """The compressed-tensors ``pack-quantized`` weight format of the checkpoint at ``path`` (config.json's
     ``quantization_config``, top level or in ``text_config``), or None when it has another quantization_config or

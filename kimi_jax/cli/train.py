@@ -98,6 +98,31 @@ def _eval_batches(ids: np.ndarray, batch: int, seq: int):
     return [np.stack([ids[s:s + seq] for s in starts[i * batch:(i + 1) * batch]]) for i in range(n)]
 
 
+def _data(args, tok, vocab: int):
+    """(training ids, held-out ids) of the ``--data`` files."""
+    text = "\n".join(open(f, encoding="utf-8").read() for f in args.data)
+    ids = np.asarray(tok.encode(text), np.int32)
+    if ids.size and int(ids.max()) >= vocab:
+        raise ValueError(f"token id {int(ids.max())} >= vocab size {vocab}")
+    cut = int(len(ids) * (1 - args.eval_frac))
+    if cut < args.seq or len(ids) - cut < args.seq:
+        raise ValueError(f"{len(ids)} tokens of text: too few for windows of --seq {args.seq} in both the training "
+                         f"and the held-out part (--eval-frac {args.eval_frac})")
+    return ids[:cut], ids[cut:]
+
+
+def _export(trainer, state, raw, tok_dir, args) -> str:
+    """The final model in the released layout under ``OUT/model``, with the tokenizer files."""
+    from kimi_jax.training.export import export_hf
+
+    out = export_hf(trainer.model(state), raw, os.path.join(args.out, "model"), dtype=args.export_dtype)
+    if tok_dir is not None:
+        for f in os.listdir(tok_dir):
+            if f.startswith("tokenizer") or f.endswith((".model", ".tiktoken")) or f == "special_tokens_map.json":
+                shutil.copy(os.path.join(tok_dir, f), out)
+    return out
+
+
 def _host(metrics) -> dict:
     import jax
 
@@ -105,24 +130,13 @@ def _host(metrics) -> dict:
 
 
 def run(args):
-    import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
     from kimi_jax import training
     from kimi_jax.training import checkpoint as ckpt
-    from kimi_jax.training.export import export_hf
-
     model, raw, tok, tok_dir = _load(args)
-    text = "\n".join(open(f, encoding="utf-8").read() for f in args.data)
-    ids = np.asarray(tok.encode(text), np.int32)
-    if ids.size and int(ids.max()) >= model.cfg.vocab_size:
-        raise ValueError(f"token id {int(ids.max())} >= vocab size {model.cfg.vocab_size}")
-    cut = int(len(ids) * (1 - args.eval_frac))
-    train_ids, eval_ids = ids[:cut], ids[cut:]
-    if len(train_ids) < args.seq or len(eval_ids) < args.seq:
-        raise ValueError(f"{len(ids)} tokens of text: too few for windows of --seq {args.seq} in both the training "
-                         f"and the held-out part (--eval-frac {args.eval_frac})")
+    train_ids, eval_ids = _data(args, tok, model.cfg.vocab_size)
     h1 = unigram_entropy(train_ids)
     print(f"{len(train_ids)} training tokens, {len(eval_ids)} held out; unigram entropy {h1:.3f} nats", file=sys.stderr)
 
@@ -165,7 +179,10 @@ def run(args):
             row["eval_loss"] = evaluate()
         log.write(json.dumps(row) + "\n")
         last = row
-        bar.set_postfix(loss=f"{row['loss']:.3f}", **({"eval": f"{row['eval_loss']:.3f}"} if "eval_loss" in row else {}))
+        shown = {"loss": f"{row['loss']:.3f}"}
+        if "eval_loss" in row:
+            shown["eval"] = f"{row['eval_loss']:.3f}"
+        bar.set_postfix(**shown)
         if (i + 1) % args.save_every == 0 and i + 1 < stop:
             ckpt.save(mgr, state, {"unigram_entropy": h1})
     log.close()
@@ -174,15 +191,10 @@ def run(args):
     if int(state.step) < args.steps:
         print(f"stopped at step {int(state.step)} of {args.steps}; rerun the command to resume", file=sys.stderr)
         return 0
-    out = export_hf(trainer.model(state), raw, os.path.join(args.out, "model"), dtype=args.export_dtype)
-    if tok_dir is not None:
-        for f in os.listdir(tok_dir):
-            if f.startswith("tokenizer") or f.endswith((".model", ".tiktoken")) or f == "special_tokens_map.json":
-                shutil.copy(os.path.join(tok_dir, f), out)
+    out = _export(trainer, state, raw, tok_dir, args)
     summary = {"steps": int(state.step), "final_loss": last.get("loss"), "eval_loss": last.get("eval_loss"),
                "unigram_entropy": h1, "model": out}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary))
-    jax.effects_barrier()
     return 0 if math.isfinite(last.get("loss", 0.0) or 0.0) else 1

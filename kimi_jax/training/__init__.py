@@ -9,6 +9,7 @@ auxiliary-loss-free expert balancing, LoRA, Orbax train checkpoints and export t
     training.export_hf(trainer.model(state), raw_config, out_dir)   # MXFP4 experts re-packed, LoRA merged
 """
 
+from kimi_jax.training.export import export_hf  # noqa: F401
 from kimi_jax.training.lora import LoraConfig  # noqa: F401
 from kimi_jax.training.loss import causal_lm_loss, token_nll  # noqa: F401
 from kimi_jax.training.optim import OptimConfig, optimizer, schedule  # noqa: F401

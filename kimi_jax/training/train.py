@@ -71,6 +71,7 @@ class Trainer:
     model_cfg: Any
     run: RunConfig
     plan: Any
+    shardings: Any = None  # on a mesh: the TrainState's shardings, kept by every step
 
     def model(self, state: TrainState) -> KimiModel:
         """The model with ``state``'s parameters (LoRA adapters merged)."""
@@ -107,12 +108,18 @@ def prepare(model: KimiModel, dtype=None) -> KimiModel:
     return model
 
 
-def init(model: KimiModel, config: TrainConfig = TrainConfig(), mesh=None, layout="tp_ep") -> tuple[Trainer, TrainState]:
+def init(model: KimiModel, config: TrainConfig = TrainConfig(), mesh=None,
+         layout="tp_ep") -> tuple[Trainer, TrainState]:
     """A :class:`Trainer` and the first :class:`TrainState` of ``model`` (call :func:`prepare` first). With ``mesh``,
     the model runs on it (``RunConfig.parallel``) and the state is placed in the inference layout."""
     if mesh is not None:
         from kimi_jax.parallel import distributed
 
+        if "moe" in model.cfg.ffn_types:
+            # On a mesh the MoE runs through expert parallelism, whose local experts use the sorted grouped
+            # matmul (a loop with traced bounds): no reverse mode yet. Dense (Llama-shaped) models train sharded.
+            raise ValueError("training an MoE model on a mesh is not supported yet: the expert-parallel grouped "
+                             "matmul (kimi_jax/parallel/expert_parallel.py) has no gradient; train on one device")
         model.run = distributed.with_parallel(model.run, mesh, layout)
     graphdef, bias, params, rest = nnx.split(model, nnx.PathContains(balance.BIAS), nnx.Param, ...)
     frozen = None
@@ -129,14 +136,19 @@ def init(model: KimiModel, config: TrainConfig = TrainConfig(), mesh=None, layou
         rep = NamedSharding(mesh, PartitionSpec())
         opt_state = optax.tree_map_params(tx, lambda p, s: jax.device_put(p, s), opt_state, shard,
                                           transform_non_params=lambda x: jax.device_put(x, rep))
-    return trainer, state.replace(opt_state=opt_state)
+    state = state.replace(opt_state=opt_state)
+    if mesh is not None:
+        trainer = dataclasses.replace(trainer, shardings=jax.tree.map(lambda x: x.sharding, state))
+    return trainer, state
 
 
 # -- shardings ---------------------------------------------------------------------------------------------
 
 
 def _dotted(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    """A pytree key path as the dotted leaf name (the ``.value`` attribute of an nnx Variable left out)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path
+                    if not isinstance(k, jax.tree_util.GetAttrKey))
 
 
 def param_tree_shardings(model, tree, mesh, layout="tp_ep"):
@@ -243,7 +255,10 @@ def train_step(trainer: Trainer, state: TrainState, batch: Batch) -> tuple[Train
                "lr": schedule(trainer.config.optim)(state.step),
                "layer_grad_norm": layer_norms(grads, cfg.num_layers, trainer.plan),
                **signals(trainer, router, hidden, attn_res, batch.mask)}
-    return state.replace(step=state.step + 1, params=params, bias=bias, opt_state=opt_state), metrics
+    new = state.replace(step=state.step + 1, params=params, bias=bias, opt_state=opt_state)
+    if trainer.shardings is not None:  # the compiler would otherwise choose the outputs' layout
+        new = jax.lax.with_sharding_constraint(new, trainer.shardings)
+    return new, metrics
 
 
 def eval_loss(trainer: Trainer, state: TrainState, batch: Batch):
