@@ -34,11 +34,17 @@ def test_demo_checkpoint_is_in_the_released_format(demo_dir):
 
 
 def test_demo_command(capsys):
-    assert cli.main(["demo", "--max-new-tokens", "6"]) == 0
+    assert cli.main(["demo", "--max-new-tokens", "6"]) == 0  # the shipped trained model
     out, err = capsys.readouterr()
-    assert "tiny Kimi K3 in the released format" in err and "MXFP4 experts" in err
+    assert "demo Kimi K3 in the released format" in err and "MXFP4 experts" in err
+    assert "Trained on Python's documentation" in err and "held-out loss" in err
     assert "time to first token" in err and "tok/s" in err
     assert out.strip()  # the streamed text
+    assert cli.main(["demo", "--random", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "tiny Kimi K3 in the released format" in err and "Random weights" in err and out.strip()
+    assert cli.main(["demo", "--seed", "3"]) == 2
+    assert "add --random" in capsys.readouterr().err
 
 
 def test_generate_command(demo_dir, capsys):
@@ -52,6 +58,20 @@ def test_generate_command(demo_dir, capsys):
     assert cli.main(["generate", "--model", demo_dir, "--ids", "5,6,7", "--ids", "8,9", "--max-new-tokens", "3"]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("[0] ") and "\n[1] " in out
+
+
+def test_generate_command_cache_options(demo_dir, capsys):
+    """--kv-cache int8 / --kda-state bfloat16 reach the generator: greedy ids as the float cache gives (the tiny
+    model's int8 decode error is 1e-2 in the logits, far from its top-2 margins on these few steps) or a clear
+    refusal of an unknown choice."""
+    argv = ["generate", "--model", demo_dir, "--ids", "5,6,7", "--max-new-tokens", "4", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(argv + ["--kv-cache", "int8", "--kda-state", "bfloat16"]) == 0
+    quant = capsys.readouterr().out
+    assert plain.strip() and quant == plain
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv + ["--kv-cache", "int4"])
 
 
 def test_dtype_choice(capsys, monkeypatch):

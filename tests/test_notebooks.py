@@ -14,7 +14,8 @@ NOTEBOOKS = os.path.join(ROOT, "notebooks")
 REPO_URL = "https://github.com/kimi-jax/kimi-jax"
 COLAB = "https://colab.research.google.com/github/kimi-jax/kimi-jax/blob/main/notebooks/"
 # name -> figures it must draw (each is checked for titles and labels)
-EXPECTED = {"01_quickstart.ipynb": 0, "02_convert_and_run.ipynb": 0, "03_inside_k3.ipynb": 4, "04_planning.ipynb": 2}
+EXPECTED = {"01_quickstart.ipynb": 0, "02_convert_and_run.ipynb": 0, "03_inside_k3.ipynb": 4, "04_planning.ipynb": 2,
+            "05_recall.ipynb": 1}
 KERNEL = "kimi-jax-test"
 
 
@@ -42,7 +43,7 @@ def _load(name):
         return nbformat.read(f, as_version=4)
 
 
-def test_the_four_notebooks_exist():
+def test_the_notebooks_exist():
     assert sorted(f for f in os.listdir(NOTEBOOKS) if f.endswith(".ipynb")) == sorted(EXPECTED)
 
 

@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
     pl.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
                     help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
+    pl.add_argument("--offload", default=None, metavar="KINDS",
+                    help="comma list of experts,kda_state,cache kept in host memory: the bytes moved per chip, "
+                         "the per-step copy traffic, and with --search the smallest meshes with it")
+    pl.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
+                    help="with --offload --search: host memory per chip (default 256: a DGX H200's 2 TB / 8)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=_cmd_plan)

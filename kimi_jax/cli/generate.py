@@ -16,6 +16,7 @@ import tempfile
 import time
 
 DEFAULT_PROMPT = "The capital of France is"
+DEMO_PROMPT = "The for statement"  # the demo model read Python's documentation
 CACHE_ENV = "KIMI_JAX_COMPILE_CACHE"  # a directory, or "off" / "0" / "" to disable
 
 
@@ -75,13 +76,17 @@ def _dtype_argument(p: argparse.ArgumentParser):
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
-    p.add_argument("--model", help="HF or converted checkpoint directory (default: the embedded tiny K3 demo)")
+    p.add_argument("--model", help="HF or converted checkpoint directory (default: the shipped demo model)")
     p.add_argument("--max-new-tokens", type=int, default=max_new)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-len", type=int, default=None, help="cache length (default: fits the request)")
+    p.add_argument("--kv-cache", default=None, choices=["int8"],
+                   help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
+    p.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
+                   help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
     _dtype_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
@@ -89,11 +94,13 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
 
 
 def add_demo_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=32)
     _dtype_argument(p)
-    p.add_argument("--seed", type=int, default=0, help="weights seed of the demo checkpoint")
-    p.add_argument("--keep", metavar="DIR", help="write the demo checkpoint into DIR and keep it")
+    p.add_argument("--random", action="store_true",
+                   help="a random-weight tiny K3 written in the released format instead of the trained demo model")
+    p.add_argument("--seed", type=int, default=0, help="with --random: weights seed")
+    p.add_argument("--keep", metavar="DIR", help="with --random: write the checkpoint into DIR and keep it")
     _compile_cache_arguments(p)
     p.set_defaults(func=run_demo)
 
@@ -122,15 +129,19 @@ def add_chat_arguments(p: argparse.ArgumentParser):
 
 
 @contextlib.contextmanager
-def _model_dir(path, seed=0, keep=None):
-    """The model directory to load: ``path``, or a freshly built demo checkpoint."""
+def _model_dir(path, *, random=False, seed=0, keep=None):
+    """The model directory to load: ``path``; else the shipped demo model, or (``random``) a freshly written random
+    tiny K3 (kept in ``keep`` when given)."""
     if path:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: no such model directory")
         yield path
         return
-    from kimi_jax.cli.demo import build_demo_checkpoint
+    from kimi_jax.cli.demo import build_demo_checkpoint, demo_model_dir
 
+    if not random:
+        yield demo_model_dir()
+        return
     if keep:
         yield build_demo_checkpoint(keep, seed=seed)
         return
@@ -190,14 +201,16 @@ def run_demo(args):
     import kimi_jax
     from kimi_jax.model.decoder import param_count
 
-    with _model_dir(None, seed=args.seed, keep=args.keep) as path:
+    if (args.seed or args.keep) and not args.random:
+        raise ValueError("--seed and --keep describe the random model: add --random")
+    with _model_dir(None, random=args.random, seed=args.seed, keep=args.keep) as path:
         model, tok, load_s, dtype = _load(path, args.dtype)
         cfg = model.cfg
         kinds = "".join({"kda": "K", "mla": "M", "gqa": "G"}[a] for a in cfg.attn_types)
-        print(f"tiny Kimi K3 in the released format ({param_count(model) / 1e6:.2f}M parameters, {cfg.num_layers} "
-              f"layers [{kinds}], {cfg.moe.num_experts} MXFP4 experts, vocab {cfg.vocab_size}) loaded from {path} "
-              f"in {load_s:.2f}s; {jax.devices()[0].platform}, {dtype}. Random weights: the text is noise.",
-              file=sys.stderr)
+        print(f"{'tiny' if args.random else 'demo'} Kimi K3 in the released format ({param_count(model) / 1e6:.2f}M "
+              f"parameters, {cfg.num_layers} layers [{kinds}], {cfg.moe.num_experts} MXFP4 experts, vocab "
+              f"{cfg.vocab_size}) loaded from {path} in {load_s:.2f}s; {jax.devices()[0].platform}, {dtype}. "
+              f"{_provenance(args.random)}", file=sys.stderr)
         kw = dict(max_new_tokens=args.max_new_tokens, tokenizer=tok, stop=())  # stop=(): always show the budget
         print(f"> {args.prompt}", file=sys.stderr)
         t0 = time.perf_counter()
@@ -209,6 +222,16 @@ def run_demo(args):
         again = kimi_jax.generate(model, args.prompt, **kw)
         assert again.tokens == first.tokens  # greedy and deterministic
         _report(again, "second request (compiled): ")
+
+
+def _provenance(random: bool) -> str:
+    if random:
+        return "Random weights: the text is noise."
+    from kimi_jax.cli.demo import demo_recipe
+
+    r = demo_recipe()
+    return (f"Trained on Python's documentation ({r['train_tokens'] / 1e6:.1f}M tokens seen, held-out loss "
+            f"{r['heldout_loss']:.2f} nats/token): it writes in that style, and knows little.")
 
 
 def _prompts(args, tok):
@@ -248,7 +271,7 @@ def run_generate(args):
         stream = None if (args.no_stream or len(prompts) > 1) else _printer()
         r = kimi_jax.generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=stream,
-                              max_len=args.max_len)
+                              max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
         if stream is not None:
             print()
         else:
@@ -310,7 +333,8 @@ def run_chat(args, stdin=None):
             try:
                 r = kimi_jax.generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, tokenizer=tok,
-                                      stream=stream, max_len=args.max_len)
+                                      stream=stream, max_len=args.max_len, kv_cache=args.kv_cache,
+                                      kda_state=args.kda_state)
             except GenerationError as e:  # e.g. the conversation outgrew the cache: keep the session alive
                 print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
                 history.pop()

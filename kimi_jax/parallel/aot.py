@@ -158,9 +158,11 @@ def is_hbm_oom(error: Exception) -> bool:
 
 def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: int, context: int,
                   dtype="bfloat16", prefill_chunk: int = 0, implementation: str | None = None,
-                  scan_layers: bool = False, quantize: str | None = None) -> dict:
+                  scan_layers: bool = False, quantize: str | None = None, kv_cache: str | None = None,
+                  kda_state=None) -> dict:
     """Compile one decode step and (``prefill_chunk`` > 0) one fresh prefill of ``[batch, prefill_chunk]`` ids
-    for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache.
+    for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache (``kv_cache`` / ``kda_state``:
+    its storage options, :func:`kimi_jax.model.cache.cache_shapes`).
 
     Returns ``{"decode": r, "prefill": r}``; each ``r`` holds the per-device ``argument`` / ``output`` / ``alias`` /
     ``temp`` / ``peak`` bytes, ``compile_seconds``, ``hbm`` (bytes per device) and ``fits``. A program the compiler
@@ -177,7 +179,8 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
             continue
         try:
             r = plan.compile_step(cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype,
-                                  implementation=implementation, scan_layers=scan_layers, quantize=quantize)
+                                  implementation=implementation, scan_layers=scan_layers, quantize=quantize,
+                                  kv_cache=kv_cache, kda_state=kda_state)
         except Exception as e:  # every refusal is a result here; plan.compile_step raises for callers who want it
             out[name] = {"fits": False, "hbm": hbm, "oom": is_hbm_oom(e), "error": _error_line(e)}
             continue

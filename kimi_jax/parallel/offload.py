@@ -37,6 +37,7 @@ from flax import nnx
 KINDS = ("kda_state", "cache", "experts")
 HOST = "pinned_host"
 PCIE_GEN5 = 64e9  # bytes/s per GPU, one direction (x16)
+HOST_PER_CHIP = 256e9  # host memory per accelerator: a DGX H200 node has 2 TB for its 8 GPUs (NVIDIA's datasheet)
 
 
 def check_kinds(kinds) -> tuple[str, ...]:
@@ -189,9 +190,10 @@ def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, contex
 
 def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16", chip: str = "h200",
                  reserve: float = 0.1, max_chips: int = 512, quantize: str | None = None,
-                 bandwidth: float = PCIE_GEN5) -> dict:
+                 bandwidth: float = PCIE_GEN5, host_bytes: float = HOST_PER_CHIP) -> dict:
     """The smallest fitting mesh for ``chip`` with and without offloading ``kinds``: device bytes per chip are the
-    plan's total minus what is moved (:func:`offload_bytes`). Returns ``{"without": row, "with": row}``; each row
+    plan's total minus what is moved (:func:`offload_bytes`), which must fit ``host_bytes`` of host memory per chip
+    (with the same ``reserve``). Returns ``{"without": row, "with": row}``; each row
     has ``chips``, ``sizes``, ``device`` (bytes per chip), ``host`` (bytes per chip in host memory),
     ``h2d_per_step``, ``copy_seconds`` (per decode step at ``bandwidth``) and ``hbm_seconds`` (the plan's roofline
     step), or is None when nothing up to ``max_chips`` fits."""
@@ -207,7 +209,8 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
                 p = plan.make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
                 o = offload_bytes(cfg, ks, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
                 device = p.total - o.total
-                if device <= c.hbm_bytes * (1 - reserve) and (best is None or device < best["device"]):
+                fits = device <= c.hbm_bytes * (1 - reserve) and o.total <= host_bytes * (1 - reserve)
+                if fits and (best is None or device < best["device"]):
                     best = {"chips": n, "sizes": s, "device": device, "host": o.total, "moved": o.moved,
                             "h2d_per_step": o.h2d_per_step, "d2h_per_step": o.d2h_per_step,
                             "copy_seconds": o.step_seconds(bandwidth), "hbm_seconds": p.step_seconds(c.hbm_bandwidth)}

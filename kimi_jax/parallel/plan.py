@@ -501,6 +501,8 @@ def run_cli(args) -> int:
                   kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize, **cache_options,
                   model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
     print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
+    if args.offload:
+        _offload_cli(cfg, p, args, chips)
     if target is not None:
         return _compile_cli(cfg, target, p, args, chunk)
     if args.search:
@@ -517,6 +519,31 @@ def run_cli(args) -> int:
     return 0
 
 
+def _offload_cli(cfg, p: Plan, args, chips):
+    """``--offload``: what moves to host memory on this mesh, and with ``--search`` the smallest meshes with it."""
+    from kimi_jax.parallel import offload
+
+    kinds = offload.check_kinds(args.offload)
+    kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, quantize=args.quantize)
+    o = offload.offload_bytes(cfg, kinds, p.sizes, args.layout, **kw)
+    print("\n" + offload.format_offload(o))
+    print(f"  left on each chip: {(p.total - o.total) / GB:.2f} GB of the plan's {p.total / GB:.2f} GB")
+    if not args.search:
+        return
+    print(f"\nsmallest fitting meshes with {','.join(kinds)} in host memory ({args.host_memory:g} GB of it per chip; "
+          f"data=1), per chip:")
+    for name in chips:
+        rows = offload.offload_plan(cfg, kinds, args.layout, chip=name, reserve=args.reserve,
+                                    host_bytes=args.host_memory * GB, **kw)
+        r = rows["with"]
+        if r is None:
+            print(f"  {CHIPS[name].name:<18} none up to 512 chips")
+            continue
+        before = rows["without"]["chips"] if rows["without"] else "none"
+        print(f"  {CHIPS[name].name:<18} {r['chips']:4d} chips (without: {before}) {r['device'] / GB:7.1f} GB/chip on "
+              f"device, {r['host'] / GB:7.1f} GB/chip in host memory, {r['copy_seconds'] * 1e3:8.2f} ms/step of copies")
+
+
 COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typical prefill chunk
 
 
@@ -526,12 +553,9 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
 
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, prefill_chunk=chunk,
-              implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize)
-    if args.kv_cache is None and args.kda_state is None:
-        res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
-    else:
-        res = _compile_steps(cfg, target, p.sizes, args.layout, kv_cache=args.kv_cache, kda_state=args.kda_state,
-                             **kw)
+              implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize,
+              kv_cache=args.kv_cache, kda_state=args.kda_state)
+    res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
     layers = "scanned layers" if args.scan_layers else "unrolled layers"
@@ -543,27 +567,6 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
     for name, r in res.items():
         print(format_compiled(titles[name], p.param_total + p.cache_total, plan_act[name], r))
     return 0 if all(r["fits"] for r in res.values()) else 1
-
-
-def _compile_steps(cfg, target, sizes, layout, *, prefill_chunk, kv_cache, kda_state, **kw) -> dict:
-    """:func:`kimi_jax.parallel.aot.compile_steps` with the cache's storage options (which it does not take yet;
-    the same loop and the same results)."""
-    from kimi_jax.parallel import aot
-
-    mesh = aot.target_mesh(target, **{a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES})
-    hbm = aot.hbm_bytes(target)
-    out = {}
-    for name, tokens in (("decode", 1), ("prefill", prefill_chunk)):
-        if not tokens:
-            continue
-        try:
-            r = compile_step(cfg, mesh, layout, tokens=tokens, kv_cache=kv_cache, kda_state=kda_state, **kw)
-        except Exception as e:  # every refusal is a result, as in aot.compile_steps
-            out[name] = {"fits": False, "hbm": hbm, "oom": aot.is_hbm_oom(e), "error": aot._error_line(e)}
-            continue
-        r["hbm"], r["fits"] = hbm, r["peak"] <= hbm
-        out[name] = r
-    return out
 
 
 def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:

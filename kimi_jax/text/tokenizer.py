@@ -397,13 +397,47 @@ Mathematics gives answers with proofs; computers check them quickly, and enginee
 """
 
 
-def write_demo_tokenizer(path, vocab_size: int = 1024) -> KimiTokenizer:
-    """Write ``tiktoken.model`` + ``tokenizer_config.json`` for a vocabulary of ``vocab_size`` ids in the K3
-    layout: ``vocab_size - 256`` BPE ranks trained on a built-in text, then the 256 specials with K3's names
-    at K3's offsets (``<|end_of_msg|>`` = first special + 2)."""
-    num_base = vocab_size - NUM_RESERVED_SPECIAL
+def learn_bpe(texts: Sequence[str], num_base: int, pat_str: str = KIMI_PAT_STR):
+    """Byte-level BPE learned from ``texts`` by HF ``tokenizers``' trainer (Rust; what :func:`train_bpe` does, fast
+    enough for megabytes of text). Returns ``(ranks, hf_tokenizer)``: the 256 bytes, then the merges in the order
+    they were learned, and the trained ``tokenizers.Tokenizer``.
+
+    Ranks in merge order make tiktoken's lowest-rank-first merging reproduce the trained BPE, so a
+    :class:`KimiTokenizer` over ``ranks`` and ``hf_tokenizer`` give the same ids (the demo recipe checks it on its
+    whole corpus)."""
+    from tokenizers import Regex, Tokenizer as HFTok, models, pre_tokenizers, trainers
+
+    if num_base < 256:
+        raise ValueError(f"num_base {num_base} < 256: byte-level BPE needs every single byte")
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pat_str), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=num_base, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    tok.train_from_iterator(texts, trainer)
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in json.loads(tok.to_str())["model"]["merges"]:
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        ranks.setdefault(byte_level_bytes(left + right), len(ranks))
+    return ranks, tok
+
+
+def byte_level_bytes(token: str) -> bytes:
+    """The bytes behind a token of HF's byte-level BPE, whose alphabet is GPT-2's byte -> printable character map
+    (printable Latin-1 bytes as themselves, the other 68 bytes as U+0100 onwards, in byte order)."""
+    if not hasattr(byte_level_bytes, "_map"):
+        keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+        moved = [b for b in range(256) if b not in keep]
+        byte_level_bytes._map = {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+    return bytes(byte_level_bytes._map[c] for c in token)
+
+
+def write_kimi_tokenizer(path, ranks: dict[bytes, int]) -> KimiTokenizer:
+    """Write ``tiktoken.model`` + ``tokenizer_config.json`` in the K3 layout: ``ranks``, then the 256 specials with
+    K3's names at K3's offsets (``<|end_of_msg|>`` = first special + 2)."""
+    num_base = len(ranks)
     os.makedirs(path, exist_ok=True)
-    write_tiktoken_model(os.path.join(path, "tiktoken.model"), train_bpe(_DEMO_TEXT * 4, num_base))
+    write_tiktoken_model(os.path.join(path, "tiktoken.model"), ranks)
     decoder = {str(num_base + off): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
                                      "single_word": False, "special": True}
                for off, name in sorted(K3_SPECIAL_NAMES.items())}
@@ -412,3 +446,9 @@ def write_demo_tokenizer(path, vocab_size: int = 1024) -> KimiTokenizer:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return KimiTokenizer.from_dir(path)
+
+
+def write_demo_tokenizer(path, vocab_size: int = 1024) -> KimiTokenizer:
+    """The tokenizer of the random-weight tiny K3: ``vocab_size - 256`` BPE ranks trained on a built-in text, in the
+    K3 layout (:func:`write_kimi_tokenizer`)."""
+    return write_kimi_tokenizer(path, train_bpe(_DEMO_TEXT * 4, vocab_size - NUM_RESERVED_SPECIAL))

@@ -1,0 +1,52 @@
+"""The recall study (kimi_jax/analysis/recall.py): all-KDA, K3's hybrid, all-MLA and dense GQA models of one size,
+trained here with one token budget on multi-query associative recall and needle retrieval, scored at growing
+context lengths beside the cache bytes each keeps per sequence.
+
+    python benchmarks/recall.py                      # the README's table; writes benchmarks/results/recall.json
+    python benchmarks/recall.py --steps 60 --models hybrid gqa --out /tmp/r.json   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kimi_jax.analysis import recall  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "recall.json")
+
+
+def main(argv=None) -> int:
+    d = recall.Study()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(recall.MODELS), choices=recall.MODELS)
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--hidden", type=int, default=d.hidden)
+    ap.add_argument("--batch", type=int, default=d.batch)
+    ap.add_argument("--train-lengths", type=int, nargs="+", default=list(d.train_lengths))
+    ap.add_argument("--eval-lengths", type=int, nargs="+", default=list(d.eval_lengths))
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--out", default=OUT)
+    args = ap.parse_args(argv)
+    study = dataclasses.replace(d, steps=args.steps, hidden=args.hidden, batch=args.batch, seed=args.seed,
+                                train_lengths=tuple(args.train_lengths), eval_lengths=tuple(args.eval_lengths))
+    rows = recall.run(study, args.models, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(recall.table(rows))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"study": dataclasses.asdict(study), "python": platform.python_version(),
+                   "command": "python benchmarks/recall.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

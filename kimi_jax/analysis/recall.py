@@ -1,0 +1,238 @@
+"""The recall study: does KDA's fixed-size state lose what attention keeps?
+
+Four models of one size are trained from scratch, with one token budget, on two synthetic associative-recall tasks,
+then scored at growing context lengths beside the bytes each keeps per sequence to generate:
+
+* ``kda`` (every layer Kimi Delta Attention), ``hybrid`` (K3's pattern: three KDA layers, then gated NoPE MLA),
+  ``mla`` (every layer MLA): the K3 skeleton (Block AttnRes, SiTU MLPs), only the token mixers differ;
+* ``gqa``: the dense ``KimiForCausalLM`` shape (grouped-query attention with RoPE, SwiGLU MLPs).
+
+Tasks (token ids: 0 padding, 1 the query marker, then keys, values and filler in disjoint ranges):
+
+* **MQAR** (multi-query associative recall, Zoology, Arora et al. 2023): ``L/4`` key-value pairs, then ``L/4``
+  of those keys again, each followed by its value; the values after the repeated keys are scored.
+* **Needle**: a haystack of filler tokens holding ``NEEDLES`` key-value pairs at random places, closed by
+  ``[Q] key value`` for each; the values after the final keys are scored.
+
+Accuracy is the fraction of scored values predicted exactly (greedy, teacher-forced). Cache bytes are
+:func:`kimi_jax.model.cache.cache_bytes` for one sequence of the length, the KDA state counted once, and the
+measured ``nbytes`` of the cache :func:`kimi_jax.model.cache.init_cache` allocates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax.model import config as C
+
+PAD, QUERY = 0, 1
+NUM_KEYS, NUM_VALUES, NUM_FILLER = 128, 64, 62
+KEY0 = 2
+VALUE0 = KEY0 + NUM_KEYS
+FILLER0 = VALUE0 + NUM_VALUES
+VOCAB = FILLER0 + NUM_FILLER  # 256
+NEEDLES = 4
+MODELS = ("kda", "hybrid", "mla", "gqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """One setting of the study: model width and depth, the training run, the lengths trained and scored."""
+
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 2
+    head_dim: int = 32
+    steps: int = 400
+    batch: int = 32
+    lr: float = 3e-3
+    train_lengths: tuple = (64, 128, 256)
+    eval_lengths: tuple = (64, 128, 256, 512)
+    eval_batches: int = 4
+    seed: int = 0
+
+
+def mqar(rng: np.random.Generator, batch: int, length: int):
+    """``(ids [B, L] int32, scored [B, L] bool)``: MQAR, ``scored[t]`` where ``ids[t]`` is a value to recall."""
+    n = length // 4
+    if n > NUM_KEYS:
+        raise ValueError(f"mqar: length {length} needs {n} distinct keys, the vocabulary has {NUM_KEYS}")
+    ids = np.full((batch, length), PAD, np.int32)
+    scored = np.zeros((batch, length), bool)
+    for b in range(batch):
+        keys = KEY0 + rng.choice(NUM_KEYS, n, replace=False)
+        values = VALUE0 + rng.integers(0, NUM_VALUES, n)
+        ids[b, 0:2 * n:2], ids[b, 1:2 * n:2] = keys, values
+        asked = rng.choice(n, n, replace=False)
+        ids[b, 2 * n:4 * n:2], ids[b, 2 * n + 1:4 * n:2] = keys[asked], values[asked]
+        scored[b, 2 * n + 1:4 * n:2] = True
+    return ids, scored
+
+
+def needle(rng: np.random.Generator, batch: int, length: int):
+    """``(ids, scored)``: ``NEEDLES`` key-value pairs hidden in filler, each asked for at the end after ``[Q]``."""
+    tail = 3 * NEEDLES
+    if length < tail + 2 * NEEDLES + 1:
+        raise ValueError(f"needle: length {length} is too short for {NEEDLES} needles")
+    ids = (FILLER0 + rng.integers(0, NUM_FILLER, (batch, length))).astype(np.int32)
+    scored = np.zeros((batch, length), bool)
+    room = length - tail
+    for b in range(batch):
+        keys = KEY0 + rng.choice(NUM_KEYS, NEEDLES, replace=False)
+        values = VALUE0 + rng.integers(0, NUM_VALUES, NEEDLES)
+        slots = np.sort(rng.choice(room // 2, NEEDLES, replace=False)) * 2  # even offsets: pairs never overlap
+        ids[b, slots], ids[b, slots + 1] = keys, values
+        order = rng.permutation(NEEDLES)
+        at = room + 3 * np.arange(NEEDLES)
+        ids[b, at], ids[b, at + 1], ids[b, at + 2] = QUERY, keys[order], values[order]
+        scored[b, at + 2] = True
+    return ids, scored
+
+
+TASKS = {"mqar": mqar, "needle": needle}
+
+
+def config_dict(kind: str, s: Study) -> dict:
+    """The config.json of one of :data:`MODELS` at the study's size (dense MLPs, no experts)."""
+    if kind == "gqa":
+        return {"architectures": ["KimiForCausalLM"], "model_type": "kimi", "vocab_size": VOCAB,
+                "hidden_size": s.hidden, "intermediate_size": 3 * s.hidden, "num_hidden_layers": s.layers,
+                "num_attention_heads": s.heads, "num_key_value_heads": s.heads, "head_dim": s.head_dim,
+                "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": False, "hidden_act": "silu",
+                "bos_token_id": PAD, "eos_token_id": PAD, "dtype": "float32"}
+    schedule = {"kda": ["kda"] * s.layers, "mla": ["mla"] * s.layers,
+                "hybrid": [("mla" if (i + 1) % 4 == 0 else "kda") for i in range(s.layers)]}[kind]
+    c = C.tiny_k3_config_dict()
+    t = c["text_config"]
+    for k in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
+              "num_shared_experts", "quantization_config", "latent_moe_use_norm", "moe_router_activation_func",
+              "moe_renormalize", "routed_scaling_factor", "topk_method", "use_grouped_topk", "num_expert_group",
+              "topk_group", "first_k_dense_replace", "moe_layer_freq"):
+        t.pop(k, None)
+    t.update(vocab_size=VOCAB, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+             num_key_value_heads=s.heads, intermediate_size=2 * s.hidden, attn_res_block_size=2,
+             q_lora_rank=2 * s.hidden, kv_lora_rank=s.head_dim, qk_nope_head_dim=s.head_dim, qk_rope_head_dim=16,
+             v_head_dim=s.head_dim, bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD, dtype="float32")
+    la = {"kda_layers": [i + 1 for i, a in enumerate(schedule) if a == "kda"]}
+    if "kda" in schedule:
+        la.update(num_heads=s.heads, head_dim=s.head_dim, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                  use_full_rank_gate=True)
+    t["linear_attn_config"] = la
+    c.update(bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD)
+    return c
+
+
+def build(kind: str, s: Study):
+    import kimi_jax
+
+    cfg = C.from_dict(config_dict(kind, s))
+    return kimi_jax.KimiModel(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(s.seed))
+
+
+def batch_of(rng, s: Study, length: int):
+    """Half MQAR, half needle, one length: ``(ids, scored)``."""
+    a = mqar(rng, s.batch // 2, length)
+    b = needle(rng, s.batch - s.batch // 2, length)
+    return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
+
+
+def train(kind: str, s: Study, log=None):
+    """Train one model; returns ``(model, seconds, final loss)``. The loss counts the scored values only."""
+    from kimi_jax import training
+
+    model = build(kind, s)
+    training.prepare(model, dtype="float32")
+    optim = training.OptimConfig(lr=s.lr, steps=s.steps, warmup=max(1, s.steps // 10), weight_decay=0.0)
+    trainer, state = training.init(model, training.TrainConfig(optim=optim, seed=s.seed))
+    step, _ = training.compile_steps(trainer)
+    rng = np.random.default_rng([s.seed, 1])
+    t0, loss = time.perf_counter(), float("nan")
+    for i in range(s.steps):
+        ids, scored = batch_of(rng, s, s.train_lengths[i % len(s.train_lengths)])
+        state, metrics = step(state, training.Batch(jnp.asarray(ids), jnp.asarray(scored)))
+        if log is not None and (i + 1) % max(1, s.steps // 10) == 0:
+            loss = float(metrics["loss"])
+            log(f"{kind}: step {i + 1}/{s.steps} loss {loss:.3f}")
+    loss = float(metrics["loss"])
+    return trainer.model(state), time.perf_counter() - t0, loss
+
+
+@nnx.jit
+def _predict(model, ids):
+    return jnp.argmax(model(ids).logits, axis=-1)
+
+
+def accuracy(model, task: str, length: int, s: Study) -> float:
+    """Fraction of scored values the model predicts exactly, over ``eval_batches`` fresh batches (a fixed seed)."""
+    rng = np.random.default_rng([s.seed, 2, length, list(TASKS).index(task)])
+    right = total = 0
+    for _ in range(s.eval_batches):
+        ids, scored = TASKS[task](rng, s.batch, length)
+        pred = np.asarray(_predict(model, jnp.asarray(ids)))  # pred[t] is the guess for ids[t + 1]
+        hit = pred[:, :-1] == ids[:, 1:]
+        right += int(hit[scored[:, 1:]].sum())
+        total += int(scored[:, 1:].sum())
+    return right / total
+
+
+def run(s: Study = Study(), models: Sequence[str] = MODELS, log=print) -> list[dict]:
+    """Train and score every model; one row per (model, length): ``model``, ``params``, ``length``, ``mqar``,
+    ``needle`` (accuracies), ``cache_bytes`` (planned, one sequence), ``measured_bytes``, ``train_seconds``,
+    ``final_loss``."""
+    from kimi_jax.analysis.memory import measured_cache_bytes
+    from kimi_jax.model.cache import cache_bytes
+    from kimi_jax.model.decoder import param_count
+
+    rows = []
+    for kind in models:
+        model, seconds, loss = train(kind, s, log)
+        n = param_count(model)
+        log(f"{kind}: {n} parameters, trained in {seconds:.0f} s, final loss {loss:.3f}")
+        for length in s.eval_lengths:
+            row = {"model": kind, "params": n, "length": length,
+                   **{t: accuracy(model, t, length, s) for t in TASKS},
+                   "cache_bytes": cache_bytes(model.cfg, 1, length, jnp.float32)["total"],
+                   "measured_bytes": measured_cache_bytes(model.cfg, length, dtype=jnp.float32),
+                   "train_seconds": seconds, "final_loss": loss}
+            log(f"  length {length}: mqar {row['mqar']:.3f} needle {row['needle']:.3f} cache "
+                f"{row['cache_bytes'] / 1e3:.1f} kB")
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of :func:`run`'s rows."""
+    head = "| model | parameters | context | MQAR accuracy | needle accuracy | cache per sequence (plan / allocated) |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e3:.0f}K | {r['length']} | {r['mqar']:.3f} | {r['needle']:.3f} "
+                     f"| {r['cache_bytes'] / 1e3:.1f} / {r['measured_bytes'] / 1e3:.1f} kB |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict]):
+    """Accuracy vs context length and vs cache bytes per sequence, one line per model and task."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == kind]
+        for task, style in (("mqar", "-o"), ("needle", "--s")):
+            axes[0].plot([r["length"] for r in rs], [r[task] for r in rs], style, label=f"{kind} {task}")
+            axes[1].plot([r["cache_bytes"] / 1e3 for r in rs], [r[task] for r in rs], style, label=f"{kind} {task}")
+    axes[0].set(xscale="log", xlabel="context length (tokens)", ylabel="accuracy (fraction of values)",
+                title="Associative recall vs context length")
+    axes[1].set(xscale="log", xlabel="cache per sequence (kB, float32)", ylabel="accuracy (fraction of values)",
+                title="Associative recall vs state / cache bytes")
+    for ax in axes:
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
