@@ -4,6 +4,9 @@ context lengths beside the cache bytes each keeps per sequence.
 
     python benchmarks/recall.py                      # the README's table; writes benchmarks/results/recall.json
     python benchmarks/recall.py --steps 60 --models hybrid gqa --out /tmp/r.json   # a quick look
+
+Two processes use two cores better than one (most steps are small, single-threaded ops): run halves of the models
+with ``--out`` each, then ``--merge`` their files into the table (what the README's numbers come from).
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-lengths", type=int, nargs="+", default=list(d.eval_lengths))
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the rows of earlier runs' files into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out)
     study = dataclasses.replace(d, steps=args.steps, hidden=args.hidden, batch=args.batch, seed=args.seed,
                                 train_lengths=tuple(args.train_lengths), eval_lengths=tuple(args.eval_lengths))
     rows = recall.run(study, args.models, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -45,6 +51,18 @@ def main(argv=None) -> int:
                    "command": "python benchmarks/recall.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    "rows": rows}, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _merge(paths, out) -> int:
+    runs = [json.load(open(p)) for p in paths]
+    if any(r["study"] != runs[0]["study"] for r in runs):
+        raise SystemExit(f"--merge: the runs used different settings: {[r['study'] for r in runs]}")
+    rows = sorted((row for r in runs for row in r["rows"]), key=lambda row: recall.MODELS.index(row["model"]))
+    print(recall.table(rows))
+    with open(out, "w") as f:
+        json.dump({**runs[0], "command": [r["command"] for r in runs], "rows": rows}, f, indent=1)
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import gc
 import hashlib
 import json
@@ -137,8 +136,11 @@ def quantization(fmt: str | None, include=None) -> dict | None:
     except ValueError as e:
         raise ConvertError(f"--quantize {fmt!r}: {e}") from None
     include = quantize_lib.DEFAULT if include is None else tuple(include)
+    if not include:
+        raise ConvertError(f"--quantize-include: no module classes given (choose from "
+                           f"{', '.join(quantize_lib.CLASSES)})")
     bad = sorted(set(include) - set(quantize_lib.CLASSES))
-    if bad or not include:
+    if bad:
         raise ConvertError(f"--quantize-include {','.join(include)!r}: unknown module classes {bad} (choose from "
                            f"{', '.join(quantize_lib.CLASSES)})")
     return {"format": name, "include": [c for c in quantize_lib.CLASSES if c in include]}
@@ -149,13 +151,6 @@ def describe_quantization(q: dict | None) -> str:
     if q is None:
         return "no --quantize"
     return f"--quantize {q['format']} --quantize-include {','.join(q['include'])}"
-
-
-@functools.lru_cache(maxsize=None)
-def _quantizer(fmt: quant.Format):
-    """The compiled ``quant.quantize`` for one fitted format: the computation ``from_pretrained(quantize=...)`` runs
-    on a loaded weight (kimi_jax.model.quantize), so the packed fields come out as the same bits."""
-    return jax.jit(lambda w: quant.quantize(w, fmt))
 
 
 @dataclasses.dataclass
@@ -181,7 +176,7 @@ class _Plan:
         fmt = self.formats.get(job.target)
         if fmt is None:
             return {job.target: value}
-        packed = jax.block_until_ready(_quantizer(fmt)(value))
+        packed = jax.block_until_ready(quantize_lib.quantizer(fmt)(value))
         value.delete()  # the float leaf is not kept (its buffer is the caller's)
         return dict(zip(self.fields[job.target], packed))
 

@@ -41,10 +41,6 @@ class Int8Rows(NamedTuple):
         return _nbytes(self.q) + _nbytes(self.scale)
 
     @classmethod
-    def zeros(cls, shape) -> "Int8Rows":
-        return cls(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1), _F32))
-
-    @classmethod
     def shapes(cls, shape) -> "Int8Rows":
         """``ShapeDtypeStruct`` fields: no memory."""
         return cls(jax.ShapeDtypeStruct(tuple(shape), jnp.int8), jax.ShapeDtypeStruct((*shape[:-1], 1), _F32))
@@ -58,6 +54,9 @@ def quantize(x) -> Int8Rows:
     """Rows ``x [..., X]`` (any float dtype) -> :class:`Int8Rows`, one scale per row (see the module docstring)."""
     x = x.astype(_F32)
     scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) * jnp.float32(1 / QMAX)
+    # a row whose scale is below float32's smallest normal (all zero, or |x| < 1.5e-36) is stored as zeros: its
+    # reciprocal would overflow to inf and 0 * inf make NaN codes
+    scale = jnp.where(scale >= jnp.finfo(_F32).tiny, scale, 0.0)
     inv = 1.0 / jnp.where(scale > 0, scale, 1.0)  # [..., 1]: one division per row
     q = jnp.clip(jnp.round(x * inv), -QMAX, QMAX).astype(jnp.int8)
     return Int8Rows(q, scale)

@@ -50,7 +50,7 @@ def converted(k3_tiny_a, tmp_path_factory):
 def _no_requantization(monkeypatch):
     """From here on a concrete weight reaching the quantizer fails the test (the abstract model's shapes may be
     traced), and every restore target is recorded."""
-    real = Q._quantizer
+    real = Q.quantizer
 
     def guarded(fmt):
         one = real(fmt)
@@ -61,7 +61,7 @@ def _no_requantization(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(Q, "_quantizer", guarded)
+    monkeypatch.setattr(Q, "quantizer", guarded)
     targets = []
     real_restore = orbax_io.restore
     monkeypatch.setattr(orbax_io, "restore", lambda p, t, **kw: targets.append(dict(t)) or real_restore(p, t, **kw))
@@ -218,13 +218,13 @@ def test_verify_compares_the_packed_fields(k3_tiny_a, converted, monkeypatch):
     caught, naming the field and the format."""
     dst = converted["int4:g32"]
     verify_checkpoint(dst, k3_tiny_a, progress=False)  # standalone: the plan comes from the marker
-    real = converter._quantizer
+    real = Q.quantizer
 
     def off(fmt):
         one = real(fmt)
         return lambda w: one(w)._replace(scale=one(w).scale * 2)
 
-    monkeypatch.setattr(converter, "_quantizer", off)
+    monkeypatch.setattr(Q, "quantizer", off)
     with pytest.raises(VerifyError, match=r"parameter \S+\.scale differs from its source .* quantized to int4:g32"):
         verify_checkpoint(dst, k3_tiny_a, progress=False)
 

@@ -277,7 +277,7 @@ def test_lora_trains_adapters_and_leaves_base_bit_for_bit():
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unrolled", "scanned"])
 def test_remat_changes_nothing_but_memory(scan):
     cfg = C.from_dict(C.tiny_k3_config_dict()).sliced(num_layers=5)
-    grads = []
+    grads, marks = [], []
     for remat in (False, True):
         run = RunConfig(dtype=jnp.float32, remat=remat, scan_layers=scan)
         model = training.prepare(kimi_jax.KimiModel(cfg, run=run, param_dtype=jnp.float32))
@@ -285,10 +285,11 @@ def test_remat_changes_nothing_but_memory(scan):
         ids = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
         fn = jax.jit(lambda s, b: training.loss_and_grads(trainer, s, b))
         grads.append(fn(state, training.Batch(ids, jnp.ones_like(ids))))
-        if remat:
-            jaxpr = str(jax.make_jaxpr(lambda s, b: training.loss_and_grads(trainer, s, b))(
-                state, training.Batch(ids, jnp.ones_like(ids))))
-            assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= 1
+        jaxpr = str(jax.make_jaxpr(lambda s, b: training.loss_and_grads(trainer, s, b))(
+            state, training.Batch(ids, jnp.ones_like(ids))))
+        marks.append(jaxpr.count("checkpoint[") + jaxpr.count("remat2["))
+    # the chunked loss is rematerialised either way; remat adds one per layer (one for the scanned stack's body)
+    assert marks[1] >= marks[0] + (1 if scan else cfg.num_layers), marks
     assert abs(float(grads[0][0]) - float(grads[1][0])) < 1e-6
     for a, b in zip(jax.tree.leaves(grads[0][1]), jax.tree.leaves(grads[1][1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)  # fusion order only

@@ -51,7 +51,9 @@ def runs(tmp_path_factory):
     assert _train(model, text, whole) == 0
     assert _train(model, text, split, "--stop-at", "3") == 0
     assert not os.path.exists(os.path.join(split, "model"))  # stopped: nothing exported yet
-    assert _train(model, text, split) == 0  # resumes at step 3
+    with open(os.path.join(split, "metrics.jsonl"), "a") as f:  # as a run killed after logging step 4 leaves it
+        f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
+    assert _train(model, text, split) == 0  # resumes at step 3; step 4's stale row goes
     return model, whole, split
 
 
@@ -137,3 +139,35 @@ def test_tiny_k3_learns_a_text(tmp_path):
     assert recent < s["unigram_entropy"] - 1.5 and s["eval_loss"] < s["unigram_entropy"] - 0.5, (recent, s)
     m = kimi_jax.from_pretrained(s["model"], dtype="float32", progress=False)
     assert len(kimi_jax.generate(m, "The model", max_new_tokens=8, tokenizer=s["model"]).tokens[0]) == 8
+
+
+def test_checkpoint_of_another_setup_is_refused_by_name(tmp_path):
+    """A train checkpoint is restored only into the leaves it holds: a missing or extra leaf, or another shape or
+    dtype, is refused from the stored metadata, naming the leaf (Orbax alone reports a 'structure mismatch')."""
+    from typing import NamedTuple
+
+    from kimi_jax.training import checkpoint as ckpt
+
+    class S(NamedTuple):
+        step: jax.Array
+        w: jax.Array
+        b: jax.Array
+
+    mgr = ckpt.manager(tmp_path / "c")
+    state = S(jnp.int32(3), jnp.arange(6.0).reshape(2, 3), jnp.ones(4))
+    ckpt.save(mgr, state, {"note": "x"})
+    got, extra = ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((2, 3)), jnp.zeros(4)))
+    assert int(got.step) == 3 and np.array_equal(got.w, state.w) and extra == {"note": "x"}
+
+    class Other(NamedTuple):
+        step: jax.Array
+        w: jax.Array
+        c: jax.Array
+
+    mgr = ckpt.manager(tmp_path / "c")  # a fresh manager, as a resumed process opens it
+    with pytest.raises(ValueError, match=r"lacks \['\.c'\] and has \['\.b'\]"):
+        ckpt.restore_latest(mgr, Other(jnp.int32(0), jnp.zeros((2, 3)), jnp.zeros(4)))
+    with pytest.raises(ValueError, match=r"\.w: stored \(2, 3\) float32, this run has \(3, 2\) float32"):
+        ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((3, 2)), jnp.zeros(4)))
+    with pytest.raises(ValueError, match=r"\.b: stored \(4,\) float32, this run has \(4,\) bfloat16"):
+        ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((2, 3)), jnp.zeros(4, jnp.bfloat16)))

@@ -299,6 +299,8 @@ def paged_rows(q_BGAK, qpos_BA, k_pages, v_pages, page_table, *, scale, q_pe_BGA
         raise ValueError(f"paged attention: k pages have {Gk} kv heads for q with {G}")
     (k_pages, ks), (v_pages, vs), (kpe_pages, kpes) = split_rows(k_pages), split_rows(v_pages), split_rows(kpe_pages)
     quant = (ks is not None, kpes is not None, vs is not None)
+    if any(quant) and dtype is None:  # the int8 codes' dtype is no compute dtype
+        raise ValueError("paged attention over an int8 pool needs dtype= (the products' dtype)")
     dt = jnp.dtype(dtype or k_pages.dtype)
     if has_pe and kpes is None:
         kpe_pages = kpe_pages.astype(dt)

@@ -50,10 +50,10 @@ class Study:
     layers: int = 4
     heads: int = 2
     head_dim: int = 32
-    steps: int = 400
+    steps: int = 1000
     batch: int = 32
     lr: float = 3e-3
-    train_lengths: tuple = (64, 128, 256)
+    train_lengths: tuple = (64, 128)
     eval_lengths: tuple = (64, 128, 256, 512)
     eval_batches: int = 4
     seed: int = 0

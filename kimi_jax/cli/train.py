@@ -123,6 +123,17 @@ def _export(trainer, state, raw, tok_dir, args) -> str:
     return out
 
 
+def _trim_metrics(path: str, step: int) -> None:
+    """Keep the metrics rows of steps <= ``step`` (the checkpoint resumed from): rows a killed run logged after its
+    last checkpoint are run again, and would otherwise appear twice."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(rows)
+
+
 def _host(metrics) -> dict:
     import jax
 
@@ -146,7 +157,8 @@ def run(args):
                                  else args.steps // 10, weight_decay=args.weight_decay, clip=args.clip)
     lora = None
     if args.lora:
-        lora = training.LoraConfig(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora)
+        lora = training.LoraConfig(rank=args.lora, alpha=2.0 * args.lora if args.lora_alpha is None
+                                   else args.lora_alpha)
     config = training.TrainConfig(optim=optim, lora=lora, balance_rate=args.balance_rate, seed=args.seed)
     trainer, state = training.init(model, config)
     step_fn, eval_fn = training.compile_steps(trainer)
@@ -155,9 +167,10 @@ def run(args):
     mgr = ckpt.manager(os.path.join(args.out, "checkpoints"))
     got = ckpt.restore_latest(mgr, state)
     if got is not None:
-        state, extra = got
+        state = got[0]
         print(f"resumed from step {int(state.step)}", file=sys.stderr)
     start = int(state.step)
+    _trim_metrics(os.path.join(args.out, "metrics.jsonl"), start)
 
     def evaluate():
         tot = cnt = 0.0

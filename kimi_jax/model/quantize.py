@@ -78,7 +78,9 @@ def plan(model, fmt, include=None) -> dict[str, quant.Format]:
 
 
 @functools.lru_cache(maxsize=None)
-def _quantizer(fmt: quant.Format):
+def quantizer(fmt: quant.Format):
+    """The compiled ``quant.quantize`` for one fitted format: the one computation that turns a loaded weight into its
+    packed fields (at load, in :func:`quantize`, and in ``kimi-jax convert --quantize``), so both give the same bits."""
     return jax.jit(lambda w: quant.quantize(w, fmt))
 
 
@@ -93,7 +95,7 @@ def quantize(model, fmt="int8", include=None):
     for path, var in nnx.to_flat_state(state):
         name = ".".join(map(str, path))
         if name in todo:
-            one = _quantizer(todo[name])
+            one = quantizer(todo[name])
             w = var.get_value()  # an abstract model's ShapeDtypeStruct gets the packed fields' shapes
             var.set_value(jax.eval_shape(one, w) if isinstance(w, jax.ShapeDtypeStruct) else one(w))
     nnx.update(model, state)
