@@ -90,7 +90,8 @@ def test_heldout_loss_is_the_recipes_and_beats_unigram(recipe_module, corpus):
     ids = np.asarray(load_tokenizer(demo_model_dir()).encode(corpus))
     unigram = _unigram_heldout(ids, recipe_module.EVAL_FRAC)
     print(f"\nshipped demo model: held-out loss {loss:.4f} nats/token over {counted} tokens (recipe "
-          f"{r['heldout_loss']:.4f}); unigram model on the same tokens {unigram:.4f}; training loss {r['final_loss']:.3f}")
+          f"{r['heldout_loss']:.4f}); unigram model on the same tokens {unigram:.4f}; training loss "
+          f"{r['final_loss']:.3f}")
     if r["python"] == platform.python_version():  # the same corpus: the recipe's number, measured again
         assert counted == r["heldout_tokens"]
         assert loss == pytest.approx(r["heldout_loss"], abs=2e-3)
@@ -118,8 +119,8 @@ def test_demo_model_writes_the_language_it_read(model, corpus, tmp_path):
     prompts = ["The for statement", "A dictionary is", "This module provides"]
     out = kimi_jax.generate(model, prompts, tokenizer=load_tokenizer(demo_model_dir()), max_new_tokens=40, stop=())
     rate, n = _pair_rate(" ".join(out.text), pairs)
-    print("\n" + "\n".join(f"{p!r} -> {t!r}" for p, t in zip(prompts, out.text)) + f"\nword pairs seen in the corpus: "
-          f"{rate:.3f} of {n}")
+    shown = "\n".join(f"{p!r} -> {t!r}" for p, t in zip(prompts, out.text))
+    print(f"\n{shown}\nword pairs seen in the corpus: {rate:.3f} of {n}")
     rand_dir = build_demo_checkpoint(tmp_path / "random")
     rand = kimi_jax.from_pretrained(rand_dir, dtype="float32", progress=False)
     r_out = kimi_jax.generate(rand, prompts, tokenizer=load_tokenizer(rand_dir), max_new_tokens=40, stop=())

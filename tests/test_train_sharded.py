@@ -103,7 +103,7 @@ def test_sharded_train_steps_equal_one_device(result, mesh):
     np.testing.assert_allclose(r["losses"], r["base_losses"], rtol=1e-5)
     # Adam divides by sqrt(v): a gradient that differs in its last bits (another reduction order) moves a weight
     # by up to ~lr * relative difference; 3 steps at lr 1e-2 move weights by ~3e-2, so 5e-4 is under 2% of it.
-    assert r["param_err"] < 5e-4 and r["bias_err"] < 1e-6
+    assert r["param_err"] < 5e-4  # (the dense models that train sharded have no router biases to compare)
     if mesh == "tp":  # the inference layout: attention heads / MLP width / vocab split over `model`
         assert any("q_proj" in k for k in r["split"]) and any("embed_tokens" in k for k in r["split"]), r["split"]
 

@@ -335,10 +335,14 @@ class Generator:
             from kimi_jax.parallel import sharding
 
             shardings = sharding.cache_shardings(self.cfg, shapes, self.parallel.mesh, self.parallel.layout)
+        if self.offload:  # RunConfig(offload=...): those entries are allocated in host memory, never on the device
+            if shardings is None:
+                one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                shardings = jax.tree.map(lambda _: one, shapes)
+            shardings = offload.cache_host_shardings(shardings, shapes, self.offload)
         self._check_cache_fits(B, shapes, shardings)
-        cache = init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan,
-                           **self.cache_options)
-        return offload.place_cache(cache, self.offload)  # RunConfig(offload=...): those entries in host memory
+        return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan,
+                          **self.cache_options)
 
     def _check_cache_fits(self, B: int, shapes: Cache, shardings):
         """Refuse, before allocating, a cache larger than the memory free on the device that holds the most of it."""
@@ -346,17 +350,24 @@ class Generator:
         if shardings is None:
             need = sum(s.size * s.dtype.itemsize for s in leaves)
             devices = [jax.local_devices()[0]]
-        else:
+        else:  # what lives in host memory (offload) takes none of the device's
             shards = jax.tree.leaves(shardings)
-            need = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in zip(leaves, shards))
+            need = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in zip(leaves, shards)
+                       if sh.memory_kind != offload.HOST)
             devices = jax.local_devices()
         free = min((free_memory(d) for d in devices), default=None)
         if free is not None and need > free:
             raise GenerationError(
                 f"the cache for {B} sequence(s) x {self.max_len} tokens needs {need / 1e9:.2f} GB per device "
-                f"({jnp.dtype(self.dtype).name}), but "
+                f"({self._cache_format()}), but "
                 f"{devices[0].platform}:{devices[0].id} has {free / 1e9:.2f} GB free: lower max_len (the cache "
                 "length; prompt + new tokens must fit in it) or generate for fewer prompts at once")
+
+    def _cache_format(self) -> str:
+        rows = self.cache_options["kv_cache"] or jnp.dtype(self.dtype).name
+        state = jnp.dtype(self.cache_options["kda_state"] or jnp.float32).name
+        out = f"{rows} rows" + (f", {state} KDA state" if "kda" in self.cfg.attn_types else "")
+        return out + (f", {'/'.join(self.offload)} in host memory" if self.offload else "")
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
