@@ -9,6 +9,9 @@ parameter bytes (every field of a packed weight).
     python benchmarks/quantization.py                 # the three tiny families + the benchmark model
     python benchmarks/quantization.py --skip-bench    # tiny families only (a minute)
 
+The trained demo model (kimi_jax/assets/k3-demo) is measured too, on a prompt of its held-out text: the one
+trained model here, where the issue's targets mean something.
+
 The benchmark model's weights are built as benchmarks/decode.py builds them (../shared/bench/README.md).
 """
 
@@ -52,12 +55,14 @@ def log_probs(model, seq: np.ndarray) -> np.ndarray:
     return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
 
 
-def measure(name: str, load, include=None) -> list[dict]:
+def measure(name: str, load, include=None, prompt=None) -> list[dict]:
     """``load(quantize)`` returns a float32 model, quantized when ``quantize`` is given; ``load("bfloat16")`` the
-    model in bfloat16 (a reference point: what rounding every weight and activation to bfloat16 costs)."""
+    model in bfloat16 (a reference point: what rounding every weight and activation to bfloat16 costs).
+    ``prompt``: ``[1, PROMPT]`` ids (default: random ids)."""
     base = load(None)
     vocab = base.cfg.vocab_size
-    prompt = np.random.default_rng(0).integers(3, vocab, (1, PROMPT)).astype(np.int32)
+    if prompt is None:
+        prompt = np.random.default_rng(0).integers(3, vocab, (1, PROMPT)).astype(np.int32)
     seq = continuation(base, prompt)
     ref = log_probs(base, seq)
     rows = [dict(model=name, format="float32", bytes=param_bytes(base), kl_mean=0.0, kl_max=0.0, top1=1.0)]
@@ -89,6 +94,21 @@ def _load(path, fmt, include):
                                     quantize_include=include if fmt else None)
 
 
+def _demo(include) -> list[dict]:
+    """The shipped demo model on the first PROMPT tokens of its held-out text (its last 5%)."""
+    from kimi_jax.cli.demo import demo_model_dir
+    from kimi_jax.text.tokenizer import load_tokenizer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import make_demo_model
+
+    path = demo_model_dir()
+    ids = load_tokenizer(path).encode(make_demo_model.corpus())
+    start = int(len(ids) * (1 - make_demo_model.EVAL_FRAC))
+    prompt = np.asarray(ids[start:start + PROMPT], np.int32)[None]
+    return measure("demo model (trained K3 10.1M)", lambda q: _load(path, q, include), prompt=prompt)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax",
@@ -101,7 +121,7 @@ def main(argv=None) -> int:
     from kimi_jax.checkpoint import synthetic
 
     include = args.include.split(",") if args.include else None
-    rows = []
+    rows = _demo(include)
     if not args.skip_bench:
         from decode import BENCH_CONFIG, build_weights
 
