@@ -75,7 +75,7 @@ def test_every_parameter_has_a_checkpoint_name():
         got = {leaf: names.expected_tensor(leaf, cfg) for leaf in leaves}
         assert all(got.values()), [k for k, v in got.items() if not v]
         for leaf, name in got.items():  # and the table maps the name back onto the leaf
-            p = names._match(name.format(expert=0), names.canonical(name.format(expert=0), cfg), leaves)
+            p = names.match(name.format(expert=0), names.canonical(name.format(expert=0), cfg), leaves)
             assert p is not None and p.target == leaf, (leaf, name)
 
 

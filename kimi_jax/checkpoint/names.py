@@ -257,7 +257,7 @@ def _match_packed(name: str, cname: str, targets) -> Placement | None:
     stem, _, field = cname.rpartition(".")
     if field not in CT_FIELDS:
         return None
-    base = _match(name, stem + ".weight", targets=None)
+    base = match(name, stem + ".weight", targets=None)
     if base is None or base.expert is not None or base.transform is not identity:
         return None
     for leaf, transform in CT_FIELDS[field]:
@@ -266,8 +266,10 @@ def _match_packed(name: str, cname: str, targets) -> Placement | None:
     return None
 
 
-def _match(name: str, cname: str, targets) -> Placement | None:
-    """The placement of one tensor (``targets=None``: the row's target without checking that the model has it)."""
+def match(name: str, cname: str, targets) -> Placement | None:
+    """The placement of one tensor, ``name`` canonicalised to ``cname`` (:func:`canonical`), or None when no leaf of
+    ``targets`` takes it (``targets=None``: the row's target without checking that the model has it). :func:`place`
+    matches a whole checkpoint and checks it is complete; the export matches the file's side alone."""
     hits = [(rule, m) for rule in RULES if (m := rule.match(cname))]
     if len(hits) > 1:
         raise WeightError(f"tensor {name!r} matches {len(hits)} name-table rows: {[h[0].pattern for h in hits]}")
@@ -295,7 +297,7 @@ def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
         if cname.endswith("." + CT_SHAPE):
             shapes.append(name)  # consumed by its weight_packed's placement, below
             continue
-        p = _match(name, cname, targets)
+        p = match(name, cname, targets)
         if p is None:
             unmatched.append(name)
         else:

@@ -37,7 +37,7 @@ def _value(x, shape, where):
     x = np.asarray(x)
     if x.size == int(np.prod(shape)):
         return x.reshape(shape)
-    if x.ndim == 1 and len(shape) == 1 and shape[0] > x.shape[0]:
+    if where.endswith("A_log") and x.ndim == 1 and len(shape) == 1 and shape[0] > x.shape[0]:
         return np.concatenate([x, np.zeros(shape[0] - x.shape[0], x.dtype)])
     raise ValueError(f"{where}: parameter of shape {list(x.shape)} cannot fill a tensor of shape {list(shape)}")
 
@@ -64,7 +64,7 @@ def export_hf(model: KimiModel, config: dict, path, *, dtype: str = "bfloat16") 
         if ".experts." in name and v.ndim == 3:  # float experts fill the release's packed fields too
             for f in PACKED_FIELDS:
                 targets[name + f] = targets[name]
-    placements, _ = _place([s.name for s in specs], cfg, targets)
+    placements = _place([s.name for s in specs], cfg, targets)
     by_name = {p.tensor: p for p in placements}
     host = {}
 
@@ -96,8 +96,8 @@ def _place(tensor_names, cfg, targets):
     placements = []
     for name in tensor_names:
         cname = names.canonical(name, cfg)
-        p = names._match(name, cname, targets)
+        p = names.match(name, cname, targets)
         if p is None:
             raise names.WeightError(f"export: tensor {name!r} of the released layout fills no parameter of the model")
         placements.append(p)
-    return placements, []
+    return placements
