@@ -41,6 +41,7 @@ SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo
 
 def demo_config() -> dict:
     """The demo's K3 config.json: the released architecture at a few million parameters."""
+    from kimi_jax.cli.demo import with_special_ids
     from kimi_jax.model.config import tiny_k3_config_dict
 
     c = tiny_k3_config_dict()
@@ -50,11 +51,7 @@ def demo_config() -> dict:
              qk_rope_head_dim=16, v_head_dim=64, num_experts=8, num_experts_per_token=2, moe_intermediate_size=128,
              routed_expert_hidden_size=128, num_shared_experts=1, max_position_embeddings=4096)
     t["linear_attn_config"].update(num_heads=4, head_dim=64)
-    first = VOCAB - 256
-    ids = dict(bos_token_id=first, eos_token_id=first + 2, pad_token_id=first + 255)
-    c.update(ids)
-    t.update(ids)
-    return c
+    return with_special_ids(c)
 
 
 def _docstrings(path: pathlib.Path) -> list[str]:
@@ -93,7 +90,7 @@ def tokenizer(work: pathlib.Path, text: str):
     print(f"tokenizer: {len(ranks)} ranks; corpus {len(text.encode()) / 1e6:.2f} MB -> {len(ours)} tokens "
           f"({len(text.encode()) / len(ours):.2f} bytes/token); tiktoken == trainer on all "
           f"{len(theirs)} per-document ids", file=sys.stderr)
-    return tok, len(ours)
+    return tok
 
 
 def heldout_loss(model_dir, text: str, frac: float = EVAL_FRAC, seq: int = 256, batch: int = 8) -> tuple[float, int]:
@@ -143,7 +140,7 @@ def main(argv=None) -> int:
     (work / "corpus.txt").write_text(text, encoding="utf-8")
     if not (work / "init" / "config.json").exists():
         shutil.rmtree(work / "init", ignore_errors=True)
-        _, n_tokens = tokenizer(work, text)
+        tokenizer(work, text)
         write_checkpoint(work / "init", family="k3", config=demo_config(), seed=args.seed, num_shards=1)
     train = ["train", "--model", str(work / "init"), "--data", str(work / "corpus.txt"), "--steps", str(args.steps),
              "--out", str(work / "run"), "--batch", str(args.batch), "--seq", str(args.seq), "--lr", str(args.lr),

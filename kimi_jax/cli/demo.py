@@ -38,15 +38,19 @@ def demo_recipe() -> dict:
     return json.loads((pathlib.Path(demo_model_dir()) / "RECIPE.json").read_text())
 
 
-def demo_config() -> dict:
-    """tiny_k3_config_dict() with the special ids of its own vocabulary, as the release's config has
+def with_special_ids(c: dict) -> dict:
+    """A K3 config dict (in place) with the special ids of its own vocabulary, as the release's config has
     (bos = [BOS], eos = <|end_of_msg|>, pad = [PAD] at the first / third / last special id)."""
-    c = tiny_k3_config_dict()
     first = c["text_config"]["vocab_size"] - NUM_RESERVED_SPECIAL
     ids = dict(bos_token_id=first, eos_token_id=first + 2, pad_token_id=first + NUM_RESERVED_SPECIAL - 1)
     c.update(ids)
     c["text_config"].update(ids)
     return c
+
+
+def demo_config() -> dict:
+    """tiny_k3_config_dict() with the special ids of its own vocabulary (:func:`with_special_ids`)."""
+    return with_special_ids(tiny_k3_config_dict())
 
 
 def build_demo_checkpoint(path, *, seed: int = 0) -> str:
