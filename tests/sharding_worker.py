@@ -32,14 +32,14 @@ CASES = [
     ("kimi_linear", "mix", "tp_ep", "capacity"),
     ("kimi_linear", "tp", "tp_ep", "capacity", "pallas_interpret"),
     ("llama", "tp", "tp_ep", "capacity"),
-    ("llama", "ep", "tp_ep", "capacity"),
     ("llama", "mix", "tp_ep", "capacity"),
-    ("llama", "mix", "tp_ep", "capacity", "pallas_interpret"),
     ("k3", "mix", "tp_ep", "capacity", None, "scan"),
-    ("k3", "tp", "wide_ep", "capacity"),  # wide expert parallelism: whole experts over the model axis
 ]
-# -m slow: more wide-EP and ragged-path cases
+# -m slow: more wide-EP, ragged-path and interpret-mode cases
 SLOW_CASES = [
+    ("k3", "tp", "wide_ep", "capacity"),  # wide expert parallelism: whole experts over the model axis
+    ("llama", "ep", "tp_ep", "capacity"),
+    ("llama", "mix", "tp_ep", "capacity", "pallas_interpret"),
     ("k3", "ep", "tp_ep", "ragged_emulated"),
     ("kimi_linear", "mix", "wide_ep", "ragged_emulated"),
     ("k3", "ep", "tp_ep", "capacity", "pallas_interpret"),

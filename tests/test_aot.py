@@ -169,7 +169,7 @@ def _ratios(out):
     return [float(line.split()[-1]) for line in out.splitlines() if line.strip().startswith("arguments (")]
 
 
-@pytest.mark.parametrize("target", ["tpu:v5e:1x1", "gpu:h200:1x1x1"])
+@pytest.mark.parametrize("target", ["tpu:v5e:1x1", pytest.param("gpu:h200:1x1x1", marks=pytest.mark.slow)])
 def test_plan_compile_one_device(capsys, target):
     rc, out, err = _plan(capsys, "--compile", target, "--mesh", "data=1", *SLICE)
     assert rc == 0, out + err
@@ -181,6 +181,7 @@ def test_plan_compile_one_device(capsys, target):
     assert all(abs(r - 1) < 0.01 for r in _ratios(out)) and len(_ratios(out)) == 2, out
 
 
+@pytest.mark.slow
 def test_plan_compile_sharded_reference(capsys):
     """Experts split 4 ways over a v5e 2x2 with the jnp kernels; the decode step only (the prefill chunk is
     compiled by the other plan tests)."""

@@ -96,7 +96,8 @@ def test_stored_packed_fields_equal_load_time_quantization(k3_tiny_a, converted,
     assert marker["quantize"] == {"format": quant.Format.parse(fmt).name(), "include": list(Q.DEFAULT)}
 
 
-@pytest.mark.parametrize("fmt", ["int8", pytest.param("int4:g128:zero", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8", "int4:g128:zero"])
 def test_greedy_generation_equals_load_time_quantization(k3_tiny_a, converted, fmt):
     ids = np.random.default_rng(3).integers(3, 200, (1, 6)).astype(np.int32)
     runs = [kimi_jax.Generator(kimi_jax.from_pretrained(p, progress=False, **kw), max_len=16).generate(ids, 6, stop=())

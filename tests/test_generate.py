@@ -65,6 +65,7 @@ def test_k3_fixture_decode_and_greedy(k3, k3_golden):
     print(f"k3-tiny-a: max |step logits - logits_full| = {err:.3g}, vs decode_logits = {err2:.3g}")
 
 
+@pytest.mark.slow
 def test_batch_of_different_lengths_equals_alone(k3, k3_golden):
     """Right-padded prompts of lengths 24, 5, 17 in one batch (bucket 4, one empty slot) vs each alone."""
     _, gen = k3

@@ -60,6 +60,7 @@ def test_generate_command(demo_dir, capsys):
     assert out.startswith("[0] ") and "\n[1] " in out
 
 
+@pytest.mark.slow
 def test_generate_command_cache_options(demo_dir, capsys):
     """--kv-cache int8 / --kda-state bfloat16 reach the generator: greedy ids as the float cache gives (the tiny
     model's int8 decode error is 1e-2 in the logits, far from its top-2 margins on these few steps) or a clear
@@ -174,6 +175,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 def test_compile_cache_reused_by_the_next_run(tmp_path):
     """Two fresh processes running the demo: the first fills the cache, the second loads its programs."""
     import subprocess

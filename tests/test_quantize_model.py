@@ -99,6 +99,7 @@ def test_embedding_and_tied_head(checkpoints):
     assert _kl(base(ids).logits, model(ids).logits).mean() < 2e-3
 
 
+@pytest.mark.slow
 def test_generates_and_scans(checkpoints):
     path = checkpoints["k3"]
     model = kimi_jax.from_pretrained(path, dtype="float32", progress=False, quantize="int4:g32")
@@ -141,6 +142,7 @@ def test_bad_requests_refused_before_reading(checkpoints, monkeypatch, bad, why)
         kimi_jax.from_pretrained(checkpoints["llama"], progress=False, quantize="int8", quantize_include=("router",))
 
 
+@pytest.mark.slow
 def test_float_experts_opt_in(checkpoints):
     """Kimi Linear's float expert stacks, quantized on request: every path of the MoE (the fused native decode, the
     gathered and sorted matmuls of prefill) equals the float model with the decoded experts in place; the Pallas

@@ -148,6 +148,7 @@ def test_scanned_decode_equals_unrolled(k3_pair, k3_runs):
         scanned(ids[:, :1], cache=init_cache(unrolled.cfg, 2, 32, jnp.float32), prefix=True)
 
 
+@pytest.mark.slow
 def test_scanned_generate(k3_pair, k3_runs):
     """``generate`` (bucketed prefill, while_loop decode) on the scanned model: the greedy tokens above."""
     (_, (_, _, tokens)), ids, lengths = k3_runs
