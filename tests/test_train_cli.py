@@ -2,7 +2,7 @@
 
 An interrupted run (``--stop-at``) resumed from its Orbax checkpoint ends exactly where an uninterrupted run ends;
 the exported K3 (MXFP4 experts re-packed) reloads with ``kimi_jax.from_pretrained`` and generates; an exported Llama
-loads in HF transformers and computes our logits (transformers is the oracle for the layout).
+and an exported Kimi Linear load in HF transformers and compute our logits (transformers is the oracle for the layout).
 """
 
 import json
@@ -95,24 +95,29 @@ def test_export_reloads_and_generates(runs):
     assert len(gen.tokens[0]) == 6 and isinstance(gen.text[0], str)
 
 
-def test_exported_llama_loads_in_transformers(hf_llama, tmp_path):
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+def test_exported_hf_model_loads_in_transformers(family, hf_llama, hf_kimi_linear, tmp_path):
+    """Two steps of training, exported to the released HF layout: transformers' own class reads it and computes our
+    logits (Kimi Linear: its KDA, MLA, router and experts)."""
+    import transformers
 
-    path, _ = hf_llama
+    path, _ = hf_llama if family == "llama" else hf_kimi_linear
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
     model = training.prepare(kimi_jax.from_pretrained(path, dtype="float32", progress=False))
     trainer, state = training.init(model, training.TrainConfig(optim=training.OptimConfig(lr=1e-2, warmup=0)))
     step, _ = training.compile_steps(trainer)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, raw["vocab_size"], (2, 16)), jnp.int32)
     for _ in range(2):
         state, _ = step(state, training.Batch(ids, jnp.ones_like(ids)))
     trained = trainer.model(state)
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
     out = export_hf(trained, raw, tmp_path / "out", dtype="float32")
-    hf = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    cls = {"llama": transformers.LlamaForCausalLM, "kimi_linear": transformers.KimiLinearForCausalLM}[family]
+    hf = cls.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor(np.asarray(ids))).logits.numpy()
     ours = np.asarray(jax.jit(lambda i: trained(i).logits)(ids))
+    print(f"{family} export: max |ours - transformers| = {np.max(np.abs(ours - ref)):.3g}")
     assert np.max(np.abs(ours - ref)) < 2e-4
     base = np.asarray(jax.jit(lambda i: kimi_jax.from_pretrained(path, dtype="float32", progress=False)(i).logits)(ids))
     assert np.max(np.abs(ours - base)) > 1e-2  # the export holds the trained weights, not the originals
