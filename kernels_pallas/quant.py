@@ -202,19 +202,20 @@ def format_of(w) -> Format:
     return Format(kind, w.group, zero)
 
 
-def _pack_nibbles(codes):
+def pack_nibbles(codes):
     """int codes 0..15 ``[..., I]`` -> bytes ``[..., I/2]`` (element 2k in the low nibble)."""
     c = codes.astype(jnp.uint8)
     return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
 
 
-def _unpack_nibbles(packed):
+def unpack_nibbles(packed):
     """bytes ``[..., I/2]`` -> nibbles 0..15 ``[..., I]`` as int32."""
     p = packed.astype(jnp.int32)
     return jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _signed(nibbles):
+def signed_nibbles(nibbles):
+    """Nibbles 0..15 -> the int4 codes they store, -8..7 (two's complement)."""
     return jnp.where(nibbles >= 8, nibbles - 16, nibbles)
 
 
@@ -234,10 +235,10 @@ def quantize(w, fmt: Format):
     tiles = {w.ndim - 1: fmt.group}
     if fmt.kind == "nf4":
         qa = qwix.quantize(w, "nf4", channelwise_axes=rows, tiled_axes=tiles)
-        return NF4Weight(_pack_nibbles(qa.qvalue.astype(jnp.int32)), qa.scale)
+        return NF4Weight(pack_nibbles(qa.qvalue.astype(jnp.int32)), qa.scale)
     qa = qwix.quantize(w, jnp.int4, channelwise_axes=rows, tiled_axes=tiles,
                        calibration_method="minmax" if fmt.zero_point else "absmax")
-    packed = _pack_nibbles(qa.qvalue.astype(jnp.int32) & 0xF)
+    packed = pack_nibbles(qa.qvalue.astype(jnp.int32) & 0xF)
     if fmt.zero_point:
         return Int4ZeroWeight(packed, qa.scale, qa.zero_point.astype(jnp.int8))
     return Int4Weight(packed, qa.scale)
@@ -256,10 +257,10 @@ def dequantize(w, dtype=jnp.float32):
     if isinstance(w, Int8Weight):
         return (w.q.astype(_F32) * w.scale.astype(_F32)).astype(dtype)
     if isinstance(w, NF4Weight):
-        v, s = _grouped(jnp.asarray(NF4_TABLE)[_unpack_nibbles(w.packed)], w.absmax.astype(_F32))
+        v, s = _grouped(jnp.asarray(NF4_TABLE)[unpack_nibbles(w.packed)], w.absmax.astype(_F32))
         return (v * s).reshape(w.shape).astype(dtype)
     if isinstance(w, (Int4Weight, Int4ZeroWeight)):
-        v, s = _grouped(_signed(_unpack_nibbles(w.packed)).astype(_F32), w.scale.astype(_F32))
+        v, s = _grouped(signed_nibbles(unpack_nibbles(w.packed)).astype(_F32), w.scale.astype(_F32))
         if isinstance(w, Int4ZeroWeight):
             v = v - w.zero.astype(_F32)[..., None]
         return (v * s).reshape(w.shape).astype(dtype)

@@ -108,7 +108,7 @@ def test_weights_decode_to_compressed_tensors_decompress(tmp_path, variant, dtyp
         np.testing.assert_array_equal(_bits(ours), want.reshape(-1).view(_bits(ours).dtype), err_msg=name)
         # the codes and scales are compressed-tensors' own (not merely something that decodes alike)
         codes = unpack_from_int32(fields["weight_packed"], bits, fields["weight_shape"]).numpy()
-        got = np.asarray(w.q) if bits == 8 else np.asarray(quant._signed(quant._unpack_nibbles(w.packed)))
+        got = np.asarray(w.q) if bits == 8 else np.asarray(quant.signed_nibbles(quant.unpack_nibbles(w.packed)))
         np.testing.assert_array_equal(got, codes, err_msg=name)
         np.testing.assert_array_equal(np.asarray(w.scale), fields["weight_scale"].float().numpy(), err_msg=name)
         assert codes.min() < -(2 ** (bits - 2)) and codes.max() > 2 ** (bits - 2)  # the whole code range is used

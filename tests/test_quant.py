@@ -64,9 +64,9 @@ def test_bytes_and_fields(name):
 def test_nibble_order_and_signs():
     """Element 2k in the low nibble, two's complement: -8..7 round-trips through the packed bytes."""
     codes = jnp.arange(-8, 8, dtype=jnp.int32).reshape(1, 16)
-    p = quant._pack_nibbles(codes & 0xF)
+    p = quant.pack_nibbles(codes & 0xF)
     assert int(p[0, 0]) == ((-8 & 0xF) | ((-7 & 0xF) << 4))
-    np.testing.assert_array_equal(np.asarray(quant._signed(quant._unpack_nibbles(p))), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(quant.signed_nibbles(quant.unpack_nibbles(p))), np.asarray(codes))
 
 
 def test_nf4_table_is_qwix_table():
