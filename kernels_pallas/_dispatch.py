@@ -42,6 +42,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,28 @@ class Rule:
     left out, none taken by an earlier one) whose product divides every dimension carrying one of its letters
     (query heads H and kv heads G: one decision); everything else is whole on every device. Split letters must
     be independent (no reduction runs over them), so the local results are the global ones' shards and no
-    collective is needed.
+    collective is needed, except:
+
+    ``merge``: the key letter of an attention op (``"S"``), listed in ``split`` like the others, over which the op
+    reduces by a softmax. Where it is split, each device runs the implementation with ``with_lse=True`` on its
+    slice of keys, which returns its partial result (normalised over those keys; zeros where a query sees none of
+    them) and its log-sum-exp of scores ``lse`` (``-inf`` there; shape: the result's less its last dimension).
+    Keys sit at their absolute positions and queries see keys at positions <= their own, so the query positions
+    (operand ``positions``) are shifted by the slice's first position. The partials merge exactly by their softmax
+    weights ``exp(lse - max lse)``: one max and two sums over the split axes, each the size of the result.
     """
 
     args: tuple[str | None, ...]
     out: str | tuple[str, ...]
     split: tuple[tuple[str, str], ...] = ()
+    merge: str | None = None
+    positions: int | None = None
+
+    def __post_init__(self):
+        if self.merge is not None and (self.positions is None or self.merge not in dict(self.split)
+                                       or not isinstance(self.out, str) or self.merge in self.out):
+            raise ValueError(f"Rule: merge={self.merge!r} needs a split letter absent from the one result and the "
+                             f"index of the query positions operand")
 
 
 def _leaves_with_letters(rule: Rule, args):
@@ -150,15 +167,35 @@ def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args):
     in_specs = tuple(jax.tree.map(lambda _, s=_spec(rule.args[i], split): s, args[i]) for i in present)
     outs = rule.out
     out_specs = _spec(outs, split) if isinstance(outs, str) else tuple(_spec(o, split) for o in outs)
+    merged = split.get(rule.merge, ()) if rule.merge is not None else ()
+    if merged:
+        n_keys = next(leaf.shape[spec.index(rule.merge)] for spec, leaf in _leaves_with_letters(rule, args)
+                      if rule.merge in spec)
+        local_keys = n_keys // math.prod(placement.mesh.shape[a] for a in merged)
 
     def body(*local):
         full = list(args)
         for i, a in zip(present, local):
             full[i] = a
-        return fn(*full)
+        if not merged:
+            return fn(*full)
+        first = jax.lax.axis_index(merged) * local_keys  # absolute position of this device's first key
+        full[rule.positions] = full[rule.positions] - first.astype(full[rule.positions].dtype)
+        return merge_partials(*fn(*full, with_lse=True), merged)
 
     return jax.shard_map(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*(args[i] for i in present))
+
+
+def merge_partials(out, lse, axes):
+    """The softmax-weighted merge of per-device partial attention results ``out`` ``[..., U]`` with their
+    log-sum-exps ``lse`` ``[...]`` over mesh ``axes`` (inside ``shard_map``); queries that saw no key anywhere: zeros."""
+    top = jax.lax.pmax(lse, axes)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top)  # exp(-inf) = 0 for a device where the query saw nothing
+    num = jax.lax.psum(out * w[..., None], axes)
+    den = jax.lax.psum(w, axes)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 # -- which ----------------------------------------------------------------------------------------------------
@@ -275,7 +312,7 @@ class Op:
         if impl in (PALLAS, INTERPRET):
             kw.update(platform="gpu" if impl == INTERPRET else target_platform(placement),
                       interpret=impl == INTERPRET)
-        return place(lambda *a: fn(*a, **kw), self.rule, placement, *args)
+        return place(lambda *a, **extra: fn(*a, **kw, **extra), self.rule, placement, *args)
 
 
 def resolve(op: str, implementation: str | None, available: dict, *, accelerated: tuple[str, ...] = ()) -> str:

@@ -54,15 +54,28 @@ def _stops(ins) -> bool:
     return ins["op"] in _STOP or (ins["op"] == "fusion" and matmul)
 
 
-def gathers_into_kernels(text: str, marker: str) -> dict[str, int]:
+def _gathered_elements(ins) -> int:
+    """Elements of an all-gather's result (the last array of a tuple-typed async start); 0 if unreadable."""
+    head = ins["line"].split(f" {ins['op']}(", 1)[0]
+    dims = re.findall(r"\w+\[([\d,]*)\]", head)
+    if not dims:
+        return 0
+    n = 1
+    for d in filter(None, dims[-1].split(",")):
+        n *= int(d)
+    return n
+
+
+def gathers_into_kernels(text: str, marker: str, sizes: bool = False) -> dict[str, int | list[int]]:
     """``kernel:call`` (``kda_recurrent:kda_recurrent.6``) -> all-gathers feeding it, for every custom call whose target
-    contains ``marker`` (``tpu_custom_call`` / ``__gpu$xla.gpu.triton``)."""
+    contains ``marker`` (``tpu_custom_call`` / ``__gpu$xla.gpu.triton``); with ``sizes``, the element counts of
+    their results instead of their number."""
     instrs, comp_gathers = _parse(text)
     out = {}
     for name, ins in instrs.items():
         if ins["op"] != "custom-call" or marker not in ins["line"]:
             continue
-        seen, stack, found = set(), list(ins["operands"]), 0
+        seen, stack, found = set(), list(ins["operands"]), []
         while stack:
             cur = stack.pop()
             if cur in seen or cur not in instrs:
@@ -70,10 +83,10 @@ def gathers_into_kernels(text: str, marker: str) -> dict[str, int]:
             seen.add(cur)
             node = instrs[cur]
             if _is_gather(node, comp_gathers):
-                found += 1
+                found.append(_gathered_elements(node))
             if not _stops(node):
                 stack.extend(node["operands"])
-        out[f"{_kernel_name(ins['line']) or name}:{name}"] = found
+        out[f"{_kernel_name(ins['line']) or name}:{name}"] = found if sizes else len(found)
     return out
 
 

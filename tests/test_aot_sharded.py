@@ -6,8 +6,10 @@ Each case compiles a prefill or a decode step (abstract sharded weights and cach
 * it compiles (Mosaic refuses a kernel that GSPMD would have to partition: every kernel runs in ``shard_map``);
 * the automatic choice put a Pallas kernel at every KDA / attention layer and each of the three expert matmuls of
   every MoE layer (the compiled text counts the kernel custom calls);
-* (TP decode) no all-gather feeds an attention, MLA or KDA kernel: their rules split heads, so the kernels take
-  their operands as the projections left them. The MoE up projections do receive the latent tokens gathered
+* (TP decode) no all-gather feeds a KDA or attention kernel: their rules split heads, so the kernels take
+  their operands as the projections left them. The MLA kernel's latent cache has no head axis: it is split by
+  position over ``model`` and read where it lies; only the queries (``q_lat``, ``q_pe``: heads whole inside the
+  op) are gathered into it, nothing larger. The MoE up projections do receive the latent tokens gathered
   over ``model``: the expert exchange declares tokens whole-width there. On the code before the op layer this
   check fails on GPU (each MLA kernel got 5 all-gathers; TPU did not compile at all).
 
@@ -26,7 +28,8 @@ from flax import nnx
 
 from kimi_jax.checkpoint import synthetic
 from kimi_jax.model import config
-from kimi_jax.parallel import aot, plan
+from kimi_jax.model.cache import MLACache, cache_shapes
+from kimi_jax.parallel import aot, plan, sharding
 from tests.hlo import gathers_into_kernels
 
 MESHES = {"tp": (1, 1, 4), "ep": (1, 4, 1), "dp": (4, 1, 1), "mix": (1, 2, 2)}
@@ -71,10 +74,20 @@ def _check(case):
     text, cfg, t = compile_case(*case)
     assert text.count(t.marker) == expected_kernels(cfg), f"{case}: not every op chose its Pallas kernel"
     if mesh == "tp" and step == "decode" and model != "llama":  # llama: 2 kv heads cannot split 4 ways
-        fed = gathers_into_kernels(text, t.marker)
+        fed = gathers_into_kernels(text, t.marker, sizes=True)
         assert len(fed) == expected_kernels(cfg)
         mixers = {k: v for k, v in fed.items() if not k.startswith("moe_")}
-        assert mixers and not any(mixers.values()), f"{case}: all-gathers feed mixer kernels: {mixers}"
+        mla = {k: v for k, v in mixers.items() if k.startswith("flash_attention")}  # these models' attention is MLA
+        kda = {k: v for k, v in mixers.items() if k not in mla}
+        assert kda and not any(kda.values()), f"{case}: all-gathers feed KDA kernels: {kda}"
+        m = cfg.mla
+        query = BATCH * m.num_heads * max(m.kv_lora_rank, m.qk_rope_dim)  # one decode token's q_lat / q_pe
+        assert mla and all(0 < n <= query for v in mla.values() for n in v) and all(len(v) <= 2 for v in mla.values()), \
+            f"{case}: more than the queries gathered into MLA kernels (element counts): {mla}"
+        sizes = dict(zip(sharding.MESH_AXES, MESHES[mesh]))
+        specs = sharding.cache_specs(cfg, cache_shapes(cfg, BATCH, CACHE, jnp.bfloat16), sizes, "tp_ep")
+        mla_specs = [e.c for e in specs.layers if isinstance(e, MLACache)]
+        assert mla_specs and all(c[1] == "model" for c in mla_specs), mla_specs  # the cache split by position
 
 
 @pytest.mark.parametrize("case", FAST, ids=["-".join(c) for c in FAST])

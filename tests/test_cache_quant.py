@@ -126,9 +126,9 @@ def test_plan_counts_the_int8_cache(capsys):
     sizes = dict(data=1, expert=8, model=8)
     p0 = plan.make_plan(cfg, sizes, batch=8, context=131072)
     p1 = plan.make_plan(cfg, sizes, batch=8, context=131072, kv_cache="int8", kda_state="bfloat16")
-    m, b_loc = cfg.mla, 1  # batch 8 over expert=8: one sequence per chip; the latent cache whole over model
+    m, b_loc = cfg.mla, 1  # batch 8 over expert=8: one sequence per chip; the latent cache's positions over model
     n_mla = cfg.attn_types.count("mla")
-    assert p1.cache["mla"] == n_mla * b_loc * 131072 * (m.kv_lora_rank + m.qk_rope_dim + 8)
+    assert p1.cache["mla"] == n_mla * b_loc * (131072 // 8) * (m.kv_lora_rank + m.qk_rope_dim + 8)
     assert p1.cache["kda_state"] * 2 == p0.cache["kda_state"]
     assert p1.param_total == p0.param_total
     rc = cli.main(["plan", "--model", "k3", "--mesh", "expert=8,model=8", "--kv-cache", "int8", "--kda-state",

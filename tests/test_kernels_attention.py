@@ -6,6 +6,11 @@ key positions, MLA prefill with split nope/rope dims, and absorbed MLA over the 
 (Triton block rules, the ``pallas_interpret`` implementation) and the TPU-style (Mosaic block rules) kernels run.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +22,10 @@ from kernels_pallas.attention import pallas as attn_pallas
 from kernels_pallas.attention import reference as attn_ref
 from kernels_pallas.mla_decode import pallas as mla_pallas
 from kernels_pallas.mla_decode import reference as mla_ref
+from kernels_pallas.mla_decode import xla_cpu as mla_xla_cpu
 from tests.parity import TOL, assert_close
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [jnp.float32, jnp.bfloat16]
 _attn_ref = jax.jit(attn_ref.attention, static_argnames=("scale",))
 _mla_ref = jax.jit(mla_ref.mla_attention, static_argnames=("scale",))
@@ -151,3 +158,106 @@ def test_fully_masked_rows_are_zero_not_nan():
     k_pos = jnp.full((1, 16), 100, jnp.int32)  # every key after every query
     got = attn_pallas.attention(q, k, v, jnp.array([[0, 1]], jnp.int32), scale=0.1, k_pos_BS=k_pos, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), 0.0)
+
+
+# -- the partial form: a cache split by sequence over devices ------------------------------------------------------
+
+
+def _mla_case(B=2, T=2, H=4, R=32, O=16, S=256, seed=11):
+    ks = _keys(seed, 4)
+    return (_normal(ks[0], (B, T, H, R), jnp.float32), _normal(ks[1], (B, T, H, O), jnp.float32),
+            _normal(ks[2], (B, S, R), jnp.float32), _normal(ks[3], (B, S, O), jnp.float32))
+
+
+def _numpy_lse(q_lat, q_pe, c, kpe, pos, scale, first):
+    """log-sum-exp over the visible scores of keys at positions first..first+S-1, in float64 numpy."""
+    q_lat, q_pe, c, kpe = (np.asarray(x, np.float64) for x in (q_lat, q_pe, c, kpe))
+    s = (np.einsum("bthr,bsr->bths", q_lat, c) + np.einsum("btho,bso->bths", q_pe, kpe)) * scale
+    visible = (first + np.arange(c.shape[1]))[None, None, None, :] <= np.asarray(pos)[:, :, None, None]
+    s = np.where(visible, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.log(np.exp(s - np.where(np.isfinite(top), top, 0)).sum(-1)) + np.where(np.isfinite(top), top, 0)[..., 0]
+    return out
+
+
+_PARTIAL_IMPLS = {
+    "reference": lambda *a, scale: mla_ref.mla_attention(*a, scale=scale, with_lse=True),
+    "xla_cpu": lambda *a, scale: mla_xla_cpu.mla_attention(*a, scale=scale, with_lse=True),
+    "pallas-gpu": lambda *a, scale: mla_pallas.mla_attention(*a, scale=scale, interpret=True, block_k=32,
+                                                             with_lse=True),
+    "pallas-gpu-2splits": lambda *a, scale: mla_pallas.mla_attention(*a, scale=scale, interpret=True, block_k=16,
+                                                                     num_splits=2, with_lse=True),
+    "pallas-tpu": lambda *a, scale: mla_pallas.mla_attention(*a, scale=scale, platform="tpu", interpret=True,
+                                                             block_k=128, with_lse=True),
+}
+
+
+@pytest.mark.parametrize("impl", list(_PARTIAL_IMPLS))
+def test_mla_partial_results_merge_to_the_whole_cache(impl):
+    """Each half of a 200-slot cache (keys at positions 0..99 and 100..199; query positions shifted by 100 for the
+    second) gives its partial result and log-sum-exp; the lse equals numpy's over the visible scores, a query that sees
+    nothing of a half gets zeros and -inf there, and the softmax-weighted merge equals attention over the whole cache.
+    100 keys are not a whole number of key blocks: the kernels pad them, and sequence 1's queries (positions past
+    the first half's end) must not see that padding."""
+    q_lat, q_pe, c, kpe = _mla_case(S=200)
+    pos = jnp.array([[3, 4], [150, 151]], jnp.int32)  # sequence 0 sees nothing of the second half
+    scale, half = 0.05, 100
+    f = jax.jit(lambda *a: _PARTIAL_IMPLS[impl](*a, scale=scale))
+    parts = [f(q_lat, q_pe, c[:, :half], kpe[:, :half], pos), f(q_lat, q_pe, c[:, half:], kpe[:, half:], pos - half)]
+    for (u, lse), first in zip(parts, (0, half)):
+        assert u.shape == q_lat.shape and lse.shape == q_lat.shape[:3]
+        want = _numpy_lse(q_lat, q_pe, c[:, first:first + half], kpe[:, first:first + half], pos, scale, first)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(want))
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(np.asarray(lse)[fin], want[fin], rtol=1e-5, atol=1e-4)
+    u1, lse1 = parts[1]
+    assert not np.isfinite(np.asarray(lse1[0])).any() and not np.asarray(u1[0]).any()
+    lses = np.stack([np.asarray(p[1], np.float64) for p in parts])
+    top = lses.max(0)
+    w = np.exp(lses - top)
+    merged = sum(w[i][..., None] * np.asarray(parts[i][0], np.float64) for i in range(2)) / w.sum(0)[..., None]
+    assert_close(merged, _mla_ref(q_lat, q_pe, c, kpe, pos, scale=scale), TOL["float32"], f"{impl} merged halves")
+
+
+_SEQ_SPLIT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    import kernels_pallas.mla_decode as api
+    from kernels_pallas._dispatch import split_axes
+    from kernels_pallas.cache_quant import quantize
+    from kimi_jax.parallel import sharding
+    from tests.test_kernels_attention import _mla_case
+    assert jax.device_count() == 4, jax.devices()
+    errs = {}
+    for mesh_sizes in ((1, 1, 4), (1, 2, 2)):
+        mesh = sharding.make_mesh(*mesh_sizes)
+        place = sharding.Parallel(mesh, sharding.TP_EP).placement
+        q_lat, q_pe, c, kpe = _mla_case(B=2, T=2, H=4, S=256)
+        pos = jnp.array([[3, 4], [200, 201]], jnp.int32)
+        for cache in ("float32", "int8"):
+            cc, kk = (c, kpe) if cache == "float32" else (quantize(c), quantize(kpe))
+            want = api.mla_attention(q_lat, q_pe, cc, kk, pos, scale=0.05, implementation="reference")
+            for impl in (None, "reference", "pallas_interpret"):
+                f = jax.jit(lambda *a: api.mla_attention(*a, scale=0.05, implementation=impl, placement=place))
+                got = f(q_lat, q_pe, cc, kk, pos)
+                errs[f"{mesh_sizes}-{cache}-{impl}"] = float(jnp.max(jnp.abs(got - want)))
+        split = split_axes(api.RULE, place, (q_lat, q_pe, c, kpe, pos))
+        errs[f"{mesh_sizes}-split"] = {k: list(v) for k, v in split.items()}
+    print("ERRS", errs)
+""")
+
+
+def test_mla_cache_split_by_sequence_on_four_cpu_devices():
+    """The MLA op with the default layout on 4 CPU devices: the cache positions split over ``model`` (4, or 2 beside
+    expert=2, which takes the batch), heads whole; every implementation (float32 and int8 caches) equals the unsharded
+    reference."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _SEQ_SPLIT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    errs = eval(proc.stdout.split("ERRS", 1)[1])
+    assert errs["(1, 1, 4)-split"] == {"S": ["model"]}, errs
+    assert errs["(1, 2, 2)-split"] == {"B": ["expert"], "S": ["model"]}, errs
+    values = {k: v for k, v in errs.items() if not k.endswith("split")}
+    assert len(values) == 12 and max(values.values()) <= TOL["float32"], values

@@ -100,7 +100,9 @@ def test_divisibility_fallbacks_keep_heads_and_mxfp4_groups_whole(tiny):
     assert mix["layers.3.mlp.experts.w2.scale"] == P("expert", None, "model")
     c = sharding.cache_specs(cfg, cache_shapes(cfg, 2, 32), dict(data=2, expert=2, model=2))
     assert c.layers[0].state == P("data", "model", None, None)  # batch 2 splits over data only
-    assert c.layers[3].c == P("data", None, None)
+    assert c.layers[3].c == P("data", "model", None)  # the latent cache: no head axis; positions over model
+    assert sharding.cache_specs(cfg, cache_shapes(cfg, 2, 33), dict(data=2, expert=2, model=2)).layers[3].c == P(
+        "data", None, None)  # 33 positions cannot split 2 ways: whole
     assert c.lengths == P("data")
 
 
@@ -122,13 +124,15 @@ def test_plan_matches_hand_computed_k3_bytes():
     assert 1.55e12 < one.param_total < 1.57e12  # 1.446 TB experts + ~114 GB bf16 trunk (K3_SPEC: ~1.44 TB + ~109 GB)
     p = plan.make_plan(cfg, dict(data=1, expert=64, model=8), batch=8, context=131072)
     assert p.params["routed experts"] == experts / 512
-    # batch 8 cannot split 64 ways: every chip holds all 8 sequences, heads split 8 ways, latent not at all
+    # batch 8 cannot split 64 ways: every chip holds all 8 sequences, heads split 8 ways, the latent cache's
+    # positions 8 ways (it has no head axis)
     assert p.cache["kda_state"] == 8 * kda_state / 8
-    assert p.cache["mla"] == 8 * 131072 * mla_per_token
+    assert p.cache["mla"] == 8 * 131072 * mla_per_token / 8
     assert any("replicated" in n for n in p.notes)
     # roofline: at least the local non-expert weights and the whole local MLA cache are read every step
     assert p.step_seconds(4.8e12) > (p.cache["mla"] + p.params["attention"]) / 4.8e12
-    assert p.fits(plan.CHIPS["h200"]) and not p.fits(plan.CHIPS["v6e"])
+    assert p.fits(plan.CHIPS["h200"]) and p.fits(plan.CHIPS["v6e"])  # ~23 GB per chip (48 GB with the cache whole)
+    assert not one.fits(plan.CHIPS["v7x"])  # 1.56 TB on one chip
 
 
 def test_plan_cli(capsys):

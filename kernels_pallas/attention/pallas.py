@@ -16,7 +16,9 @@ their per-row scales and dequantizes each tile in VMEM / registers (float32 prod
 before the same products; the scales move as ``[.., S, 1]`` blocks beside their tiles.
 
 Long caches can be split over several programs (``num_splits``, flash-decoding): each split writes an
-unnormalised partial result with its running max and sum, and a small XLA epilogue merges them.
+unnormalised partial result with its running max and sum, and a small XLA epilogue merges them. ``with_lse``
+returns the log-sum-exp of each row's visible scores beside the result (``-inf`` for a row that sees no key): what
+merges the partial results of a cache split by sequence over devices (``kernels_pallas._dispatch.Rule.merge``).
 
 Per backend: on GPU (Triton) each program loops over key blocks of a whole-sequence ref (a pointer; only the
 blocks it reads move), reading the static ``[B, S, G, K]`` cache in place. On TPU (Mosaic) a whole-sequence
@@ -134,7 +136,7 @@ def _kernel(*refs, bk, blocks_per_split, has_pe, v_is_k, has_kpos, split, scale,
     run_and_store(body, lo, hi, bq, U, o_ref, m_ref, l_ref, split)
 
 
-def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, precision, quant):
+def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, with_lse, scale, precision, quant):
     """TPU: the key axis is the last (sequential) grid axis; m, l and the accumulator live in VMEM scratch, and
     key blocks past what the row block can see are neither fetched (the index map repeats the last needed block)
     nor computed."""
@@ -143,7 +145,9 @@ def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, preci
     qpe_ref = next(it) if has_pe else None
     k_ref, ks_ref, kpe_ref, kpes_ref, v_ref, vs_ref = _take_refs(it, has_pe, v_is_k, quant)
     kpos_ref = next(it) if has_kpos else None
-    o_ref, m_sc, l_sc, acc_sc = next(it), next(it), next(it), next(it)
+    o_ref = next(it)
+    m_ref, l_ref = (next(it), next(it)) if with_lse else (None, None)
+    m_sc, l_sc, acc_sc = next(it), next(it), next(it)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -176,12 +180,16 @@ def _tpu_kernel(need_ref, *refs, bk, n_q, has_pe, v_is_k, has_kpos, scale, preci
     def _():
         l = l_sc[:, :1]
         o_ref[...] = acc_sc[...] / jnp.where(l > 0, l, 1.0)
+        if with_lse:  # lane-dense [bq, 128] copies of the running max and sum
+            m_ref[...] = m_sc[...]
+            l_ref[...] = l_sc[...]
 
 
 def flash(q_BGAK, k, v, qpos_BA, *, scale, q_pe_BGAO=None, k_pe_BSO=None, k_pos_BS=None, v_is_k=False,
           platform="gpu", interpret=False, block_q=None, block_k=None, num_splits=1, num_warps=None,
-          num_stages=None):
-    """The kernel over query rows grouped by kv head. Returns o ``[B, G, A, U]`` float32.
+          num_stages=None, with_lse=False):
+    """The kernel over query rows grouped by kv head. Returns o ``[B, G, A, U]`` float32 (with ``with_lse``: and
+    the rows' log-sum-exp ``[B, G, A]``, ``-inf`` where a row sees no key).
 
     q ``[B, G, A, K]`` (A rows per kv group), k ``[B, S, Gk, K]``, v ``[B, S, Gk, U]`` with Gk = G (or 1, shared
     by every group), qpos ``[B, A]`` int32 (row positions, the same for every group). Optional split key dims:
@@ -211,16 +219,21 @@ def flash(q_BGAK, k, v, qpos_BA, *, scale, q_pe_BGAO=None, k_pe_BSO=None, k_pos_
     kw = dict(has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, scale=float(scale), precision=precision_for(dt),
               quant=quant)
     if platform == "tpu":
-        out = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, bk=bk, Up=Up, interpret=interpret, **kw)
+        out, m, l = _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, bk=bk, Up=Up, interpret=interpret,
+                               with_lse=with_lse, **kw)
     else:
-        out = _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, bk=bk, Up=Up, num_splits=num_splits,
-                         platform=platform, interpret=interpret, num_warps=num_warps, num_stages=num_stages, **kw)
-    return out[:, :, :A, :U]
+        out, m, l = _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, bk=bk, Up=Up, num_splits=num_splits,
+                               platform=platform, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                               with_lse=with_lse, **kw)
+    if not with_lse:
+        return out[:, :, :A, :U]
+    return out[:, :, :A, :U], jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[:, :, :A]
 
 
 def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, Sp, v_is_k, platform):
     """Operands padded to whole blocks: rows to ``Ap`` (positions -1 see nothing), keys to ``Sp`` (zeros at
-    positions >= S, beyond every query), and on GPU the head dims to powers of two (zero columns add nothing to a
+    positions >= S; without ``k_pos`` the row positions are capped at S - 1, which shows a row the same real keys
+    and none of the padding, also to a row past the end of a cache slice of a sequence-split cache), and on GPU the head dims to powers of two (zero columns add nothing to a
     dot). Returns q ``[B, G, Ap, Kp]``, k ``[B, Sp, Gk, Kp]``, v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``),
     qpos ``[B, Ap, 1]`` int32, q_pe ``[B, G, Ap, Op]`` and k_pe ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]``
     int32 (or None; padded keys at int32 max) and U, the value width to return (Kp when ``v_is_k``)."""
@@ -231,7 +244,10 @@ def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, S
     has_pe = q_pe_BGAO is not None
     K = q_BGAK.shape[-1]
     q = heads(pad_axis(q_BGAK, 2, Ap), 3)
-    qpos = pad_axis(qpos_BA.astype(jnp.int32), 1, Ap, -1)[..., None]  # [B, Ap, 1]
+    qpos = qpos_BA.astype(jnp.int32)
+    if k_pos_BS is None:
+        qpos = jnp.minimum(qpos, k.shape[1] - 1)
+    qpos = pad_axis(qpos, 1, Ap, -1)[..., None]  # [B, Ap, 1]
     k = heads(pad_axis(k, 1, Sp), 3)
     Kp = q.shape[-1]
     if k.shape[-1] != Kp:
@@ -246,10 +262,11 @@ def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, S
 
 
 def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, num_splits, platform, interpret, num_warps,
-               num_stages, has_pe, v_is_k, has_kpos, **kw):
+               num_stages, has_pe, v_is_k, has_kpos, with_lse, **kw):
     """GPU (and interpret) launch: grid (B, G, row blocks, kv splits) over the padded operands of
-    :func:`_pad_operands`; each program loops over its share of the key blocks. Returns ``[B, G, Ap, Up]``
-    float32; split partial results are merged here."""
+    :func:`_pad_operands`; each program loops over its share of the key blocks. Returns o ``[B, G, Ap, Up]``
+    float32 (split partial results merged here) and, with ``with_lse``, each row's max score and softmax sum
+    ``[B, G, Ap]`` (else None, None)."""
     B, G, Ap = q.shape[:3]
     n_blocks = k.shape[1] // bk
     splits = max(1, min(int(num_splits), n_blocks))
@@ -257,7 +274,7 @@ def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, num_splits,
     splits = cdiv(n_blocks, per_split)  # no empty split
     args, in_specs = _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, scales, bq=bq, Up=Up, has_pe=has_pe, v_is_k=v_is_k,
                                  has_kpos=has_kpos)
-    split = splits > 1
+    split = splits > 1 or with_lse  # the partial form writes the running max and sum
     if split:
         out_shape = [jax.ShapeDtypeStruct((B, G, splits, Ap, Up), F32),
                      jax.ShapeDtypeStruct((B, G, splits, Ap, 1), F32),
@@ -276,7 +293,9 @@ def _flash_gpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, num_splits,
         compiler_params=compiler_params(platform, interpret, num_warps=num_warps, num_stages=num_stages),
         name="flash_attention",
     )(*args)
-    return _merge_splits(*out) if split else out
+    if not split:
+        return out, None, None
+    return _merge_splits(*out, stats=True)
 
 
 def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, Up, has_pe, v_is_k, has_kpos):
@@ -310,18 +329,22 @@ def _gpu_inputs(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, Up, has_pe, v_is_k
     return args, in_specs
 
 
-def _merge_splits(acc, m, l):
+def _merge_splits(acc, m, l, stats=False):
     """Flash-decoding epilogue: unnormalised partials acc ``[B, G, splits, Ap, Up]`` with their running max m and
-    sum l ``[B, G, splits, Ap, 1]`` -> normalised ``[B, G, Ap, Up]`` (rows that saw no key: zeros)."""
+    sum l ``[B, G, splits, Ap, 1]`` -> normalised ``[B, G, Ap, Up]`` (rows that saw no key: zeros); with ``stats``
+    also the merged max and sum ``[B, G, Ap]``."""
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_all)
     num, den = jnp.sum(w * acc, axis=2), jnp.sum(w * l, axis=2)
-    return num / jnp.where(den > 0, den, 1.0)
+    o = num / jnp.where(den > 0, den, 1.0)
+    return (o, m_all[:, :, 0, :, 0], den[..., 0]) if stats else o
 
 
-def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, interpret, has_pe, v_is_k, has_kpos, **kw):
+def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, interpret, has_pe, v_is_k, has_kpos, with_lse,
+               **kw):
     """TPU launch: grid (B, G, row blocks, key blocks), kv-major [B, Gk, S, K] blocks of ``bk`` keys, and the
-    number of key blocks each row block needs scalar-prefetched into SMEM."""
+    number of key blocks each row block needs scalar-prefetched into SMEM. Returns o ``[B, G, Ap, Up]`` and, with
+    ``with_lse``, each row's max score and softmax sum ``[B, G, Ap]`` (else None, None)."""
     from jax.experimental.pallas import tpu as pltpu
 
     B, G, Ap, Kp = q.shape
@@ -355,14 +378,20 @@ def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, interpret, 
     if has_kpos:
         args.append(kpos)
         in_specs.append(pl.BlockSpec((None, 1, bk), lambda b, g, i, j, need: (b, 0, last(b, i, j, need))))
-    kernel = functools.partial(_tpu_kernel, bk=bk, n_q=nq, has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos, **kw)
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((B, G, Ap, Up), F32), interpret=interpret, name="flash_attention",
+    kernel = functools.partial(_tpu_kernel, bk=bk, n_q=nq, has_pe=has_pe, v_is_k=v_is_k, has_kpos=has_kpos,
+                               with_lse=with_lse, **kw)
+    out_shape, out_specs = [jax.ShapeDtypeStruct((B, G, Ap, Up), F32)], [row_spec(Up)]
+    if with_lse:  # the running max and sum, lane-dense as in the scratch
+        out_shape += [jax.ShapeDtypeStruct((B, G, Ap, 128), F32)] * 2
+        out_specs += [row_spec(128)] * 2
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, interpret=interpret, name="flash_attention",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, G, nq, nk), in_specs=in_specs, out_specs=row_spec(Up),
+            num_scalar_prefetch=1, grid=(B, G, nq, nk), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((bq, 128), F32), pltpu.VMEM((bq, 128), F32), pltpu.VMEM((bq, Up), F32)]),
         compiler_params=compiler_params("tpu", interpret, semantics=("parallel", "parallel", "parallel", "arbitrary")),
     )(need.astype(jnp.int32), *args)
+    return (out[0], out[1][..., 0], out[2][..., 0]) if with_lse else (out[0], None, None)
 
 
 def default_splits(platform: str, B: int, G: int, A: int, S: int, bk: int) -> int:

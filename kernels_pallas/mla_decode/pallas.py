@@ -16,8 +16,9 @@ from kernels_pallas.cache_quant import is_int8
 
 
 def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, platform="gpu", interpret=False,
-                  block_q=None, block_k=None, num_splits=None, num_warps=None):
-    """Returns u ``[B, T, H, R]`` float32 (latent space). Same signature as the reference plus block choices."""
+                  block_q=None, block_k=None, num_splits=None, num_warps=None, with_lse=False):
+    """Returns u ``[B, T, H, R]`` float32 (latent space; with ``with_lse`` also its log-sum-exp ``[B, T, H]``).
+    Same signature as the reference plus block choices."""
     B, T, H, R = q_lat_BTHR.shape
     S = c_BSR.shape[1]
     rows = lambda x: x.reshape(B, 1, T * H, x.shape[-1])  # row = t * H + h
@@ -31,8 +32,11 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, pla
     if num_splits is None:
         num_splits = default_splits(platform, B, 1, T * H, S, bk)
     kpe = kpe_BSO if is_int8(kpe_BSO) else kpe_BSO.astype(dt)
-    u = flash(rows(q_lat_BTHR.astype(dt)), jax.tree.map(lambda x: x[:, :, None, :], c_BSR), None, qpos, scale=scale,
+    out = flash(rows(q_lat_BTHR.astype(dt)), jax.tree.map(lambda x: x[:, :, None, :], c_BSR), None, qpos, scale=scale,
               q_pe_BGAO=rows(q_pe_BTHO.astype(dt)), k_pe_BSO=kpe, v_is_k=True, platform=platform,
               interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits,
-              num_warps=num_warps or (8 if R > 256 else None))  # 8 warps: room for the [bq, R] accumulator
-    return u.reshape(B, T, H, R)
+              num_warps=num_warps or (8 if R > 256 else None),  # 8 warps: room for the [bq, R] accumulator
+              with_lse=with_lse)
+    if with_lse:
+        return out[0].reshape(B, T, H, R), out[1].reshape(B, T, H)
+    return out.reshape(B, T, H, R)

@@ -17,9 +17,11 @@ _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
-def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale):
-    p = probabilities(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, scale=scale)
+def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, with_lse=False):
+    p = probabilities(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, scale=scale, with_lse=with_lse)
+    p, lse = p if with_lse else (p, None)
     B, H, T, S = p.shape
     u = jax.lax.optimization_barrier(
         jnp.einsum("bms,bsr->bmr", p.reshape(B, H * T, S), dense(c_BSR, _F32), precision=_HI))
-    return jnp.swapaxes(u.reshape(B, H, T, -1), 1, 2)
+    u = jnp.swapaxes(u.reshape(B, H, T, -1), 1, 2)
+    return (u, jnp.swapaxes(lse, 1, 2)) if with_lse else u

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from kimi_jax.model import params
-from kimi_jax.model.cache import cache_shapes
+from kimi_jax.model.cache import MLACache, cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
 from kimi_jax.model.run import RunConfig
@@ -134,8 +134,9 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     specs = sharding.param_specs(model, sizes, lay, table=table)
     params, weights_read, expert_local = _param_bytes(table, specs, sizes)
     cache_options = dict(kv_cache=kv_cache, kda_state=kda_state)
-    cache, b_loc, notes = _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options)
-    act = _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt, kernels, bool(expert_local))
+    cache, b_loc, notes, mla_positions = _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options)
+    act = _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, mla_positions, dt, kernels,
+                              bool(expert_local))
     read = {"weights (non-expert)": weights_read, "embedding rows": b_loc * cfg.hidden_size * dt.itemsize}
     if expert_local:
         moe = cfg.moe
@@ -174,8 +175,9 @@ _CACHE_KIND = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv",
                "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}
 
 
-def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tuple[dict, int, list]:
-    """(cache bytes per chip by kind, sequences per chip, notes on what the layout cannot split)."""
+def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tuple[dict, int, list, int]:
+    """(cache bytes per chip by kind, sequences per chip, notes on what the layout cannot split, MLA cache positions
+    per chip)."""
     cshapes = cache_shapes(cfg, batch, context, dt, **(cache_options or {}))
     cspecs = sharding.cache_specs(cfg, cshapes, sizes, lay)
     cache = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
@@ -192,18 +194,23 @@ def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tup
     rep = [a for a in sharding.replicated_over(cspecs.lengths, sizes) if a in lay.mesh_axes("batch")]
     if rep:
         notes.append(f"batch {batch} does not split over {'x'.join(rep)}: caches replicated there")
-    if cache["mla"] and sizes["model"] > 1:
-        notes.append("the MLA latent cache has no head axis: it is replicated over the model axis")
+    mla = [spec.c for entry, spec in zip(cshapes.layers, cspecs.layers) if isinstance(entry, MLACache)]
+    mla = jax.tree.leaves(mla[0], is_leaf=lambda x: isinstance(x, PartitionSpec))[0] if mla else None
+    if mla is not None and sizes["model"] > 1 and "model" in sharding.replicated_over(mla, sizes):
+        notes.append(f"the MLA latent cache (no head axis) does not split its {context} positions over the model "
+                     f"axis: replicated there")
+    mla_positions = sharding.shard_shape((batch, context), mla, sizes)[1] if mla is not None else context
+    return cache, b_loc, notes, mla_positions
     for kind, sub in (("kda", cfg.kda), ("mla", cfg.mla), ("gqa", cfg.gqa)):
         if sub is not None and kind in cfg.attn_types and sizes["model"] > 1:
             if not _allowed_heads(sub.num_heads, sizes, lay):
                 notes.append(f"{kind}: {sub.num_heads} heads do not divide the model axis: attention replicated")
-    return cache, b_loc, notes
 
 
-def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt, kernels, moe: bool) -> dict:
+def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, mla_positions, dt, kernels, moe: bool) -> dict:
     """Decode-step activations: the logits, the residual stream and AttnRes blocks, the expert exchange buffers; with
-    the jnp reference kernels, also the largest per-layer workspace they may materialise (layers run in turn)."""
+    the jnp reference kernels, also the largest per-layer workspace they may materialise (layers run in turn;
+    ``mla_positions``: the MLA cache positions one chip holds)."""
     V, D = cfg.vocab_size, cfg.hidden_size
     head = "lm_head" if "lm_head" in specs else "embed_tokens"
     v_loc = V // math.prod(sizes[a] for a in _spec_axes(specs[head][0]))
@@ -224,7 +231,7 @@ def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, context, dt
         # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for the
         # value read; the rope key part once (an int8 cache: its dequantized copy, the same float32 bytes).
         m = cfg.mla
-        work["workspace: MLA upcast (ref.)"] = b_loc * context * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
+        work["workspace: MLA upcast (ref.)"] = b_loc * mla_positions * (2 * m.kv_lora_rank + m.qk_rope_dim) * 4
     if kernels == "reference" and work:
         name = max(work, key=work.get)
         act[name] = work[name]  # the largest; the others are of other layers

@@ -70,10 +70,12 @@ def _table(name: str, **rules) -> Layout:
 
 
 # The default: attention heads / MLP width / vocab / LatentMoE projections split over `model`, routed experts
-# over `expert` and each expert's hidden width over `model`, sequences over `data` and `expert`.
+# over `expert` and each expert's hidden width over `model`, sequences over `data` and `expert`. The MLA latent
+# cache has no head axis: its positions split over `model` instead (`mla_seq`; the MLA kernel op merges the
+# per-device partial attention, kernels_pallas/mla_decode). GQA caches keep their positions whole (`cache_seq`).
 TP_EP = _table(
     "tp_ep",
-    batch=("data", "expert"), cache_seq=(),
+    batch=("data", "expert"), cache_seq=(), mla_seq=("model",),
     vocab=("model",), embed=(), heads=("model",), kv_heads=("model",), mlp=("model",), latent=("model",),
     expert=("expert",), expert_mlp=("model",),
 )
@@ -81,7 +83,7 @@ TP_EP = _table(
 # `expert` x `model`, each expert whole on one chip; attention as in TP_EP.
 WIDE_EP = _table(
     "wide_ep",
-    batch=("data", "expert"), cache_seq=(),
+    batch=("data", "expert"), cache_seq=(), mla_seq=("model",),
     vocab=("model",), embed=(), heads=("model",), kv_heads=("model",), mlp=("model",), latent=("model",),
     expert=("expert", "model"), expert_mlp=(),
 )
@@ -329,7 +331,7 @@ def param_shardings(model, mesh, lay: Layout | str = TP_EP) -> dict[str, NamedSh
 CACHE_AXES = {
     KDACache: {"conv_q": ("batch", None, "heads"), "conv_k": ("batch", None, "heads"),
                "conv_v": ("batch", None, "heads"), "state": ("batch", "heads", None, None)},
-    MLACache: {"c": ("batch", "cache_seq", None), "kpe": ("batch", "cache_seq", None)},
+    MLACache: {"c": ("batch", "mla_seq", None), "kpe": ("batch", "mla_seq", None)},
     KVCache: {"k": ("batch", "cache_seq", "kv_heads", None), "v": ("batch", "cache_seq", "kv_heads", None)},
 }
 
