@@ -154,3 +154,20 @@ def test_compiler_moves_the_bytes_k3_slice(target):
     for kinds, base, r, moved in _compiled(target, cfg, [("kda_state", "experts"), ALL], 8, 4096):
         assert r["host_argument"] == moved > 0, kinds
         assert base["argument"] - r["argument"] == moved, kinds
+
+
+@pytest.mark.parametrize("implementation", [None, "reference"])
+def test_each_moe_layer_fetches_its_experts_once(hf_kimi_linear, monkeypatch, implementation):
+    """Eager decode of one token with float experts in host memory: one host -> device copy of the expert weights
+    per MoE layer, whichever path the products take (the fused native call, or each part on its own)."""
+    from kimi_jax.model.cache import init_cache
+
+    path, _ = hf_kimi_linear
+    run = RunConfig(dtype=jnp.float32, offload=("experts",), implementation=implementation)
+    model = offload.place_model(kimi_jax.from_pretrained(path, run=run))
+    copies = []
+    real = offload.to_device
+    monkeypatch.setattr(offload, "to_device", lambda tree, after=None: copies.append(1) or real(tree, after))
+    cache = init_cache(model.cfg, 1, 8, jnp.float32)
+    model(jnp.zeros((1, 1), jnp.int32), cache=cache, prefix=True)
+    assert len(copies) == model.cfg.ffn_types.count("moe") > 0

@@ -149,7 +149,8 @@ class MoE(nnx.Module):
                                  "(kimi_jax/parallel/expert_parallel.py) reads the weights where they live")
             out = expert_parallel.routed_experts(self.experts, z, idx, run)
         else:
-            out, shared = self._grouped_decode(x, z, idx, run) or (self.experts(z, idx, run), None)  # [N, X, L]
+            ew = offload.fetch_experts(self.experts.weights(), run, after=z)  # one host -> device copy per call
+            out, shared = self._grouped_decode(x, z, idx, ew, run) or (self.experts.apply(ew, z, idx, run), None)
         u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
         if c.latent is not None:
             if c.latent_norm:
@@ -160,16 +161,15 @@ class MoE(nnx.Module):
             u = (u + shared).astype(run.dtype)
         return u.reshape(B, T, D), (idx.reshape(B, T, -1), w.reshape(B, T, -1))
 
-    def _grouped_decode(self, x_ND, z_NL, idx_NX, run: RunConfig):
+    def _grouped_decode(self, x_ND, z_NL, idx_NX, w, run: RunConfig):
         """Gathered float experts whose products the grouped-product op runs as one native call (decode on CPU):
         the chosen experts and the shared experts as two such calls, up projections then down projections
-        (:mod:`kernels_pallas.matvec`). Returns (routed ``[N, X, L]``, shared ``[N, D]`` or None), or None when
+        (:mod:`kernels_pallas.matvec`). ``w``: the routed experts' weights, in device memory. Returns (routed ``[N, X, L]``, shared ``[N, D]`` or None), or None when
         the op would not run them that way (then each part runs on its own)."""
         N, X = idx_NX.shape
         ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
         if isinstance(ex.weight("w1"), MXFP4Weight) or ex.path(N * X, run) != "gather":
             return None
-        w = offload.fetch_experts(ex.weights(), run, after=z_NL)
         dt, ids = run.dtype, idx_NX.reshape(N * X)
         zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
         items = [(zx, cast(w["w1"], dt), ids), (zx, cast(w["w3"], dt), ids)]
