@@ -22,6 +22,8 @@ import kimi_jax
 from kernels_pallas import quant
 from kimi_jax.checkpoint import synthetic
 from kimi_jax.checkpoint.safetensors import CheckpointError
+from kimi_jax.model import config
+from kimi_jax.model.config import ConfigError
 
 VARIANTS = {  # id: (num_bits, strategy, group_size)
     "int4_g32": (4, "group", 32),
@@ -156,6 +158,19 @@ def test_variants_we_do_not_take_are_refused(tmp_path, edit, why):
     _edit_config(tmp_path, edit)
     with pytest.raises(CheckpointError, match=why):
         kimi_jax.from_pretrained(tmp_path, progress=False)
+    with pytest.raises(ConfigError, match=why):  # the model config parser reads the same quantization_config
+        config.load(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+def test_the_config_parser_takes_a_pack_quantized_config(tmp_path, family):
+    """``config.load`` (what ``kimi-jax plan --model DIR`` and the converter read) on a pack-quantized checkpoint: the
+    model config, not an "unsupported quantization_config" error; the weights' format is the loader's."""
+    write_ct_checkpoint(tmp_path, _scheme(4, "group", 32), family=family,
+                        select=lambda name: name.endswith("o_proj.weight"))
+    assert json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]["format"] == "pack-quantized"
+    cfg = config.load(tmp_path)
+    assert cfg == kimi_jax.from_pretrained(tmp_path, progress=False).cfg and (cfg.moe is None) == (family == "llama")
 
 
 def test_inconsistent_files_are_refused(tmp_path):

@@ -32,6 +32,7 @@ from kimi_jax.checkpoint import names
 from kimi_jax.checkpoint import reader as reader_lib
 from kimi_jax.checkpoint.names import WeightError
 from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError
+from kimi_jax.model import config as config_lib
 from kimi_jax.model import params
 from kimi_jax.parallel import sharding
 
@@ -42,12 +43,11 @@ LAST_LOAD = {"bytes_read": 0, "bytes_total": 0, "expert_bytes_read": 0, "expert_
 @dataclasses.dataclass(frozen=True)
 class PackQuantized:
     """A compressed-tensors ``pack-quantized`` checkpoint: ``kind`` "int4" | "int8", ``group`` input columns per
-    scale (None: one scale per row, the ``channel`` strategy), and ``config`` (config.json without its
-    quantization_config, for the model config parser)."""
+    scale (None: one scale per row, the ``channel`` strategy). The model config parser reads the same
+    quantization_config (:func:`kimi_jax.model.config.pack_quantized_format`)."""
 
     kind: str
     group: int | None
-    config: dict = dataclasses.field(compare=False, repr=False)
 
     def format_for(self, shape) -> quant.Format:
         """Our format of one weight ``[..., J, I]``."""
@@ -62,9 +62,8 @@ class PackQuantized:
 def pack_quantized(path) -> PackQuantized | None:
     """The compressed-tensors ``pack-quantized`` weight format of the checkpoint at ``path`` (config.json's
     ``quantization_config``, top level or in ``text_config``), or None when it has another quantization_config or
-    none (the config parser takes MXFP4 and refuses the rest). Refuses, naming the key, what kimi-jax does not take:
-    activation or KV-cache quantization, asymmetric weights (``weight_zero_point``), int8 groups, other bit widths,
-    activation-order (``g_idx``) groups, transforms, sparsity, or groups that disagree."""
+    none. What kimi-jax does not take is refused, naming the key (:func:`kimi_jax.model.config.pack_quantized_format`,
+    which the model config parser applies to the same dict)."""
     file = os.path.join(os.fspath(path), "config.json")
     try:
         with open(file) as f:
@@ -75,46 +74,11 @@ def pack_quantized(path) -> PackQuantized | None:
     q = holder.get("quantization_config") if isinstance(holder, dict) else None
     if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors" or q.get("format") != "pack-quantized":
         return None
-    where = f"{file}: quantization_config"
-
-    def refuse(what):
-        raise CheckpointError(f"{where}: {what}; kimi-jax reads pack-quantized weight-only int4 (group or channel "
-                              "scales) and int8 (channel scales), symmetric")
-
-    if q.get("quantization_status", "compressed") != "compressed":
-        refuse(f"quantization_status={q.get('quantization_status')!r} (expected 'compressed')")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(key):
-            refuse(f"{key} is set")
-    formats = set()
-    for gname, group in (q.get("config_groups") or {}).items():
-        at = f"config_groups.{gname}"
-        if (group.get("format") or "pack-quantized") != "pack-quantized":
-            refuse(f"{at}.format={group.get('format')!r}")
-        for key in ("input_activations", "output_activations"):
-            if group.get(key) is not None:
-                refuse(f"{at}.{key} is set (activation quantization)")
-        w = group.get("weights") or {}
-        bits, strategy = w.get("num_bits"), w.get("strategy")
-        if w.get("type", "int") != "int" or bits not in (4, 8):
-            refuse(f"{at}.weights: type={w.get('type')!r} num_bits={bits!r}")
-        if not w.get("symmetric", True):
-            refuse(f"{at}.weights.symmetric=False (asymmetric weights with weight_zero_point)")
-        if w.get("dynamic") or w.get("actorder") not in (None, "static"):
-            refuse(f"{at}.weights: dynamic={w.get('dynamic')!r} actorder={w.get('actorder')!r}")
-        if strategy == "group" and bits == 4 and isinstance(w.get("group_size"), int) and w["group_size"] >= 2 \
-                and w["group_size"] % 2 == 0:
-            formats.add(("int4", w["group_size"]))
-        elif strategy == "channel":
-            formats.add((f"int{bits}", None))
-        else:
-            refuse(f"{at}.weights: strategy={strategy!r} group_size={w.get('group_size')!r} with num_bits={bits}")
-    if len(formats) != 1:
-        refuse(f"{len(formats)} weight formats in config_groups {sorted(map(str, formats))} (one is supported)")
-    config = json.loads(json.dumps(raw))
-    (config if holder is raw else config["text_config"]).pop("quantization_config")
-    kind, group = formats.pop()
-    return PackQuantized(kind, group, config)
+    try:
+        kind, group = config_lib.pack_quantized_format(q, f"{file}: quantization_config")
+    except config_lib.ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return PackQuantized(kind, group)
 
 
 def _adopt_pack_quantized(spec: PackQuantized, ckpt: Checkpoint, cfg, state) -> None:

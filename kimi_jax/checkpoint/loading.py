@@ -82,7 +82,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     if ct is not None and quantize is not None:
         raise ValueError(f"{path} stores its weights {ct.name()} (compressed-tensors); they load as stored, and "
                          f"quantize={quantize!r} would requantize them: load it without quantize=")
-    cfg = config_lib.load(path, strict=strict) if ct is None else config_lib.from_dict(ct.config, strict=strict)
+    cfg = config_lib.load(path, strict=strict)
     run = run or RunConfig(dtype=resolve_dtype(dtype), implementation=implementation)
     scan = scan_layers or run.scan_layers
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below

@@ -249,15 +249,62 @@ def _first_id(value):
     return value
 
 
+def pack_quantized_format(q: Mapping[str, Any], where: str) -> tuple[str, int | None]:
+    """(kind, group) of a compressed-tensors ``pack-quantized`` quantization_config: ("int4", 32) for group scales,
+    ("int8" | "int4", None) for one scale per row. Refuses, naming the key, what kimi-jax does not take: activation or
+    KV-cache quantization, asymmetric weights, int8 groups, other bit widths, activation order, transforms,
+    sparsity, or groups that disagree. The loader packs the weights (:mod:`kimi_jax.checkpoint.hf`)."""
+
+    def refuse(what):
+        raise ConfigError(f"{where}: {what}; kimi-jax reads pack-quantized weight-only int4 (group or channel "
+                          "scales) and int8 (channel scales), symmetric")
+
+    if q.get("quantization_status", "compressed") != "compressed":
+        refuse(f"quantization_status={q.get('quantization_status')!r} (expected 'compressed')")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if q.get(key):
+            refuse(f"{key} is set")
+    formats = set()
+    for gname, group in (q.get("config_groups") or {}).items():
+        at = f"config_groups.{gname}"
+        if (group.get("format") or "pack-quantized") != "pack-quantized":
+            refuse(f"{at}.format={group.get('format')!r}")
+        for key in ("input_activations", "output_activations"):
+            if group.get(key) is not None:
+                refuse(f"{at}.{key} is set (activation quantization)")
+        w = group.get("weights") or {}
+        bits, strategy = w.get("num_bits"), w.get("strategy")
+        if w.get("type", "int") != "int" or bits not in (4, 8):
+            refuse(f"{at}.weights: type={w.get('type')!r} num_bits={bits!r}")
+        if not w.get("symmetric", True):
+            refuse(f"{at}.weights.symmetric=False (asymmetric weights with weight_zero_point)")
+        if w.get("dynamic") or w.get("actorder") not in (None, "static"):
+            refuse(f"{at}.weights: dynamic={w.get('dynamic')!r} actorder={w.get('actorder')!r}")
+        if strategy == "group" and bits == 4 and isinstance(w.get("group_size"), int) and w["group_size"] >= 2 \
+                and w["group_size"] % 2 == 0:
+            formats.add(("int4", w["group_size"]))
+        elif strategy == "channel":
+            formats.add((f"int{bits}", None))
+        else:
+            refuse(f"{at}.weights: strategy={strategy!r} group_size={w.get('group_size')!r} with num_bits={bits}")
+    if len(formats) != 1:
+        refuse(f"{len(formats)} weight formats in config_groups {sorted(map(str, formats))} (one is supported)")
+    return formats.pop()
+
+
 def _quant(q: Mapping[str, Any] | None, where: str) -> str | None:
-    """Validate a compressed-tensors MXFP4 quantization_config; returns "mxfp4" or None."""
+    """Validate a compressed-tensors quantization_config; returns "mxfp4" (the routed experts' format) or None (none,
+    or ``pack-quantized`` int4 / int8 weights, which the loader reads packed: :func:`pack_quantized_format`)."""
     if q is None:
         return None
     method, fmt = q.get("quant_method"), q.get("format")
+    if method == "compressed-tensors" and fmt == "pack-quantized":
+        pack_quantized_format(q, f"{where}: quantization_config")
+        return None
     if method != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
         raise ConfigError(
             f"{where}: unsupported quantization_config quant_method={method!r} format={fmt!r} "
-            "(supported: compressed-tensors mxfp4-pack-quantized)"
+            "(supported: compressed-tensors mxfp4-pack-quantized, pack-quantized)"
         )
     if q.get("quantization_status", "compressed") != "compressed":
         raise ConfigError(f"{where}: quantization_status={q.get('quantization_status')!r}; expected 'compressed'")
@@ -590,6 +637,9 @@ def _parse_dense(c: Mapping[str, Any], *, strict: bool) -> ModelConfig:
         checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "float32"))),
         max_position_embeddings=_context(r),
     )
+    # int4 / int8 pack-quantized weights are the loader's business; MXFP4 applies to routed experts only
+    if _quant(r.get("quantization_config"), "config.json") is not None:
+        raise ConfigError("config.json: an MXFP4 quantization_config, but a dense model has no routed experts")
     r.read.add("torch_dtype")
     if strict:
         r.finish()
