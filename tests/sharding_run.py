@@ -24,6 +24,19 @@ def _fail(what, proc):
     raise AssertionError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
+def script_on_cpu_devices(script: str, devices: int = 4):
+    """Runs ``script`` (Python source) in a subprocess that sees ``devices`` simulated CPU devices and returns the
+    Python literal it prints after the marker ``ERRS``."""
+    import ast
+
+    env = dict(_env(), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0 or "ERRS" not in proc.stdout:
+        _fail("script on CPU devices", proc)
+    return ast.literal_eval(proc.stdout.split("ERRS", 1)[1].strip())
+
+
 @functools.lru_cache(maxsize=None)
 def single_process(cases: str = "all") -> dict:
     """The worker's cases ("all": the default set; "slow": the extra ones) on 8 simulated devices in one process."""

@@ -6,9 +6,6 @@ key positions, MLA prefill with split nope/rope dims, and absorbed MLA over the 
 (Triton block rules, the ``pallas_interpret`` implementation) and the TPU-style (Mosaic block rules) kernels run.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,8 +21,8 @@ from kernels_pallas.mla_decode import pallas as mla_pallas
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.mla_decode import xla_cpu as mla_xla_cpu
 from tests.parity import TOL, assert_close
+from tests.sharding_run import script_on_cpu_devices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [jnp.float32, jnp.bfloat16]
 _attn_ref = jax.jit(attn_ref.attention, static_argnames=("scale",))
 _mla_ref = jax.jit(mla_ref.mla_attention, static_argnames=("scale",))
@@ -251,12 +248,7 @@ def test_mla_cache_split_by_sequence_on_four_cpu_devices():
     """The MLA op with the default layout on 4 CPU devices: the cache positions split over ``model`` (4, or 2 beside
     expert=2, which takes the batch), heads whole; every implementation (float32 and int8 caches) equals the unsharded
     reference."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _SEQ_SPLIT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errs = eval(proc.stdout.split("ERRS", 1)[1])
+    errs = script_on_cpu_devices(_SEQ_SPLIT, 4)
     assert errs["(1, 1, 4)-split"] == {"S": ["model"]}, errs
     assert errs["(1, 2, 2)-split"] == {"B": ["expert"], "S": ["model"]}, errs
     values = {k: v for k, v in errs.items() if not k.endswith("split")}

@@ -9,9 +9,6 @@ as a sequential grid axis).
 """
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -25,9 +22,9 @@ from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import pallas as paged_pallas
 from kernels_pallas.paged_attention import reference as paged_ref
 from tests.parity import TOL, assert_close
+from tests.sharding_run import script_on_cpu_devices
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 _mla_ref = jax.jit(paged_ref.paged_mla_attention, static_argnames=("scale",))
 _gqa_ref = jax.jit(paged_ref.paged_attention, static_argnames=("scale",))
 
@@ -229,10 +226,5 @@ _SHARDED = textwrap.dedent("""
 def test_sharded_over_heads_on_four_cpu_devices():
     """Query heads (and GQA kv heads with their pages' head axis) split over 4 devices inside shard_map, the pool
     and page table whole on each: the kernel on each shard equals the unsharded reference."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errs = eval(proc.stdout.split("ERRS", 1)[1])
+    errs = script_on_cpu_devices(_SHARDED, 4)
     assert max(errs) <= TOL["float32"], errs
