@@ -189,7 +189,8 @@ def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args):
 
 def merge_partials(out, lse, axes):
     """The softmax-weighted merge of per-device partial attention results ``out`` ``[..., U]`` with their
-    log-sum-exps ``lse`` ``[...]`` over mesh ``axes`` (inside ``shard_map``); queries that saw no key anywhere: zeros."""
+    log-sum-exps ``lse`` ``[...]`` over mesh ``axes`` (inside ``shard_map``); queries that saw no key anywhere get
+    zeros."""
     top = jax.lax.pmax(lse, axes)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse - top)  # exp(-inf) = 0 for a device where the query saw nothing

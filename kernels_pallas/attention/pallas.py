@@ -233,10 +233,11 @@ def flash(q_BGAK, k, v, qpos_BA, *, scale, q_pe_BGAO=None, k_pe_BSO=None, k_pos_
 def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, Sp, v_is_k, platform):
     """Operands padded to whole blocks: rows to ``Ap`` (positions -1 see nothing), keys to ``Sp`` (zeros at
     positions >= S; without ``k_pos`` the row positions are capped at S - 1, which shows a row the same real keys
-    and none of the padding, also to a row past the end of a cache slice of a sequence-split cache), and on GPU the head dims to powers of two (zero columns add nothing to a
-    dot). Returns q ``[B, G, Ap, Kp]``, k ``[B, Sp, Gk, Kp]``, v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``),
-    qpos ``[B, Ap, 1]`` int32, q_pe ``[B, G, Ap, Op]`` and k_pe ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]``
-    int32 (or None; padded keys at int32 max) and U, the value width to return (Kp when ``v_is_k``)."""
+    and none of the padding, also a row past the end of one slice of a sequence-split cache), and on GPU the head
+    dims to powers of two (zero columns add nothing to a dot). Returns q ``[B, G, Ap, Kp]``, k ``[B, Sp, Gk, Kp]``,
+    v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``), qpos ``[B, Ap, 1]`` int32, q_pe ``[B, G, Ap, Op]`` and k_pe
+    ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]`` int32 (or None; padded keys at int32 max) and U, the value width
+    to return (Kp when ``v_is_k``)."""
 
     def heads(x, axis):
         return pad_axis(x, axis, next_pow2(x.shape[axis])) if platform == "gpu" else x

@@ -32,11 +32,11 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, pla
     if num_splits is None:
         num_splits = default_splits(platform, B, 1, T * H, S, bk)
     kpe = kpe_BSO if is_int8(kpe_BSO) else kpe_BSO.astype(dt)
-    out = flash(rows(q_lat_BTHR.astype(dt)), jax.tree.map(lambda x: x[:, :, None, :], c_BSR), None, qpos, scale=scale,
-              q_pe_BGAO=rows(q_pe_BTHO.astype(dt)), k_pe_BSO=kpe, v_is_k=True, platform=platform,
-              interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits,
-              num_warps=num_warps or (8 if R > 256 else None),  # 8 warps: room for the [bq, R] accumulator
-              with_lse=with_lse)
+    out = flash(rows(q_lat_BTHR.astype(dt)), jax.tree.map(lambda x: x[:, :, None, :], c_BSR), None, qpos,
+                scale=scale, q_pe_BGAO=rows(q_pe_BTHO.astype(dt)), k_pe_BSO=kpe, v_is_k=True, platform=platform,
+                interpret=interpret, block_q=bq, block_k=bk, num_splits=num_splits,
+                num_warps=num_warps or (8 if R > 256 else None),  # 8 warps: room for the [bq, R] accumulator
+                with_lse=with_lse)
     if with_lse:
         return out[0].reshape(B, T, H, R), out[1].reshape(B, T, H)
     return out.reshape(B, T, H, R)
