@@ -135,6 +135,18 @@ def test_plan_matches_hand_computed_k3_bytes():
     assert not one.fits(plan.CHIPS["v7x"])  # 1.56 TB on one chip
 
 
+def test_plan_notes_what_the_layout_cannot_split(tiny):
+    """The tiny K3 (4 heads) on model=8: attention replicated; a 33-token context: the latent cache whole over model;
+    a 32-token one splits (no note)."""
+    cfg, _ = tiny
+    odd = plan.make_plan(cfg, dict(data=1, expert=1, model=8), batch=8, context=33)
+    assert any("4 heads do not divide the model axis" in n for n in odd.notes), odd.notes
+    assert any("does not split its 33 positions over the model axis" in n for n in odd.notes), odd.notes
+    even = plan.make_plan(cfg, dict(data=1, expert=1, model=8), batch=8, context=32)
+    assert not any("positions" in n for n in even.notes), even.notes
+    assert even.cache["mla"] * 8 == odd.cache["mla"] * 32 // 33
+
+
 def test_plan_cli(capsys):
     from kimi_jax.cli import main
 

@@ -164,8 +164,9 @@ class MoE(nnx.Module):
     def _grouped_decode(self, x_ND, z_NL, idx_NX, w, run: RunConfig):
         """Gathered float experts whose products the grouped-product op runs as one native call (decode on CPU):
         the chosen experts and the shared experts as two such calls, up projections then down projections
-        (:mod:`kernels_pallas.matvec`). ``w``: the routed experts' weights, in device memory. Returns (routed ``[N, X, L]``, shared ``[N, D]`` or None), or None when
-        the op would not run them that way (then each part runs on its own)."""
+        (:mod:`kernels_pallas.matvec`); ``w``: the routed experts' weights, in device memory. Returns (routed
+        ``[N, X, L]``, shared ``[N, D]`` or None), or None when the op would not run them that way (then each part
+        runs on its own)."""
         N, X = idx_NX.shape
         ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
         if isinstance(ex.weight("w1"), MXFP4Weight) or ex.path(N * X, run) != "gather":

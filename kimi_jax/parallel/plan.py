@@ -199,12 +199,12 @@ def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tup
     if mla is not None and sizes["model"] > 1 and "model" in sharding.replicated_over(mla, sizes):
         notes.append(f"the MLA latent cache (no head axis) does not split its {context} positions over the model "
                      f"axis: replicated there")
-    mla_positions = sharding.shard_shape((batch, context), mla, sizes)[1] if mla is not None else context
-    return cache, b_loc, notes, mla_positions
     for kind, sub in (("kda", cfg.kda), ("mla", cfg.mla), ("gqa", cfg.gqa)):
         if sub is not None and kind in cfg.attn_types and sizes["model"] > 1:
             if not _allowed_heads(sub.num_heads, sizes, lay):
                 notes.append(f"{kind}: {sub.num_heads} heads do not divide the model axis: attention replicated")
+    mla_positions = sharding.shard_shape((batch, context), mla, sizes)[1] if mla is not None else context
+    return cache, b_loc, notes, mla_positions
 
 
 def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, mla_positions, dt, kernels, moe: bool) -> dict:
