@@ -171,3 +171,31 @@ def test_each_moe_layer_fetches_its_experts_once(hf_kimi_linear, monkeypatch, im
     cache = init_cache(model.cfg, 1, 8, jnp.float32)
     model(jnp.zeros((1, 1), jnp.int32), cache=cache, prefix=True)
     assert len(copies) == model.cfg.ffn_types.count("moe") > 0
+
+
+def test_from_pretrained_reads_the_experts_into_host_memory(k3_tiny_a, k3_golden, monkeypatch):
+    """``from_pretrained(run=RunConfig(offload=("experts",)))`` puts every routed-expert leaf into host memory as it is
+    read (the device never holds them), refuses a mesh before reading, and the model called directly (no
+    Generator) computes the on-device model's logits exactly."""
+    from flax import nnx
+
+    from kimi_jax.model import params
+    from kimi_jax.parallel import sharding
+
+    placed = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: placed.append(getattr(s, "memory_kind", None))
+                        or real(x, s, **kw))
+    run = RunConfig(dtype=jnp.float32, offload=("experts",))
+    model = kimi_jax.from_pretrained(k3_tiny_a, run=run, progress=False)
+    monkeypatch.setattr(jax, "device_put", real)
+    n_expert_leaves = sum(offload.is_expert_leaf(k) for k in params.leaves(nnx.state(model)))
+    assert n_expert_leaves > 0 and placed.count("pinned_host") == n_expert_leaves
+    assert _memory_kinds(model.layers[1].mlp.experts.w1.get_value()) == {"pinned_host"}
+    assert _memory_kinds(model.layers[1].mlp.gate.get_value()) == {"device"}
+    ids = jnp.asarray(k3_golden["input_ids"][:, :8])
+    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    np.testing.assert_array_equal(np.asarray(model(ids).logits), np.asarray(base(ids).logits))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="offload=\\('experts',\\) runs on one device"):
+        kimi_jax.from_pretrained(k3_tiny_a, run=run, mesh=mesh, progress=False)

@@ -11,10 +11,11 @@ from flax import nnx
 
 from kimi_jax.checkpoint import hf
 from kimi_jax.model import config as config_lib
+from kimi_jax.model import params
 from kimi_jax.model import quantize as quantize_lib
 from kimi_jax.model.decoder import KimiModel, relayout
 from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import distributed
+from kimi_jax.parallel import distributed, offload
 
 # The dtype a run gets when its user names none: bfloat16 on every platform. Accelerators run it natively; on the
 # CPU the native decode products stream bfloat16 weights (widened in registers, float32 sums), so it decodes the
@@ -84,6 +85,9 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
                          f"quantize={quantize!r} would requantize them: load it without quantize=")
     cfg = config_lib.load(path, strict=strict)
     run = run or RunConfig(dtype=resolve_dtype(dtype), implementation=implementation)
+    if mesh is not None and "experts" in run.offload:  # refused before anything is read
+        raise ValueError("offload=('experts',) runs on one device for now: the expert-parallel dispatch "
+                         "(kimi_jax/parallel/expert_parallel.py) reads the weights where they live; load without mesh=")
     scan = scan_layers or run.scan_layers
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
@@ -94,6 +98,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     model = _load(path, cfg, run, converted, check_finite, progress)
     if quantize is not None:
         quantize_lib.quantize(model, quantize, quantize_include)
+    offload.place_model(model)  # RunConfig(offload=("experts",)): the experts in host memory (loaded there already)
     return relayout(model, scan_layers=True, consume=True) if scan else model
 
 
@@ -129,7 +134,12 @@ def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progre
         return model
     if run.parallel is not None:
         return hf.load_hf_sharded(path, cfg, run, factory, check_finite=check_finite, progress=progress)
-    return hf.load_hf(path, cfg, factory, check_finite=check_finite, progress=progress)
+    shardings = None
+    if "experts" in run.offload:  # routed experts read straight into host memory: the device never holds them
+        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=offload.HOST)
+        leaves = params.leaves(nnx.state(nnx.eval_shape(factory)))
+        shardings = {name: host for name in leaves if offload.is_expert_leaf(name)}
+    return hf.load_hf(path, cfg, factory, shardings=shardings, check_finite=check_finite, progress=progress)
 
 
 def _check_loaded(model: KimiModel, path: str) -> None:

@@ -109,6 +109,12 @@ def _is_expert_path(path) -> bool:
     return "experts" in names and any(w in names for w in ("w1", "w2", "w3"))
 
 
+def is_expert_leaf(name: str) -> bool:
+    """Whether a parameter leaf (``"layers.3.mlp.experts.w1.packed"``, :func:`kimi_jax.model.params.leaves`) belongs to
+    a routed-expert weight: what ``offload=("experts",)`` keeps in host memory."""
+    return _is_expert_path(name.split("."))
+
+
 def place_model(model, kinds=None):
     """Move ``model``'s routed-expert weights (every field of a packed weight) to host memory, in place, when
     ``kinds`` (default: the model's ``run.offload``) holds ``"experts"``. Returns the model."""
@@ -120,7 +126,8 @@ def place_model(model, kinds=None):
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
         if _is_expert_path(path):
-            value = jax.tree.map(lambda a: jax.device_put(a, host_sharding(a.sharding)), value)
+            value = jax.tree.map(lambda a: a if a.sharding.memory_kind == HOST
+                                 else jax.device_put(a, host_sharding(a.sharding)), value)
         flat.append((path, var.replace(value)))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
