@@ -199,3 +199,19 @@ def test_from_pretrained_reads_the_experts_into_host_memory(k3_tiny_a, k3_golden
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="offload=\\('experts',\\) runs on one device"):
         kimi_jax.from_pretrained(k3_tiny_a, run=run, mesh=mesh, progress=False)
+
+
+def test_a_converted_checkpoint_restores_the_experts_into_host_memory(k3_tiny_a, k3_golden, tmp_path,
+                                                                       monkeypatch):
+    """The converter's Orbax output with ``offload=("experts",)``: the experts restored straight into host memory
+    (the move after loading disabled here), the rest on the device, the logits those of the on-device model."""
+    from convert.converter import convert_checkpoint
+
+    convert_checkpoint(k3_tiny_a, tmp_path / "k3", progress=False)
+    monkeypatch.setattr(offload, "place_model", lambda model, kinds=None: model)
+    model = kimi_jax.from_pretrained(tmp_path / "k3", run=RunConfig(dtype=jnp.float32, offload=("experts",)))
+    assert _memory_kinds(model.layers[1].mlp.experts.w1.get_value()) == {"pinned_host"}
+    assert _memory_kinds(model.layers[1].mlp.gate.get_value()) == {"device"}
+    ids = jnp.asarray(k3_golden["input_ids"][:, :8])
+    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    np.testing.assert_array_equal(np.asarray(model(ids).logits), np.asarray(base(ids).logits))

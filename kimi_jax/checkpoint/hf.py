@@ -136,10 +136,11 @@ def _bar(jobs, progress: bool):
                 delay=2.0, disable=not progress, dynamic_ncols=True, leave=False)
 
 
-def load_hf(path, cfg, model_factory, *, shardings=None, check_finite: bool = True, progress: bool = True):
+def load_hf(path, cfg, model_factory, *, placement=None, check_finite: bool = True, progress: bool = True):
     """Build the model ``model_factory()`` describes and fill it from the HF checkpoint at ``path``.
 
-    ``shardings``: optional {leaf path: Sharding} (default: the default device). ``check_finite``: refuse NaN / Inf
+    ``placement``: optional ``leaf path -> Sharding or None`` (None: the default device), e.g. the routed experts
+    into host memory. ``check_finite``: refuse NaN / Inf
     weights (:class:`~kimi_jax.checkpoint.reader.Reader`). ``progress``: a byte counter for loads over 2 s."""
     graphdef, state, ckpt, jobs = _prepare(path, cfg, model_factory)
     reader = reader_lib.Reader(ckpt, check_finite=check_finite)
@@ -148,7 +149,7 @@ def load_hf(path, cfg, model_factory, *, shardings=None, check_finite: bool = Tr
     try:
         for job in jobs:
             value = reader.read(job)  # 64-byte aligned: on the CPU, device_put adopts it without a copy
-            values[job.target] = jax.device_put(value, None if shardings is None else shardings.get(job.target))
+            values[job.target] = jax.device_put(value, None if placement is None else placement(job.target))
             bar.update(job.nbytes)
     finally:
         bar.close()

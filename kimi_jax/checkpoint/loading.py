@@ -119,6 +119,10 @@ def _check_stored(path: str, stored, quantize, include) -> None:
 
 def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progress: bool) -> KimiModel:
     factory = lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))  # noqa: E731
+    place = None  # on one device: leaf path -> its sharding, or None for the default device
+    if run.parallel is None and "experts" in run.offload:  # routed experts read straight into host memory
+        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=offload.HOST)
+        place = lambda name: host if offload.is_expert_leaf(name) else None  # noqa: E731
     if converted:
         from kimi_jax.checkpoint import orbax as orbax_io
 
@@ -128,18 +132,15 @@ def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progre
             from kimi_jax.parallel import sharding
 
             shardings = sharding.param_shardings(abstract, run.parallel.mesh, run.parallel.layout)
+        elif place is not None:
+            shardings = {name: place(name) for name in params.leaves(nnx.state(abstract))}
         model = orbax_io.load_converted(path, cfg, factory, shardings=shardings, abstract=abstract)
         if check_finite:
             _check_loaded(model, path)
         return model
     if run.parallel is not None:
         return hf.load_hf_sharded(path, cfg, run, factory, check_finite=check_finite, progress=progress)
-    shardings = None
-    if "experts" in run.offload:  # routed experts read straight into host memory: the device never holds them
-        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=offload.HOST)
-        leaves = params.leaves(nnx.state(nnx.eval_shape(factory)))
-        shardings = {name: host for name in leaves if offload.is_expert_leaf(name)}
-    return hf.load_hf(path, cfg, factory, shardings=shardings, check_finite=check_finite, progress=progress)
+    return hf.load_hf(path, cfg, factory, placement=place, check_finite=check_finite, progress=progress)
 
 
 def _check_loaded(model: KimiModel, path: str) -> None:
