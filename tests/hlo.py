@@ -10,6 +10,7 @@ another op's business.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 
@@ -58,12 +59,7 @@ def _gathered_elements(ins) -> int:
     """Elements of an all-gather's result (the last array of a tuple-typed async start); 0 if unreadable."""
     head = ins["line"].split(f" {ins['op']}(", 1)[0]
     dims = re.findall(r"\w+\[([\d,]*)\]", head)
-    if not dims:
-        return 0
-    n = 1
-    for d in filter(None, dims[-1].split(",")):
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in dims[-1].split(",") if d) if dims else 0
 
 
 def gathers_into_kernels(text: str, marker: str, sizes: bool = False) -> dict[str, int | list[int]]:

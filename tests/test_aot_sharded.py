@@ -82,8 +82,8 @@ def _check(case):
         assert kda and not any(kda.values()), f"{case}: all-gathers feed KDA kernels: {kda}"
         m = cfg.mla
         query = BATCH * m.num_heads * max(m.kv_lora_rank, m.qk_rope_dim)  # one decode token's q_lat / q_pe
-        assert mla and all(0 < n <= query for v in mla.values() for n in v) and all(len(v) <= 2 for v in mla.values()), \
-            f"{case}: more than the queries gathered into MLA kernels (element counts): {mla}"
+        ok = all(len(v) <= 2 and all(0 < n <= query for n in v) for v in mla.values())
+        assert mla and ok, f"{case}: more than the queries gathered into MLA kernels (element counts): {mla}"
         sizes = dict(zip(sharding.MESH_AXES, MESHES[mesh]))
         specs = sharding.cache_specs(cfg, cache_shapes(cfg, BATCH, CACHE, jnp.bfloat16), sizes, "tp_ep")
         mla_specs = [e.c for e in specs.layers if isinstance(e, MLACache)]

@@ -173,9 +173,9 @@ def _numpy_lse(q_lat, q_pe, c, kpe, pos, scale, first):
     visible = (first + np.arange(c.shape[1]))[None, None, None, :] <= np.asarray(pos)[:, :, None, None]
     s = np.where(visible, s, -np.inf)
     top = s.max(-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.log(np.exp(s - np.where(np.isfinite(top), top, 0)).sum(-1)) + np.where(np.isfinite(top), top, 0)[..., 0]
-    return out
+    top = np.where(np.isfinite(top), top, 0.0)  # rows that see no key: exp(-inf) sums to 0, log gives -inf
+    with np.errstate(divide="ignore"):
+        return np.log(np.exp(s - top).sum(-1)) + top[..., 0]
 
 
 _PARTIAL_IMPLS = {
