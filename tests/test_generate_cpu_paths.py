@@ -1,5 +1,6 @@
 """The CPU fast paths generation relies on, against independent float64 numpy products and the slow forms
-they replace: tiled grouped matmul (vs lax.ragged_dot), slot-loop expert gather, KDA prefill as the recurrence."""
+they replace: tiled grouped matmul (vs the reference, lax.ragged_dot), slot-loop expert gather, KDA prefill as the
+recurrence."""
 
 import functools
 
@@ -10,6 +11,7 @@ import pytest
 
 from kernels_pallas.kda import reference as kda_ref
 from kernels_pallas.moe_gmm import reference as moe_ref
+from kernels_pallas.moe_gmm import xla_cpu as moe_cpu
 from kernels_pallas.mxfp4 import MXFP4Weight, dequantize
 from kimi_jax.model.run import RunConfig
 
@@ -31,11 +33,12 @@ def test_tiled_gmm_matches_numpy_and_ragged_dot(sizes, tile):
     x = rng.standard_normal((M, 48)).astype(np.float32)
     w = rng.standard_normal((6, 24, 48)).astype(np.float32) / 7
     gs = jnp.asarray(sizes, jnp.int32)
-    got = np.asarray(jax.jit(lambda a, b, c: moe_ref.gmm(a, b, c, tile=tile))(x, w, gs))
+    got = np.asarray(jax.jit(lambda a, b, c: moe_cpu.gmm(a, b, c, tile=tile))(x, w, gs))
     want = _groups_np(x.astype(np.float64), w.astype(np.float64), sizes)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-    ragged = jax.lax.ragged_dot(jnp.asarray(x), jnp.swapaxes(jnp.asarray(w), 1, 2), gs, preferred_element_type=jnp.float32)
+    ragged = jax.jit(moe_ref.gmm)(x, w, gs)
     np.testing.assert_allclose(got, np.asarray(ragged), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(ragged), want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("M,sizes,capacity", [(10, [2, 0, 3, 1, 0, 2], None), (70, [30, 0, 0, 2, 0, 1], 8)])
@@ -44,7 +47,7 @@ def test_gmm_tile_only_and_capacity_overflow(M, sizes, capacity):
     rng = np.random.default_rng(M)
     x = rng.standard_normal((M, 16)).astype(np.float32)
     w = rng.standard_normal((6, 8, 16)).astype(np.float32)
-    got = np.asarray(jax.jit(lambda a, b, c: moe_ref.gmm(a, b, c, tile=4, capacity=capacity))(
+    got = np.asarray(jax.jit(lambda a, b, c: moe_cpu.gmm(a, b, c, tile=4, capacity=capacity))(
         x, w, jnp.asarray(sizes, jnp.int32)))
     np.testing.assert_allclose(got, _groups_np(x.astype(np.float64), w.astype(np.float64), sizes), atol=2e-5)
 
@@ -57,8 +60,9 @@ def test_tiled_gmm_and_gather_with_mxfp4_weights():
     dense = np.asarray(dequantize(w, jnp.float32), np.float64)
     x = rng.standard_normal((20, 64)).astype(np.float32)
     sizes = [7, 0, 9, 4]
-    got = np.asarray(jax.jit(moe_ref.gmm)(x, w, jnp.asarray(sizes, jnp.int32)))
-    np.testing.assert_allclose(got, _groups_np(x.astype(np.float64), dense, sizes), atol=1e-5)
+    for gmm in (moe_cpu.gmm, moe_ref.gmm):
+        got = np.asarray(jax.jit(gmm)(x, w, jnp.asarray(sizes, jnp.int32)))
+        np.testing.assert_allclose(got, _groups_np(x.astype(np.float64), dense, sizes), atol=1e-5)
     idx = rng.integers(0, 4, (3, 2))
     xs = rng.standard_normal((3, 2, 64)).astype(np.float32)
     got = np.asarray(jax.jit(moe_ref.gather_matmul)(xs, w, jnp.asarray(idx)))

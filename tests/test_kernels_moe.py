@@ -1,5 +1,8 @@
 """Pallas MoE kernels (interpret mode on CPU) against the references, and MXFP4 kept packed in memory.
 
+The grouped-matmul reference (``lax.ragged_dot``) equals the XLA:CPU form the automatic choice runs on CPU, and its
+gradients equal those of a per-group loop (training differentiates it).
+
 The grouped matmul sees ragged groups including empty ones and rows past ``sum(group_sizes)``; the gathered
 (decode) kernel sees repeated experts. MXFP4 weights are decoded inside the kernels; the decode is checked bit
 for bit against compressed-tensors (the library that wrote K3's experts) on random bytes and on the fixture's
@@ -16,6 +19,7 @@ import kernels_pallas.moe_gmm as moe_api
 import kimi_jax
 from kernels_pallas.moe_gmm import pallas as moe_pallas
 from kernels_pallas.moe_gmm import reference as moe_ref
+from kernels_pallas.moe_gmm import xla_cpu as moe_cpu
 from kernels_pallas.mxfp4 import MXFP4Weight
 from tests.parity import TOL, assert_close
 
@@ -50,6 +54,56 @@ def test_gmm_ragged_groups(kind, dtype):
     assert got.shape == (24, N) and got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got[21:]), 0.0)  # rows past sum(group_sizes)
     assert_close(got, want, _tol(dtype, want), f"gmm {kind}")
+
+
+@pytest.mark.parametrize(
+    "kind,dtype", [("dense", jnp.float32), ("dense", jnp.bfloat16), ("mxfp4", jnp.float32), ("mxfp4", jnp.bfloat16)],
+    ids=["dense-float32", "dense-bfloat16", "mxfp4-float32", "mxfp4-bfloat16"])
+@pytest.mark.parametrize("capacity", [None, 4], ids=["batched", "overflow"])
+def test_reference_gmm_equals_xla_cpu_form(kind, dtype, capacity):
+    """The XLA:CPU form (the capacity-batched product, 8 rows per group by default here; with capacity 4 most rows of
+    the 17-row group overflow into the tile loop; MXFP4: the tile loop only) against the ragged_dot reference, with
+    two empty groups and 3 rows past the groups."""
+    rng = np.random.default_rng(5)
+    w = _weights(kind, rng)
+    x = jnp.asarray(rng.standard_normal((24, K)), jnp.float32)
+    gs = jnp.array([3, 0, 17, 1, 0, 0], jnp.int32)
+    want = _gmm_ref(x, w, gs, compute_dtype=dtype)
+    got = jax.jit(lambda *a: moe_cpu.gmm(*a, compute_dtype=dtype, tile=8, capacity=capacity))(x, w, gs)
+    np.testing.assert_array_equal(np.asarray(want[21:]), 0.0)
+    err = assert_close(got, want, _tol(dtype, want), f"xla_cpu gmm {kind}")
+    print(f"{kind} {jnp.dtype(dtype).name} capacity={capacity}: max |xla_cpu - reference| {err:.3g}")
+
+
+def test_gmm_automatic_on_cpu_is_the_xla_cpu_form():
+    x, w, gs = jnp.ones((4, K)), jnp.ones((E, N, K)), jnp.array([4] + [0] * (E - 1), jnp.int32)
+    assert moe_api.GMM.choose(None, (x, w, gs)) == "xla_cpu"
+    assert moe_api.GMM.choose("reference", (x, w, gs)) == "reference"
+    np.testing.assert_array_equal(np.asarray(moe_api.gmm(x, w, gs, implementation="xla_cpu")),
+                                  np.asarray(moe_api.gmm(x, w, gs)))
+
+
+def test_reference_gmm_gradients_equal_a_per_group_loop():
+    """d/dx and d/dw of the reference against the same product written as one matmul per (static) group; rows past
+    the groups get no gradient."""
+    rng = np.random.default_rng(6)
+    w = _weights("dense", rng)
+    x = jnp.asarray(rng.standard_normal((24, K)), jnp.float32)
+    sizes = [3, 0, 17, 1, 0, 0]
+    ct = jnp.asarray(rng.standard_normal((24, N)), jnp.float32)
+
+    def loop(x, w):
+        starts = np.cumsum([0] + sizes)
+        parts = [x[a:b] @ w[e].T for e, (a, b) in enumerate(zip(starts[:-1], starts[1:]))]
+        return jnp.concatenate(parts + [jnp.zeros((24 - starts[-1], N))])
+
+    ref = lambda x, w: moe_ref.gmm(x, w, jnp.asarray(sizes, jnp.int32))  # noqa: E731
+    got = jax.jit(jax.grad(lambda x, w: jnp.sum(ref(x, w) * ct), argnums=(0, 1)))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(loop(x, w) * ct), argnums=(0, 1))(x, w)
+    for g, h, what in zip(got, want, ("dx", "dw")):
+        err = assert_close(g, h, TOL["float32"], f"reference gmm {what}")
+        print(f"reference gmm {what}: max |diff| vs the per-group loop {err:.3g}")
+    np.testing.assert_array_equal(np.asarray(got[0][21:]), 0.0)
 
 
 def test_gmm_decode_shaped_many_experts():

@@ -6,6 +6,11 @@ float32.
 ``w`` is a float array or a :class:`kernels_pallas.mxfp4.MXFP4Weight` (kept packed; the kernels decode per tile); the
 reference and the CPU native gather also take the integer formats of :mod:`kernels_pallas.quant`.
 
+``gmm`` has a third implementation, ``"xla_cpu"`` (:mod:`kernels_pallas.moe_gmm.xla_cpu`), the automatic choice on
+CPU: the reference is ``lax.ragged_dot``, which XLA:CPU runs as a dense product with every expert (15x slower); the
+XLA:CPU form reads each expert once but loops with traced bounds, which reverse mode cannot differentiate, so training
+(``implementation="reference"``) runs ``ragged_dot``.
+
 ``gather_matmul`` has a third implementation, ``"cpu_native"`` (:mod:`kernels_pallas.matvec`): on XLA:CPU with float32 or
 bfloat16 weights it reads the chosen experts in place, where the reference copies each one out of the stacked array first
 (batch-1 decode of the benchmark model spent about a fifth of its step on those copies). It is the automatic choice
@@ -60,7 +65,8 @@ def _native_gather(x, w, idx, *, compute_dtype=None):
     return native.group([item])[0].reshape(*x.shape[:2], -1)
 
 
-GMM = Op("moe_gmm", GMM_RULE, {REFERENCE: reference.gmm, PALLAS: pallas.gmm})
+GMM = Op("moe_gmm", GMM_RULE, {REFERENCE: reference.gmm, PALLAS: pallas.gmm},
+         cpu=(CpuImpl(XLA_CPU, xla_cpu.gmm),))
 GATHER = Op("moe_gather_matmul", GATHER_RULE, {REFERENCE: reference.gather_matmul, PALLAS: pallas.gather_matmul},
             cpu=(CpuImpl(NATIVE, _native_gather, ready=matvec.native_built, unsupported=_native_gather_unsupported),))
 

@@ -1,4 +1,6 @@
-"""MoE expert matmuls in plain jnp: the oracle for the grouped-matmul kernels and the CPU path.
+"""MoE expert matmuls in plain jnp: the oracle for the grouped-matmul kernels and what training differentiates
+(``implementation="reference"``). On CPU the automatic choice of ``gmm`` is the tuned form of
+:mod:`kernels_pallas.moe_gmm.xla_cpu`; ``gather_matmul`` and ``dense_experts`` here are CPU paths too.
 
 Weights are ``[E, J, I]`` (checkpoint layout ``[out, in]`` per expert), either a float array or a packed weight
 (:mod:`kernels_pallas.packed`: MXFP4, int8, int4, NF4) that is decoded here (the kernels decode per tile instead).
@@ -14,7 +16,7 @@ from kernels_pallas import packed
 _F32 = jnp.float32
 
 
-def _expert(w_EJI, e, dt):
+def expert(w_EJI, e, dt):
     """Expert ``e``'s weight ``[J, I]`` in ``dt`` (a packed expert, MXFP4 or an integer format, is decoded here,
     only this one)."""
     if packed.is_packed(w_EJI):
@@ -22,54 +24,21 @@ def _expert(w_EJI, e, dt):
     return w_EJI[e].astype(dt)
 
 
-def _tile_loop(out, xp, w_EJI, starts_E, counts_E, tile, dt):
-    """Rows ``starts[e] .. starts[e] + counts[e]`` of ``xp`` times expert ``e``, written into ``out``: the
-    rows are cut into tiles of ``tile`` and one loop runs over the tiles in use."""
-    E = starts_E.shape[0]
-    ends = starts_E + counts_E
-    tiles = (counts_E + tile - 1) // tile
-    tile_end = jnp.cumsum(tiles)  # tiles of groups 0..e
-
-    def body(t, out):
-        e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1)
-        r0 = starts_E[e] + (t - (tile_end[e] - tiles[e])) * tile
-        y = jnp.einsum("mi,ji->mj", jax.lax.dynamic_slice_in_dim(xp, r0, tile), _expert(w_EJI, e, dt),
-                       preferred_element_type=_F32)
-        keep = (r0 + jnp.arange(tile) < ends[e])[:, None]  # rows past the group belong to the next one
-        cur = jax.lax.dynamic_slice_in_dim(out, r0, tile)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, cur), r0, 0)
-
-    return jax.lax.fori_loop(0, tile_end[-1], body, out)
-
-
-def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None, tile=32, capacity=None):
+def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None):
     """Grouped matmul: rows of ``x`` are sorted by expert, ``group_sizes[e]`` rows use expert ``e``.
 
     Rows past ``sum(group_sizes)`` produce zeros. Returns ``[M, J]`` float32.
 
-    ``lax.ragged_dot`` is this product, but XLA:CPU expands it into a dense product with every expert (15x
-    slower for 16 experts at 1024 rows). Here, for float weights, the first ``capacity`` rows of every group
-    (default 1.25x the mean group, so usually all of them) go through one batched ``[E, cap, I] x [E, J, I]``
-    product that reads each expert once; the rows past it, and MXFP4 weights (decoded one expert at a time),
-    go through a loop over row tiles of ``tile``. Exact either way: nothing is dropped.
+    ``lax.ragged_dot`` on the whole weight (a packed one decoded first), so it differentiates (training runs it).
+    XLA:CPU expands it into a dense product with every expert (15x slower for 16 experts at 1024 rows): the
+    automatic choice there is :func:`kernels_pallas.moe_gmm.xla_cpu.gmm`.
     """
     dt = compute_dtype or x_MI.dtype
-    M, I = x_MI.shape
-    E, J = group_sizes_E.shape[0], w_EJI.shape[1]
-    sizes = group_sizes_E.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    xp = jnp.concatenate([x_MI.astype(dt), jnp.zeros((tile, I), dt)])  # a tile may run past row M
-    out = jnp.zeros((M + tile, J), _F32)
-    cap = capacity or -(-(5 * M) // (4 * E) // 8) * 8 or 8
-    take = jnp.zeros_like(sizes)
-    if not packed.is_packed(w_EJI) and E * cap <= 2 * M:
-        take = jnp.minimum(sizes, cap)
-        rows = starts[:, None] + jnp.arange(cap)[None]  # [E, cap]
-        valid = jnp.arange(cap)[None] < take[:, None]
-        xe = jnp.where(valid[..., None], xp[jnp.where(valid, rows, M)], 0)
-        ye = jnp.einsum("emi,eji->emj", xe, w_EJI.astype(dt), preferred_element_type=_F32)
-        out = out.at[jnp.where(valid, rows, M + tile)].set(ye, mode="drop")
-    return _tile_loop(out, xp, w_EJI, starts + take, sizes - take, tile, dt)[:M]
+    w_EIJ = jnp.swapaxes(packed.as_dense(w_EJI, dt), 1, 2)
+    y = jax.lax.ragged_dot(x_MI.astype(dt), w_EIJ, group_sizes_E.astype(jnp.int32), preferred_element_type=_F32)
+    # the contract, whatever a backend's ragged_dot leaves in rows that belong to no group
+    used = jnp.arange(x_MI.shape[0]) < jnp.sum(group_sizes_E)
+    return jnp.where(used[:, None], y, 0.0)
 
 
 def gather_matmul(x_NXI, w_EJI, idx_NX, *, compute_dtype=None, unroll_slots=16):
@@ -86,7 +55,7 @@ def gather_matmul(x_NXI, w_EJI, idx_NX, *, compute_dtype=None, unroll_slots=16):
     N, X, I = x_NXI.shape
     xs = x_NXI.reshape(N * X, I).astype(dt)
     ids = idx_NX.reshape(N * X)
-    product = lambda m: jnp.dot(_expert(w_EJI, ids[m], dt), xs[m], preferred_element_type=_F32)
+    product = lambda m: jnp.dot(expert(w_EJI, ids[m], dt), xs[m], preferred_element_type=_F32)
     if N * X <= unroll_slots:
         return jnp.stack([product(m) for m in range(N * X)]).reshape(N, X, -1)
     out = jax.lax.fori_loop(0, N * X, lambda m, out: out.at[m].set(product(m)),

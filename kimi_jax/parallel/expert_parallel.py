@@ -14,6 +14,9 @@ the batch and ``ep`` axes (replicated over ``tp``). Per chip:
 4. send the rows back the way they came and unsort to ``[N, X, L]``, what :class:`~kimi_jax.model.moe.Experts`
    returns, so the router weighting and everything after it are the single-device code.
 
+All of it differentiates (training runs it, with the reference grouped matmul ``lax.ragged_dot``): each exchange
+transposes into the reverse exchange.
+
 Padded token rows (``N`` rounded up to the number of token shards) never leave their chip. Experts that the mesh
 does not split (too few to divide) still run inside the map, on each device's tokens with the single-device math
 (:meth:`~kimi_jax.model.moe.Experts.apply`): the kernels then run on local shards there too.
@@ -65,6 +68,8 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
     weights = {n: experts.weight(n) for n in _WEIGHTS}
     tok = P(tok_axes or None)
     dispatch = par.dispatch
+    # Training takes the same choice: both exchanges differentiate (all_to_all's transpose is an all_to_all,
+    # ragged_all_to_all's a ragged_all_to_all with the offsets swapped).
     if dispatch == "auto":
         dispatch = "ragged" if target_platform(par.placement) in ("tpu", "gpu") else "capacity"
 

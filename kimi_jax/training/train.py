@@ -9,7 +9,9 @@ round as in inference) -- pure float32 is ``dtype=float32``. MXFP4 experts are d
 
 On a mesh the batch is split over the batch axes (``data``, ``expert``) and every parameter, its optimizer moments
 and its gradient take the inference layout (:func:`kimi_jax.parallel.sharding.param_specs`); XLA inserts the
-gradient all-reduce.
+gradient all-reduce. MoE layers run expert-parallel there as in inference (:mod:`kimi_jax.parallel.expert_parallel`):
+the gradient flows back through the token exchange, and the router (outside that map) still reports every token's
+experts, whose loads step the biases.
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ class Trainer:
 
 def training_run(run: RunConfig) -> RunConfig:
     """``run`` with differentiable kernel choices: the plain-jnp references (the CPU native kernels and the Pallas
-    kernels have no VJP), and the MoE as dense products (the sorted and gathered paths loop with traced bounds,
-    which reverse-mode differentiation cannot run). Explicit choices other than the automatic ones are kept."""
+    kernels have no VJP, the XLA:CPU grouped matmul loops with traced bounds, which reverse-mode differentiation
+    cannot run; its reference is ``lax.ragged_dot``), and the MoE as dense products on one device (the gathered
+    path's reference loops too). Experts split over a mesh run expert-parallel, their local experts through the
+    grouped matmul. Explicit choices other than the automatic ones are kept."""
     return dataclasses.replace(run, implementation=run.implementation or "reference",
                                moe_path="dense" if run.moe_path == "auto" else run.moe_path)
 
@@ -115,11 +119,6 @@ def init(model: KimiModel, config: TrainConfig = TrainConfig(), mesh=None,
     if mesh is not None:
         from kimi_jax.parallel import distributed
 
-        if "moe" in model.cfg.ffn_types:
-            # On a mesh the MoE runs through expert parallelism, whose local experts use the sorted grouped
-            # matmul (a loop with traced bounds): no reverse mode yet. Dense (Llama-shaped) models train sharded.
-            raise ValueError("training an MoE model on a mesh is not supported yet: the expert-parallel grouped "
-                             "matmul (kimi_jax/parallel/expert_parallel.py) has no gradient; train on one device")
         model.run = distributed.with_parallel(model.run, mesh, layout)
     graphdef, bias, params, rest = nnx.split(model, nnx.PathContains(balance.BIAS), nnx.Param, ...)
     frozen = None
