@@ -219,8 +219,19 @@ def signed_nibbles(nibbles):
     return jnp.where(nibbles >= 8, nibbles - 16, nibbles)
 
 
-def quantize(w, fmt: Format):
-    """One float weight ``[..., J, I]`` in ``fmt`` (qwix computes the codes and scales from the float32 values)."""
+def _qtype(fmt: Format):
+    return {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}[fmt.kind]
+
+
+def _calibration(fmt: Format) -> str:
+    return "minmax" if fmt.zero_point else "absmax"
+
+
+def quantize(w, fmt: Format, hessian=None, damp: float = 0.01):
+    """One float weight ``[..., J, I]`` in ``fmt`` (qwix computes the codes and scales from the float32 values).
+
+    ``hessian``: ``[I, I]``, the sum of ``x x^T`` over the inputs ``x`` this (2-d) weight multiplies: the codes are
+    then chosen by GPTQ (:func:`gptq`) instead of rounding each weight to its nearest code."""
     import qwix
 
     why = fmt.fits(w.shape)
@@ -228,20 +239,105 @@ def quantize(w, fmt: Format):
         raise ValueError(f"cannot quantize to {fmt.name()}: {why}")
     fmt = fmt.fitted(w.shape)
     w = jnp.asarray(w).astype(_F32)
+    if hessian is not None:
+        return _pack(fmt, *gptq(w, hessian, fmt, damp=damp))
     rows = tuple(range(w.ndim - 1))
+    tiles = {} if fmt.kind == "int8" else {w.ndim - 1: fmt.group}
+    qa = qwix.quantize(w, _qtype(fmt), channelwise_axes=rows, tiled_axes=tiles, calibration_method=_calibration(fmt))
+    return _pack(fmt, qa.qvalue, qa.scale, qa.zero_point)
+
+
+def _pack(fmt: Format, q, scale, zero):
+    """qwix's codes, scales and zero points (a ``QArray``'s fields) as the fields of ``fmt``'s packed type."""
     if fmt.kind == "int8":
-        qa = qwix.quantize(w, jnp.int8, channelwise_axes=rows)
-        return Int8Weight(qa.qvalue, qa.scale)
-    tiles = {w.ndim - 1: fmt.group}
+        return Int8Weight(q.astype(jnp.int8), scale)
     if fmt.kind == "nf4":
-        qa = qwix.quantize(w, "nf4", channelwise_axes=rows, tiled_axes=tiles)
-        return NF4Weight(pack_nibbles(qa.qvalue.astype(jnp.int32)), qa.scale)
-    qa = qwix.quantize(w, jnp.int4, channelwise_axes=rows, tiled_axes=tiles,
-                       calibration_method="minmax" if fmt.zero_point else "absmax")
-    packed = pack_nibbles(qa.qvalue.astype(jnp.int32) & 0xF)
+        return NF4Weight(pack_nibbles(q.astype(jnp.int32)), scale)
+    packed = pack_nibbles(q.astype(jnp.int32) & 0xF)
     if fmt.zero_point:
-        return Int4ZeroWeight(packed, qa.scale, qa.zero_point.astype(jnp.int8))
-    return Int4Weight(packed, qa.scale)
+        return Int4ZeroWeight(packed, scale, zero.astype(jnp.int8))
+    return Int4Weight(packed, scale)
+
+
+# -- GPTQ ----------------------------------------------------------------------------------------------------
+
+
+def gptq(w_JI, hessian_II, fmt: Format, *, damp: float = 0.01, block: int = 128):
+    """GPTQ (Frantar et al. 2022): the codes of ``w [J, I]`` that keep ``||(W - Q) X||`` small for the inputs ``X``
+    whose ``X X^T`` is ``hessian``, rather than each weight's nearest code. Returns qwix's ``(codes [J, I], scale,
+    zero point or None)``.
+
+    The algorithm, its order and its numerics are ``qwix.contrib.gptq_core.quantize_weight``'s (its group scales
+    from ``find_params`` on the weights as they stand at the start of each block of ``block`` columns, its rounding
+    ``quantize``; ``damp`` times the mean diagonal added to the Hessian; dead inputs zeroed), which
+    ``tests/test_quant.py`` checks bit for bit. qwix unrolls its loop over every column in Python, which compiles
+    for minutes per weight shape (and runs one compile per column eagerly); here the columns of a block are one
+    ``fori_loop``, so a weight compiles in seconds."""
+    from qwix.contrib import gptq_core
+
+    if w_JI.ndim != 2:
+        raise ValueError(f"GPTQ quantizes one [out, in] matrix at a time, not {tuple(w_JI.shape)}")
+    J, I = w_JI.shape
+    if hessian_II.shape != (I, I):
+        raise ValueError(f"a Hessian {tuple(hessian_II.shape)} for a weight of {I} input columns")
+    fmt = fmt.fitted(w_JI.shape)
+    g = I if fmt.kind == "int8" else fmt.group
+    qtype = _qtype(fmt)
+    from qwix._src.core import qarray  # the HowToQuantize that gptq_core's helpers take
+
+    how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(0,), tiled_axes={1: g},
+                               calibration_method=_calibration(fmt))
+    return _gptq(w_JI.astype(_F32), hessian_II.astype(_F32), how, g, damp, block, gptq_core)
+
+
+def _inverse_factor(H, damp):
+    """The upper Cholesky factor of the damped Hessian's inverse, with dead inputs (zero diagonal) made harmless."""
+    I = H.shape[0]
+    diag = jnp.diag(H)
+    H = jnp.where((diag == 0) & jnp.eye(I, dtype=bool), 1.0, H)
+    H = H + damp * jnp.mean(diag) * jnp.eye(I, dtype=H.dtype)
+    L = jnp.linalg.cholesky(H)
+    return jnp.linalg.cholesky(jax.scipy.linalg.cho_solve((L, True), jnp.eye(I, dtype=H.dtype)), upper=True)
+
+
+def _gptq(W, H, how, g, damp, block, core):
+    J, I = W.shape
+    W = jnp.where(jnp.diag(H)[None] == 0, 0.0, W)
+    U = _inverse_factor(H, damp)
+    n_groups = I // g
+    scale, zero = core.find_params(W[:, :g], how)  # shapes and dtypes of one group's parameters
+    scales = jnp.zeros((n_groups, *scale.shape), scale.dtype)
+    zeros = None if zero is None else jnp.zeros((n_groups, *zero.shape), zero.dtype)
+    codes = []
+    for i1 in range(0, I, block):
+        i2 = min(i1 + block, I)
+        W_start, U1 = W, U[i1:i2, i1:i2]
+
+        def column(i, carry):
+            W1, Err, Q1, scales, zeros = carry
+            c = i1 + i
+            gi = c // g
+
+            def new_group(sz):  # the group's parameters, from the weights as they stood at the block's start
+                s, z = core.find_params(jax.lax.dynamic_slice_in_dim(W_start, c, g, axis=1), how)
+                return sz[0].at[gi].set(s), (None if z is None else sz[1].at[gi].set(z))
+
+            scales, zeros = jax.lax.cond(c % g == 0, new_group, lambda sz: sz, (scales, zeros))
+            w = jax.lax.dynamic_slice_in_dim(W1, i, 1, axis=1)  # [J, 1]
+            q, dq = core.quantize(w, how.qtype, scales[gi], None if zeros is None else zeros[gi])
+            err = (w - dq)[:, 0] / U1[i, i]
+            W1 = W1 - jnp.where(jnp.arange(i2 - i1) >= i, jnp.outer(err, U1[i]), 0.0)
+            Q1 = jax.lax.dynamic_update_slice_in_dim(Q1, q, i, axis=1)
+            return W1, Err.at[:, i].set(err), Q1, scales, zeros
+
+        q0 = core.quantize(W[:, i1:i1 + 1], how.qtype, scales[0], None if zeros is None else zeros[0])[0]
+        init = (W[:, i1:i2], jnp.zeros((J, i2 - i1), W.dtype), jnp.zeros((J, i2 - i1), q0.dtype), scales, zeros)
+        W1, Err, Q1, scales, zeros = jax.lax.fori_loop(0, i2 - i1, column, init)
+        codes.append(Q1)
+        W = W.at[:, i1:i2].set(W1).at[:, i2:].add(-(Err @ U[i1:i2, i2:]))
+    scale = jnp.moveaxis(scales[..., 0], 0, 1)  # [J, groups]
+    zero = None if zeros is None else jnp.moveaxis(zeros[..., 0], 0, 1)
+    return jnp.concatenate(codes, axis=1), scale, zero
 
 
 def _grouped(values, scale):

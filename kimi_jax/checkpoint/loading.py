@@ -43,7 +43,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 def from_pretrained(path, *, dtype=None, implementation: str | None = None, strict: bool = True,
                     run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False,
                     check_finite: bool = True, progress: bool = True, quantize: str | None = None,
-                    quantize_include=None) -> KimiModel:
+                    quantize_include=None, quantize_calibration=None) -> KimiModel:
     """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed); None (or
     ``"auto"``): bfloat16, on the CPU too (:func:`auto_dtype`); ``"float32"`` for oracle-grade numerics. ``run``,
@@ -61,7 +61,9 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     ``"int4:g128:zero"``, ``"nf4"``; :mod:`kimi_jax.model.quantize`) of the module classes in ``quantize_include``
     (default: attention, MLP and latent projections and the lm_head; add ``"embed"`` for the embedding). The format
     and the selection are checked against the config before any weight is read. Each weight is quantized after the
-    model is loaded (the float model is held once, then each weight is replaced in turn).
+    model is loaded (the float model is held once, then each weight is replaced in turn). ``quantize_calibration``:
+    token ids ``[sequences, tokens]`` of text like the model's; the codes are then chosen by GPTQ on them
+    (:func:`kimi_jax.model.quantize.quantize`), checked before anything is read.
 
     A checkpoint converted with ``kimi-jax convert --quantize`` loads as the quantized model it stores (the packed
     fields are read as they are; no float weight is built). Asking it for its own format and classes is a no-op;
@@ -92,12 +94,19 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
         run = distributed.with_parallel(run, mesh, layout)
-    if quantize is not None:  # a bad format or selection is refused before anything is read
+    if quantize is not None:  # a bad format, selection or calibration is refused before anything is read
         quantize_lib.plan(nnx.eval_shape(lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))), quantize,
                           quantize_include)
+    if quantize_calibration is not None:
+        if quantize is None:
+            raise ValueError("quantize_calibration without quantize= (or of a checkpoint stored quantized)")
+        quantize_lib.check_calibration(quantize_calibration, cfg.vocab_size)
+        if "experts" in (quantize_include or ()):
+            raise ValueError("calibrated (GPTQ) quantization takes [out, in] matrices: leave 'experts' out of "
+                             "quantize_include, or quantize without calibration")
     model = _load(path, cfg, run, converted, check_finite, progress)
     if quantize is not None:
-        quantize_lib.quantize(model, quantize, quantize_include)
+        quantize_lib.quantize(model, quantize, quantize_include, calibration=quantize_calibration)
     offload.place_model(model)  # RunConfig(offload=("experts",)): the experts in host memory (loaded there already)
     return relayout(model, scan_layers=True, consume=True) if scan else model
 

@@ -18,6 +18,12 @@ asked); one whose width the group does not divide is refused, by name, before an
 
 Never quantized: norms, biases, convolution kernels, KDA's decay parameters, the router (``gate``, run in float32),
 and K3's routed experts, MXFP4 as released.
+
+**Calibrated (GPTQ).** ``quantize(model, "int4", calibration=ids)`` runs the float model once over the token ids
+``ids [B, T]`` (text like what the model will see), sums ``x x^T`` over the inputs of every selected weight
+(:func:`hessians`) and lets GPTQ (:func:`kernels_pallas.quant.gptq`) choose the codes that keep each product's
+output close on those inputs, instead of rounding each weight to its nearest code. The stored format is the same;
+only the codes and scales differ. Calibration holds one ``[in, in]`` float32 matrix per selected weight.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kernels_pallas import packed, quant
+from kimi_jax.model import layers
 
 CLASSES = ("attention", "mlp", "latent", "lm_head", "embed", "experts")
 DEFAULT = ("attention", "mlp", "latent", "lm_head")
@@ -78,25 +87,102 @@ def plan(model, fmt, include=None) -> dict[str, quant.Format]:
 
 
 @functools.lru_cache(maxsize=None)
-def quantizer(fmt: quant.Format):
+def quantizer(fmt: quant.Format, calibrated: bool = False, damp: float = 0.01):
     """The compiled ``quant.quantize`` for one fitted format: the one computation that turns a loaded weight into its
-    packed fields (at load, in :func:`quantize`, and in ``kimi-jax convert --quantize``), so both give the same bits."""
+    packed fields (at load, in :func:`quantize`, and in ``kimi-jax convert --quantize``), so both give the same bits.
+    ``calibrated``: the function takes ``(w, hessian)`` and runs GPTQ."""
+    if calibrated:
+        return jax.jit(lambda w, h: quant.quantize(w, fmt, hessian=h, damp=damp))
     return jax.jit(lambda w: quant.quantize(w, fmt))
 
 
-def quantize(model, fmt="int8", include=None):
+def _named_params(model):
+    return [(".".join(map(str, path)), var) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+def check_calibration(ids, vocab: int) -> np.ndarray:
+    """Calibration token ids as an int32 ``[sequences, tokens]`` array; a ValueError says what is wrong with them."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"calibration ids must be a non-empty integer [sequences, tokens] array, got "
+                         f"{ids.dtype} {ids.shape}")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"calibration ids must lie in [0, {vocab}): found {ids.min()}..{ids.max()}")
+    return ids.astype(np.int32)
+
+
+def hessians(model, ids, names, batch: int = 8) -> dict:
+    """``{name: sum of x x^T}`` (float32 ``[in, in]``) over the inputs ``x`` that each weight in ``names`` multiplies
+    while ``model`` runs on the token ids ``ids [B, T]``, ``batch`` sequences per compiled forward pass. Raises,
+    naming them, when some weight saw no input (a model with scanned layers, whose weights are slices of stacks)."""
+    ids = check_calibration(ids, model.cfg.vocab_size)
+    names = frozenset(names)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def one(state, ids):
+        m = nnx.merge(graphdef, state)
+        by_id = {id(var.get_value()): name for name, var in _named_params(m) if name in names}
+        sums = {}
+
+        def tap(x, w):
+            name = by_id.get(id(w))
+            if name is not None:
+                x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+                h = jnp.matmul(x2.T, x2, precision=jax.lax.Precision.HIGHEST)
+                sums[name] = sums[name] + h if name in sums else h
+
+        with layers.tap_linear_inputs(tap):
+            m(ids)
+        return sums
+
+    total = {}
+    for i in range(0, len(ids), batch):
+        for name, h in one(state, jnp.asarray(ids[i:i + batch])).items():
+            total[name] = total[name] + h if name in total else h
+    unseen = sorted(names - set(total))
+    if unseen:
+        raise ValueError(f"calibration saw no input for {unseen[:4]}{' ...' if len(unseen) > 4 else ''} "
+                         f"({len(unseen)} weights): load the model without scan_layers to calibrate it")
+    return total
+
+
+def quantize(model, fmt="int8", include=None, calibration=None, damp: float = 0.01):
     """Replace the selected weights of ``model`` (in place) by ``fmt``; returns the model. Each weight is quantized
     by one compiled call and its float copy released before the next (peak: the model plus one weight). An abstract
-    model (:func:`kimi_jax.model.decoder.abstract_model`) gets the packed fields' shapes (for plans)."""
+    model (:func:`kimi_jax.model.decoder.abstract_model`) gets the packed fields' shapes (for plans).
+
+    ``calibration``: token ids ``[B, T]``; the codes are then chosen by GPTQ on the inputs the model sees on them
+    (module docstring), ``damp`` the Hessian damping (a fraction of its mean diagonal)."""
     todo = plan(model, fmt, include)
     if not todo:
         return model
     state = nnx.state(model, nnx.Param)
-    for path, var in nnx.to_flat_state(state):
-        name = ".".join(map(str, path))
-        if name in todo:
+    chosen = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)
+              if ".".join(map(str, path)) in todo}
+    hs = None
+    if calibration is not None:
+        _check_calibrated(chosen)
+        hs = hessians(model, calibration, todo)
+    for name, var in chosen.items():
+        w = var.get_value()  # an abstract model's ShapeDtypeStruct gets the packed fields' shapes
+        if hs is not None:
+            var.set_value(quantizer(todo[name], True, damp)(w, hs.pop(name)))
+        else:
             one = quantizer(todo[name])
-            w = var.get_value()  # an abstract model's ShapeDtypeStruct gets the packed fields' shapes
             var.set_value(jax.eval_shape(one, w) if isinstance(w, jax.ShapeDtypeStruct) else one(w))
     nnx.update(model, state)
     return model
+
+
+def _check_calibrated(chosen):
+    for name, var in chosen.items():
+        w = var.get_value()
+        if isinstance(w, jax.ShapeDtypeStruct):
+            raise ValueError("an abstract model has no weights to calibrate")
+        if w.ndim != 2:
+            fix = ("leave 'experts' out of the classes" if module_class(name) == "experts" else
+                   "calibrate the model without scan_layers; from_pretrained(..., scan_layers=True) quantizes "
+                   "before it stacks the layers")
+            raise ValueError(f"calibrated (GPTQ) quantization takes [out, in] matrices; {name} is a stack "
+                             f"{tuple(w.shape)}: {fix}, or quantize without calibration")
