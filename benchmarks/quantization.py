@@ -10,7 +10,8 @@ parameter bytes (every field of a packed weight).
     python benchmarks/quantization.py --skip-bench    # tiny families only (a minute)
 
 The trained demo model (kimi_jax/assets/k3-demo) is measured too, on a prompt of its held-out text: the one
-trained model here, where the issue's targets mean something.
+trained model here, where the issue's targets mean something. It is also quantized with GPTQ (rows ``FORMAT+gptq``:
+``from_pretrained(..., quantize_calibration=ids)``), calibrated on 64 sequences of 256 tokens of its training text.
 
 The benchmark model's weights are built as benchmarks/decode.py builds them (../shared/bench/README.md).
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 FORMATS = ["int8", "int4:g32", "int4:g64", "int4:g128", "int4:g32:zero", "int4:g128:zero", "nf4:g64"]
 PROMPT, NEW = 64, 64
+CALIBRATION = (64, 256)  # GPTQ calibration: sequences x tokens of the demo model's training text
 
 
 def param_bytes(model) -> int:
@@ -55,10 +57,11 @@ def log_probs(model, seq: np.ndarray) -> np.ndarray:
     return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
 
 
-def measure(name: str, load, include=None, prompt=None) -> list[dict]:
+def measure(name: str, load, include=None, prompt=None, calibrated: bool = False) -> list[dict]:
     """``load(quantize)`` returns a float32 model, quantized when ``quantize`` is given; ``load("bfloat16")`` the
     model in bfloat16 (a reference point: what rounding every weight and activation to bfloat16 costs).
-    ``prompt``: ``[1, PROMPT]`` ids (default: random ids)."""
+    ``prompt``: ``[1, PROMPT]`` ids (default: random ids). ``calibrated``: also each format + GPTQ
+    (``load(fmt + "+gptq")``)."""
     base = load(None)
     vocab = base.cfg.vocab_size
     if prompt is None:
@@ -68,7 +71,7 @@ def measure(name: str, load, include=None, prompt=None) -> list[dict]:
     rows = [dict(model=name, format="float32", bytes=param_bytes(base), kl_mean=0.0, kl_max=0.0, top1=1.0)]
     del base
     p = np.exp(ref)
-    for fmt in ["bfloat16", *FORMATS]:
+    for fmt in ["bfloat16", *FORMATS, *([f + "+gptq" for f in FORMATS] if calibrated else [])]:
         t0 = time.perf_counter()
         try:
             model = load(fmt)
@@ -85,13 +88,15 @@ def measure(name: str, load, include=None, prompt=None) -> list[dict]:
     return rows
 
 
-def _load(path, fmt, include):
+def _load(path, fmt, include, calibration=None):
     import kimi_jax
 
     if fmt == "bfloat16":
         return kimi_jax.from_pretrained(path, dtype="bfloat16", progress=False)
-    return kimi_jax.from_pretrained(path, dtype="float32", progress=False, quantize=fmt,
-                                    quantize_include=include if fmt else None)
+    gptq = fmt is not None and fmt.endswith("+gptq")
+    return kimi_jax.from_pretrained(path, dtype="float32", progress=False, quantize=fmt and fmt.removesuffix("+gptq"),
+                                    quantize_include=include if fmt else None,
+                                    quantize_calibration=calibration if gptq else None)
 
 
 def _demo(include) -> list[dict]:
@@ -106,7 +111,10 @@ def _demo(include) -> list[dict]:
     ids = load_tokenizer(path).encode(make_demo_model.corpus())
     start = int(len(ids) * (1 - make_demo_model.EVAL_FRAC))
     prompt = np.asarray(ids[start:start + PROMPT], np.int32)[None]
-    return measure("demo model (trained K3 10.1M)", lambda q: _load(path, q, include), prompt=prompt)
+    at = np.random.default_rng(0).integers(0, start - CALIBRATION[1], CALIBRATION[0])  # training text only
+    calibration = np.stack([ids[a:a + CALIBRATION[1]] for a in at]).astype(np.int32)
+    return measure("demo model (trained K3 10.1M)", lambda q: _load(path, q, include, calibration), prompt=prompt,
+                   calibrated=True)
 
 
 def main(argv=None) -> int:

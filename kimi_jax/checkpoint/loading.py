@@ -94,16 +94,14 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:
         run = distributed.with_parallel(run, mesh, layout)
+    if quantize_calibration is not None and quantize is None:
+        raise ValueError("quantize_calibration without quantize= (or of a checkpoint stored quantized)")
     if quantize is not None:  # a bad format, selection or calibration is refused before anything is read
-        quantize_lib.plan(nnx.eval_shape(lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0))), quantize,
-                          quantize_include)
-    if quantize_calibration is not None:
-        if quantize is None:
-            raise ValueError("quantize_calibration without quantize= (or of a checkpoint stored quantized)")
-        quantize_lib.check_calibration(quantize_calibration, cfg.vocab_size)
-        if "experts" in (quantize_include or ()):
-            raise ValueError("calibrated (GPTQ) quantization takes [out, in] matrices: leave 'experts' out of "
-                             "quantize_include, or quantize without calibration")
+        abstract = nnx.eval_shape(lambda: KimiModel(cfg, run=run, rngs=nnx.Rngs(0)))
+        todo = quantize_lib.plan(abstract, quantize, quantize_include)
+        if quantize_calibration is not None:
+            quantize_lib.check_calibration(quantize_calibration, cfg.vocab_size)
+            quantize_lib.check_calibrated(abstract, todo)
     model = _load(path, cfg, run, converted, check_finite, progress)
     if quantize is not None:
         quantize_lib.quantize(model, quantize, quantize_include, calibration=quantize_calibration)

@@ -162,7 +162,9 @@ def quantize(model, fmt="int8", include=None, calibration=None, damp: float = 0.
               if ".".join(map(str, path)) in todo}
     hs = None
     if calibration is not None:
-        _check_calibrated(chosen)
+        if any(isinstance(var.get_value(), jax.ShapeDtypeStruct) for var in chosen.values()):
+            raise ValueError("an abstract model has no weights to calibrate")
+        check_calibrated(model, todo)
         hs = hessians(model, calibration, todo)
     for name, var in chosen.items():
         w = var.get_value()  # an abstract model's ShapeDtypeStruct gets the packed fields' shapes
@@ -175,14 +177,14 @@ def quantize(model, fmt="int8", include=None, calibration=None, damp: float = 0.
     return model
 
 
-def _check_calibrated(chosen):
-    for name, var in chosen.items():
-        w = var.get_value()
-        if isinstance(w, jax.ShapeDtypeStruct):
-            raise ValueError("an abstract model has no weights to calibrate")
-        if w.ndim != 2:
+def check_calibrated(model, todo) -> None:
+    """Refuse calibrated (GPTQ) quantization of the planned weights ``todo`` (:func:`plan`) that are stacks rather
+    than ``[out, in]`` matrices, naming the first (``model`` may be abstract)."""
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for name in todo:
+        if len(flat[name].shape) != 2:
             fix = ("leave 'experts' out of the classes" if module_class(name) == "experts" else
                    "calibrate the model without scan_layers; from_pretrained(..., scan_layers=True) quantizes "
                    "before it stacks the layers")
             raise ValueError(f"calibrated (GPTQ) quantization takes [out, in] matrices; {name} is a stack "
-                             f"{tuple(w.shape)}: {fix}, or quantize without calibration")
+                             f"{tuple(flat[name].shape)}: {fix}, or quantize without calibration")
