@@ -124,7 +124,12 @@ def test_text_without_tokenizer_files(k3_tiny_a, capsys):
     assert "tokenizer files" in capsys.readouterr().err
 
 
-def test_chat_session(demo_dir, capsys):
+def test_chat_session(demo_dir, capsys, monkeypatch):
+    import kimi_jax
+    from kimi_jax.text import chat
+
+    results, real = [], kimi_jax.generate
+    monkeypatch.setattr(kimi_jax, "generate", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
     args = cli.build_parser().parse_args(["chat", "--model", demo_dir, "--max-new-tokens", "4", "--no-thinking",
                                           "--max-len", "256"])
     long = "word " * 300  # outgrows the 256-token cache: reported, the session goes on
@@ -132,7 +137,10 @@ def test_chat_session(demo_dir, capsys):
     out, err = capsys.readouterr()
     assert out.count("kimi> ") == 3  # three messages tried; the empty line and /reset are not
     assert "the cache holds 256" in err and "/reset starts a new conversation" in err
-    assert err.count("reply cut at 4 tokens") == 2  # random weights do not end their turn in 4 tokens
+    assert len(results) == 2  # the long message never reached generation
+    # a reply is reported cut exactly when its 4 tokens hold no end of message
+    end = load_tokenizer(demo_dir).specials[chat.END_OF_MSG]
+    assert err.count("reply cut at 4 tokens") == sum(end not in r.tokens[0] for r in results)
 
 
 def test_compile_cache_location(monkeypatch, tmp_path):

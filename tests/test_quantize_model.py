@@ -180,7 +180,7 @@ def _output_error(w, q, h):
     return float(np.einsum("ji,ik,jk->", d, np.asarray(h, np.float64), d))
 
 
-@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("kimi_linear", marks=pytest.mark.slow)])
 def test_calibrated_quantization(checkpoints, family):
     """``quantize(calibration=ids)``: the Hessians are the inputs each weight sees (the lm_head's: the model's own
     final hidden states), every selected weight is packed in the asked format, and GPTQ's codes give each product
