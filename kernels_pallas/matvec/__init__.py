@@ -81,7 +81,9 @@ def _native_automatic(items, **_) -> bool:
         return all(x.shape[0] <= PACKED_ROWS for x, _, _ in items)
     if any(ids is None and x.shape[0] > 1 for x, _, ids in items):  # grouping plain products of 8 rows: no gain
         return False
-    return len(items) > 1 or items[0][2] is not None
+    # one float32 product streams as fast under XLA (the output projections, the lm_head); one bfloat16 product
+    # runs 5-10x slower there at one row (XLA:CPU has no fast one-row bf16 x bf16 -> f32 product)
+    return len(items) > 1 or items[0][2] is not None or jnp.dtype(items[0][1].dtype) != _F32
 
 
 # TPU / GPU: the float items run the reference (XLA's products); plain packed items go to the Pallas matmul that
