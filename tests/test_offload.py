@@ -2,9 +2,11 @@
 
 Oracles we do not compute the same way: the non-offloaded run's logits (bit for bit), the real TPU / GPU compilers'
 own memory analysis (device arguments down and host arguments up by the bytes moved, counted from the arrays'
-shapes and partition specs), and the deployment plan's per-category bytes.
+shapes and partition specs) and scheduled programs (the host -> device copies a decode step makes, against expert
+bytes counted by hand), and the deployment plan's per-category bytes.
 """
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -32,19 +34,29 @@ def _memory_kinds(tree):
     return {a.sharding.memory_kind for a in jax.tree.leaves(tree)}
 
 
-def test_generate_offloaded_equals_on_device(k3_tiny_a, k3_golden):
-    """Prefill and 5 decode steps of the K3 fixture with every kind offloaded: the same logits, bit for bit, and the
-    offloaded arrays still in host memory after the compiled loop (its carry included)."""
+def _count(monkeypatch, name):
+    """A list that grows by one per call of ``offload.<name>`` (which still runs)."""
+    calls, real = [], getattr(offload, name)
+    monkeypatch.setattr(offload, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def test_generate_offloaded_equals_on_device(k3_tiny_a, k3_golden, monkeypatch):
+    """Prefill and 5 decode steps of the K3 fixture (MXFP4 experts) with every kind offloaded: the same logits, bit
+    for bit, with the decode steps fetching only the routed experts (2 sequences x top-2 of 8), and the offloaded
+    arrays still in host memory after the compiled loop (its carry included)."""
     ids = k3_golden["input_ids"]
     base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
     ref = Generator(base, max_len=32).generate(ids, 6, stop=(), record_logits=True)
     model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=ALL))
     gen = Generator(model, max_len=32)
+    slots = _count(monkeypatch, "_fetch_slots")
     assert _memory_kinds(model.layers[1].mlp.experts.w1.get_value()) == {"pinned_host"}
     assert _memory_kinds(model.layers[1].mlp.gate.get_value()) == {"device"}
     out = gen.generate(ids, 6, stop=(), record_logits=True)
     np.testing.assert_array_equal(np.stack(out.logits), np.stack(ref.logits))  # row 0: prefill, rows 1-5: decode
     assert out.tokens == ref.tokens
+    assert len(slots) == model.cfg.ffn_types.count("moe")  # traced once, in the compiled decode step
     (cache,) = gen._caches.values()
     assert all(_memory_kinds(e) == {"pinned_host"} for e in cache.layers)
     assert _memory_kinds(cache.lengths) == {"device"}
@@ -96,14 +108,16 @@ def test_offload_bytes_match_the_arrays():
         for kinds in (("experts",), ("kda_state",), ("cache",), ALL):
             o = offload.offload_bytes(cfg, kinds, sizes, batch=8, context=4096)
             assert o.total == offload.moved_bytes(cfg, kinds, sizes, batch=8, context=4096) > 0, (sizes, kinds)
-            assert o.h2d_per_step == o.total
+            # 8 tokens x top-16 = 128 pairs > 32 experts: the products do not gather, every local expert moves
+            assert o.h2d_per_step == o.h2d_whole_layers == o.total and o.expert_slots == 0
             assert o.d2h_per_step == sum(v for k, v in o.moved.items() if k != "experts")
     assert "per decode step" in offload.format_offload(o)
 
 
 def test_offload_plan_k3_needs_fewer_h200():
     """K3, batch 8, 128K context: experts on host fit on fewer H200 than the plan's smallest on-device mesh, and the
-    price is every local expert byte over PCIe each step."""
+    price is the routed experts' bytes over PCIe each decode step (every local expert byte before, and still on TPU,
+    whose compiler cannot slice MXFP4 bytes out of host memory)."""
     from kimi_jax.parallel import plan
 
     cfg = C.preset("k3")
@@ -116,10 +130,38 @@ def test_offload_plan_k3_needs_fewer_h200():
     # by hand: 92 MoE layers x 896 experts x 3 matrices of 3072 x 3584 MXFP4 values (half a byte each plus one
     # scale byte per 32), spread over the 8 chips, all of them crossing PCIe (64 GB/s) every step
     experts_per_chip = 92 * 896 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32) / 8
-    assert with_["host"] == pytest.approx(experts_per_chip) and with_["h2d_per_step"] == pytest.approx(experts_per_chip)
-    assert with_["copy_seconds"] == pytest.approx(experts_per_chip / 64e9)
+    assert with_["host"] == pytest.approx(experts_per_chip)
+    assert with_["h2d_whole_layers"] == pytest.approx(experts_per_chip)
+    assert with_["whole_layer_seconds"] == pytest.approx(experts_per_chip / 64e9)  # 2.8 s
+    # decode fetches what the 8 tokens chose: 8 x 16 = 128 experts per layer, each chip its 1/8 of their rows
+    assert with_["sizes"] == {"data": 1, "expert": 1, "model": 8} and with_["expert_slots"] == 128
+    routed_per_chip = 92 * 128 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32) / 8
+    assert with_["h2d_per_step"] == pytest.approx(routed_per_chip)
+    assert with_["copy_seconds"] == pytest.approx(routed_per_chip / 64e9)  # 0.40 s
     p = plan.make_plan(cfg, with_["sizes"], batch=8, context=131072)
     assert with_["device"] == pytest.approx(p.total - experts_per_chip)
+    v5p = offload.offload_plan(cfg, ("experts",), batch=8, context=131072, chip="v5p")["with"]
+    assert v5p["h2d_per_step"] == v5p["h2d_whole_layers"] == pytest.approx(experts_per_chip * 8 / v5p["chips"])
+
+
+def test_routed_fetch_per_chip_is_capped_at_the_local_experts():
+    """K3 on expert=8 (112 experts per chip and layer): batch 1 fetches 16 of them, batch 8 (128 pairs) all 112; a
+    float K3 on TPU fetches the routed ones too."""
+    import dataclasses
+
+    cfg = C.preset("k3")
+    expert_bytes = 3 * 3072 * 3584 * (1 / 2 + 1 / 32)  # one MXFP4 expert, whole (expert=8 splits experts, not rows)
+    for batch, slots in ((1, 16), (8, 112)):
+        o = offload.offload_bytes(cfg, ("experts",), {"expert": 8}, batch=batch, context=4096)
+        assert (o.expert_slots, o.local_experts) == (slots, 112)
+        assert o.h2d_per_step == pytest.approx(92 * slots * expert_bytes)
+        assert o.h2d_whole_layers == pytest.approx(92 * 112 * expert_bytes)
+    bf16 = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, quant=None))
+    for quant_cfg, slots in ((cfg, 0), (bf16, 16)):
+        o = offload.offload_bytes(quant_cfg, ("experts",), {"expert": 8}, batch=1, context=4096, platform="tpu")
+        assert o.expert_slots == slots
+    assert "routed experts only: 16 of 112" in offload.format_offload(
+        offload.offload_bytes(cfg, ("experts",), {"expert": 8}, batch=1, context=4096))
 
 
 def _compiled(target, cfg, kinds_list, batch, context):
@@ -143,6 +185,59 @@ def test_compiler_moves_the_bytes_tiny(k3_tiny_a):
     for kinds, base, r, moved in _compiled("tpu:v5e:1x1", C.load(k3_tiny_a), [ALL], 4, 256):
         assert base["argument"] - r["argument"] == r["host_argument"] >= moved, kinds
         assert r["host_output"] == r["host_alias"] > 0  # the new cache entries go back to host, in place
+        assert r["h2d"] == moved  # MXFP4 experts move whole on TPU (offload.slices_from_host), the cache entries too
+
+
+def _float_experts(cfg):
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, quant=None))
+
+
+def _routed_expert_bytes(cfg, dtype_bytes):
+    """One routed expert's bytes, by hand: w1, w3 ``[F, L]`` and w2 ``[L, F]``; MXFP4 holds half a byte per value
+    and one scale byte per 32 values."""
+    m = cfg.moe
+    return 3 * m.expert_intermediate * m.latent * (dtype_bytes if m.quant is None else 1 / 2 + 1 / 32)
+
+
+@pytest.mark.parametrize("target,experts", [("tpu:v5e:1x1", "bfloat16"), ("gpu:h200:1x1x1", "mxfp4")])
+def test_compiler_fetches_only_the_routed_experts(k3_tiny_a, target, experts):
+    """Deviceless TPU (bf16 experts) and GPU (MXFP4 experts) compiles of a decode step of the tiny K3 (its first 3
+    layers: 2 MoE layers of 8 experts, top-2), batch 2, experts in host memory: the device arguments drop by what the
+    host arguments gain (the experts' bytes; TPU pads them to its tiles), and the scheduled program's host -> device
+    copies (:func:`offload.host_to_device_bytes`) are the 2 x 2 routed experts per layer, counted by hand: half of
+    the layer."""
+    cfg = C.load(k3_tiny_a).sliced(3)
+    cfg = _float_experts(cfg) if experts == "bfloat16" else cfg
+    for kinds, base, r, moved in _compiled(target, cfg, [("experts",)], 2, 256):
+        assert base["argument"] - r["argument"] == r["host_argument"] >= moved > 0
+        assert r["h2d"] == 2 * (2 * 2) * _routed_expert_bytes(cfg, 2) == moved / 2
+
+
+def test_tpu_copies_an_8_bit_host_array_whole_to_slice_it():
+    """What :func:`offload.slices_from_host` works around: XLA:TPU slices a bf16 host array per expert as just the
+    slices, but a uint8 one (MXFP4 codes) only after copying the whole array to the device and back (another tiling).
+    Should a libtpu change this, MXFP4 experts could be fetched routed-only on TPU too."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kimi_jax.parallel import aot
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu not installed")
+    mesh = aot.target_mesh(aot.parse_target("tpu:v5e:1x1"))
+    am = mesh.abstract_mesh
+    ids = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(am, P(), memory_kind="device"))
+
+    def fetched(dtype):
+        w = jax.ShapeDtypeStruct((64, 512, 512), dtype, sharding=NamedSharding(am, P(), memory_kind="pinned_host"))
+        step = lambda w, ids: jax.tree.map(lambda a: a.astype(jnp.float32).sum((1, 2)),  # noqa: E731
+                                           offload._fetch_slots(w, ids[None])[0])
+        with jax.sharding.use_abstract_mesh(am), jax.set_mesh(mesh):
+            return offload.host_to_device_bytes(jax.jit(step).lower(w, ids).compile().as_text())
+
+    assert fetched(jnp.bfloat16) == 4 * 512 * 512 * 2
+    assert fetched(jnp.uint8) == 64 * 512 * 512 + 4 * 512 * 512
+    assert not offload.slices_from_host([ids.update(dtype=jnp.uint8)], "tpu")
 
 
 @pytest.mark.slow
@@ -154,23 +249,77 @@ def test_compiler_moves_the_bytes_k3_slice(target):
     for kinds, base, r, moved in _compiled(target, cfg, [("kda_state", "experts"), ALL], 8, 4096):
         assert r["host_argument"] == moved > 0, kinds
         assert base["argument"] - r["argument"] == moved, kinds
+        assert r["h2d"] == moved, kinds  # 128 pairs > 16 experts: the products do not gather, the layers move whole
 
 
-@pytest.mark.parametrize("implementation", [None, "reference"])
-def test_each_moe_layer_fetches_its_experts_once(hf_kimi_linear, monkeypatch, implementation):
-    """Eager decode of one token with float experts in host memory: one host -> device copy of the expert weights
-    per MoE layer, whichever path the products take (the fused native call, or each part on its own)."""
+@pytest.mark.slow
+@pytest.mark.parametrize("target,experts,slots", [("gpu:h200:1x1x1", "mxfp4", 16), ("tpu:v5p:1x1x1", "bfloat16", 16),
+                                                  ("tpu:v5p:1x1x1", "mxfp4", 32)])
+def test_compiler_fetches_the_routed_experts_k3_slice(target, experts, slots):
+    """A full-width K3 slice (4 layers, 3 of them MoE, 32 experts), batch-1 decode, experts in host memory: the step
+    copies the 16 routed experts of each layer (MXFP4 17.5 MB each on GPU: 0.84 of 1.68 GB; bf16 66 MB each on TPU:
+    3.17 of 6.34 GB), and on TPU the MXFP4 layers whole (32 experts: 1.68 GB)."""
+    cfg = C.preset("k3").sliced(4, 32)
+    cfg = _float_experts(cfg) if experts == "bfloat16" else cfg
+    for kinds, base, r, moved in _compiled(target, cfg, [("experts",)], 1, 4096):
+        assert r["host_argument"] == moved == 3 * 32 * _routed_expert_bytes(cfg, 2)
+        assert base["argument"] - r["argument"] == moved
+        assert r["h2d"] == 3 * slots * _routed_expert_bytes(cfg, 2)
+
+
+@pytest.mark.parametrize("implementation", [None, pytest.param("reference", marks=pytest.mark.slow)])
+def test_decode_fetches_the_routed_experts_prefill_the_layer(hf_kimi_linear, monkeypatch, implementation):
+    """Eager calls of the float Kimi Linear fixture (4 experts, top-2) with its experts in host memory: a one-token
+    decode step moves only the 2 chosen experts of each MoE layer (a ``[2, ...]`` stack), a 3-token prefill (6 pairs
+    > 4 experts) each layer's whole stack, whichever path the products take (the fused native call, or each part on
+    its own)."""
     from kimi_jax.model.cache import init_cache
 
     path, _ = hf_kimi_linear
     run = RunConfig(dtype=jnp.float32, offload=("experts",), implementation=implementation)
     model = offload.place_model(kimi_jax.from_pretrained(path, run=run))
-    copies = []
-    real = offload.to_device
-    monkeypatch.setattr(offload, "to_device", lambda tree, after=None: copies.append(1) or real(tree, after))
-    cache = init_cache(model.cfg, 1, 8, jnp.float32)
+    moe_layers = model.cfg.ffn_types.count("moe")
+    shapes, real = [], offload._fetch_slots
+
+    def fetch(w, idx):
+        out = real(w, idx)
+        shapes.append(out[0]["w1"].shape)
+        return out
+
+    monkeypatch.setattr(offload, "_fetch_slots", fetch)
+    whole = _count(monkeypatch, "to_device")
+    cache = model(jnp.ones((1, 3), jnp.int32), cache=init_cache(model.cfg, 1, 8, jnp.float32)).cache
+    assert (len(shapes), len(whole)) == (0, moe_layers)
     model(jnp.zeros((1, 1), jnp.int32), cache=cache, prefix=True)
-    assert len(copies) == model.cfg.ffn_types.count("moe") > 0
+    assert (len(shapes), len(whole)) == (moe_layers, moe_layers)
+    assert shapes[0] == (2, *model.layers[1].mlp.experts.w1.get_value().shape[1:])
+
+
+@pytest.mark.parametrize("fixture,batch", [pytest.param("k3_tiny_a", 2, marks=pytest.mark.slow),  # 28 s; the
+                                           ("hf_kimi_linear", 1)])  # Generator test above fetches K3's too
+def test_routed_fetch_decode_equals_on_device(fixture, batch, request, monkeypatch):
+    """The model called directly (no Generator): a prefill, then 4 greedy decode steps, with the experts in host
+    memory (MXFP4 K3, 2 sequences: 4 of 8 experts fetched per layer and step; float Kimi Linear, 1 sequence: 2 of 4)
+    and without: the same logits, bit for bit, hence the same tokens."""
+    from kimi_jax.model.cache import init_cache
+
+    path = request.getfixturevalue(fixture)
+    path = path[0] if isinstance(path, tuple) else path
+    ids = jnp.asarray(np.arange(6 * batch).reshape(batch, 6) % 100 + 3, jnp.int32)
+    slots = _count(monkeypatch, "_fetch_slots")
+    runs = []
+    for kinds in ((), ("experts",)):
+        model = offload.place_model(kimi_jax.from_pretrained(path, run=RunConfig(dtype=jnp.float32, offload=kinds)))
+        step = jax.jit(lambda m, i, c, p: (lambda r: (r.logits[:, -1], r.cache))(m(i, cache=c, prefix=p)),
+                       static_argnums=3)
+        logits, cache = step(model, ids, init_cache(model.cfg, batch, 16, jnp.float32), False)
+        seq = [logits]
+        for _ in range(4):
+            logits, cache = step(model, jnp.argmax(seq[-1], -1)[:, None].astype(jnp.int32), cache, True)
+            seq.append(logits)
+        runs.append(np.stack(seq))
+    assert len(slots) == model.cfg.ffn_types.count("moe")  # the decode step, traced once
+    np.testing.assert_array_equal(runs[1], runs[0])
 
 
 def test_from_pretrained_reads_the_experts_into_host_memory(k3_tiny_a, k3_golden, monkeypatch):

@@ -89,21 +89,23 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.mlp, param_dtype=param_dtype, rngs=rngs)
 
-    def _ffn(self, x, run):
+    def _ffn(self, x, run, prefetch):
         if self.ffn_kind == "moe":
-            return self.mlp(x, run)
+            return self.mlp(x, run, after=prefetch)
         return self.mlp(x, run), None
 
-    def __call__(self, h, step: Step, cache, run: RunConfig):
-        """Plain residual layer. Returns (h, cache, router)."""
+    def __call__(self, h, step: Step, cache, run: RunConfig, prefetch=None):
+        """Plain residual layer. Returns (h, cache, router). ``prefetch``: what a whole-layer copy of this layer's
+        host-offloaded experts waits for (:meth:`MoE.__call__`'s ``after``; the decoder passes the previous
+        layer's input)."""
         y, cache = self.self_attn(rms_norm(h, self.input_layernorm[...], self.eps, run), step, cache, run)
         h = (h + y).astype(run.dtype)
-        z, router = self._ffn(rms_norm(h, self.post_attention_layernorm[...], self.eps, run), run)
+        z, router = self._ffn(rms_norm(h, self.post_attention_layernorm[...], self.eps, run), run, prefetch)
         return (h + z).astype(run.dtype), cache, router
 
-    def attn_res_call(self, partial, blocks: Blocks, seal, step: Step, cache, run: RunConfig):
+    def attn_res_call(self, partial, blocks: Blocks, seal, step: Step, cache, run: RunConfig, prefetch=None):
         """AttnRes layer (K3_SPEC §4.2). ``seal``: this layer starts a block (traced in a scan). Returns (partial,
-        blocks, cache, router, weights of its mixes)."""
+        blocks, cache, router, weights of its mixes). ``prefetch``: as in :meth:`__call__`."""
         x, weights = partial, []
         if blocks.empty():  # layer 0: nothing to mix yet
             a = x
@@ -116,7 +118,7 @@ class DecoderLayer(nnx.Module):
         partial = (y if seal else summed) if isinstance(seal, bool) else jnp.where(seal, y, summed)
         m, alpha = _mix(self.mlp_res, blocks, partial, run)
         weights.append(alpha)
-        z, router = self._ffn(rms_norm(m, self.post_attention_layernorm[...], self.eps, run), run)
+        z, router = self._ffn(rms_norm(m, self.post_attention_layernorm[...], self.eps, run), run, prefetch)
         return (partial + z).astype(run.dtype), blocks, cache, router, weights
 
 
@@ -165,6 +167,8 @@ class KimiModel(nnx.Module):
 
     With ``RunConfig(offload=...)`` the offloaded cache entries arrive in host memory: each layer's entry is moved to
     device memory before the layer runs and its new entry back before the next (:mod:`kimi_jax.parallel.offload`).
+    Offloaded experts that move whole (prefill) may start moving once the previous layer has started (its input is
+    each layer's ``prefetch``), so one layer's copy overlaps the layer before it.
     """
 
     def __init__(self, cfg: ModelConfig, *, run: RunConfig | None = None, param_dtype=None, rngs: nnx.Rngs | None = None):
@@ -205,21 +209,26 @@ class KimiModel(nnx.Module):
         outs = _Outputs([None] * cfg.num_layers, [None] * cfg.num_layers, [None] * cfg.num_layers)
         want = (return_hidden, return_router, return_attn_res)
         blocks = Blocks(())
+        prev = h  # the previous layer's input: what this layer's whole-layer expert copy waits for
         for i in range(cfg.num_layers):
             if i in plan.scanned:
                 if i == plan.start:
                     h, blocks, new_stack = self._scan(h, blocks, step, None if cache is None else cache.stack,
                                                       run, want, outs)
+                    prev = h
                 continue
             layer = self.layers[i]
             layer_cache = None if cache is None else offload.fetch_entry(cache.layers[i], run, after=h)
+            prev, prefetch = h, prev
             if cfg.attn_res:
                 seal = i % cfg.attn_res_block_size == 0
                 h, blocks, layer_cache, r, w = _remat(
-                    lambda m, h, b, c: m.attn_res_call(h, b, seal, step, c, run), run)(layer, h, blocks, layer_cache)
+                    lambda m, h, b, c, p: m.attn_res_call(h, b, seal, step, c, run, p), run)(
+                        layer, h, blocks, layer_cache, prefetch)
                 outs.weights[i] = w
             else:
-                h, layer_cache, r = _remat(lambda m, h, c: m(h, step, c, run), run)(layer, h, layer_cache)
+                h, layer_cache, r = _remat(lambda m, h, c, p: m(h, step, c, run, p), run)(layer, h, layer_cache,
+                                                                                           prefetch)
             new_layers[i] = offload.store_entry(layer_cache, run)
             outs.hidden[i], outs.router[i] = h, r
         weights, mixed = [], None
@@ -265,16 +274,18 @@ class KimiModel(nnx.Module):
             p, g = xs
             group = nnx.merge(graphdef, p)
             caches, ys = list(caches) if caches is not None else None, []
+            prev = h  # within one repetition, as in the unrolled loop (the loop body is scheduled on its own)
             for j, layer in enumerate(group.layers):
                 entry = None if caches is None else jax.tree.map(lambda a: a[g], caches[j])
                 entry = offload.fetch_entry(entry, run, after=h)
+                prev, prefetch = h, prev
                 w = None
                 if cfg.attn_res:
                     seal = (plan.start + g * plan.period + j) % cfg.attn_res_block_size == 0
-                    h, b, entry, r, w = layer.attn_res_call(h, Blocks(buf, cnt), seal, step, entry, run)
+                    h, b, entry, r, w = layer.attn_res_call(h, Blocks(buf, cnt), seal, step, entry, run, prefetch)
                     buf, cnt = b
                 else:
-                    h, entry, r = layer(h, step, entry, run)
+                    h, entry, r = layer(h, step, entry, run, prefetch)
                 if caches is not None:
                     entry = offload.store_entry(entry, run)
                     caches[j] = jax.tree.map(lambda a, e: a.at[g].set(e), caches[j], entry)

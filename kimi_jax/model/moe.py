@@ -46,7 +46,8 @@ class Experts(nnx.Module):
 
     With MXFP4 each weight is one :class:`~kernels_pallas.mxfp4.MXFP4Weight` (uint8 codes and scales), kept packed in
     device memory and decoded next to the matmul. With ``RunConfig(offload=("experts",))`` the weights live in host
-    memory and each call moves its layer's weights (every field) to the device first (:mod:`kimi_jax.parallel.offload`).
+    memory: a decode-sized call (the gather path) moves only the experts its tokens chose (every field), a larger one
+    its layer's whole stack (:func:`kimi_jax.parallel.offload.fetch_experts`).
     """
 
     def __init__(self, cfg: MoEConfig, *, param_dtype, rngs):
@@ -76,6 +77,14 @@ class Experts(nnx.Module):
     def path(self, pairs: int, run: RunConfig) -> str:
         return run.moe_path if run.moe_path != "auto" else self._auto_path(pairs, run)
 
+    def fetch(self, idx_NX, run: RunConfig, after=None):
+        """(the weights in device memory, the ids that index them): with experts offloaded, only the chosen ones
+        when the products gather (no more pairs than experts), else the layer's whole stack once ``after`` is
+        ready (:func:`kimi_jax.parallel.offload.fetch_experts`); unchanged otherwise."""
+        pairs = idx_NX.size
+        routed = self.path(pairs, run) == "gather" and pairs <= self.cfg.num_experts
+        return offload.fetch_experts(self.weights(), idx_NX, run, routed=routed, after=after)
+
     def act(self, a, b, run: RunConfig):
         c = self.cfg
         return glu(a.astype(run.dtype), b.astype(run.dtype), c.act, c.situ_beta, c.situ_linear_beta, run)
@@ -86,11 +95,12 @@ class Experts(nnx.Module):
 
     def __call__(self, z_NL, idx_NX, run: RunConfig):
         """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
-        return self.apply(offload.fetch_experts(self.weights(), run, after=z_NL), z_NL, idx_NX, run)
+        w, ids = self.fetch(idx_NX, run, after=z_NL)
+        return self.apply(w, z_NL, ids, run)
 
     def apply(self, w, z_NL, idx_NX, run: RunConfig):
-        """:meth:`__call__` with the weights given (``w`` as :meth:`weights` returns them; expert parallelism
-        passes each device's replica)."""
+        """:meth:`__call__` with the weights given (``w`` as :meth:`weights` returns them, or the compact stack of
+        :meth:`fetch` with its ids; expert parallelism passes each device's replica)."""
         c = self.cfg
         N, X = idx_NX.shape
         path = self.path(N * X, run)
@@ -135,22 +145,27 @@ class MoE(nnx.Module):
         if cfg.num_shared:
             self.shared_experts = MLP(cfg.shared_mlp(), param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, run: RunConfig):
-        """Returns (y_BTD, (idx [B,T,X], weights [B,T,X]))."""
+    def __call__(self, x_BTD, run: RunConfig, after=None):
+        """Returns (y_BTD, (idx [B,T,X], weights [B,T,X])). ``after``: what a whole-layer copy of host-offloaded
+        experts waits for (the decoder passes the previous layer's input, so the copy overlaps that layer; default:
+        ``x_BTD``)."""
         c = self.cfg
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D)
         idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
-        z = linear(x, self.routed_expert_down_proj[...], run) if c.latent is not None else x.astype(run.dtype)
         shared = None
         if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/parallel/expert_parallel.py)
             if "experts" in run.offload:
                 raise ValueError("offload='experts' runs on one device for now: the expert-parallel dispatch "
                                  "(kimi_jax/parallel/expert_parallel.py) reads the weights where they live")
+            z = self._latent(x, run)
             out = expert_parallel.routed_experts(self.experts, z, idx, run)
         else:
-            ew = offload.fetch_experts(self.experts.weights(), run, after=z)  # one host -> device copy per call
-            out, shared = self._grouped_decode(x, z, idx, ew, run) or (self.experts.apply(ew, z, idx, run), None)
+            # Offloaded experts start moving here (the routed ones once the router has chosen); the latent
+            # projection and the shared experts need none of them and run while they move.
+            ew, ids = self.experts.fetch(idx, run, after=x if after is None else after)
+            z = self._latent(x, run)
+            out, shared = self._grouped_decode(x, z, ids, ew, run) or (self.experts.apply(ew, z, ids, run), None)
         u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
         if c.latent is not None:
             if c.latent_norm:
@@ -161,10 +176,16 @@ class MoE(nnx.Module):
             u = (u + shared).astype(run.dtype)
         return u.reshape(B, T, D), (idx.reshape(B, T, -1), w.reshape(B, T, -1))
 
+    def _latent(self, x_ND, run: RunConfig):
+        """The routed experts' input ``[N, L]``: K3's latent down projection, else ``x`` in the run dtype."""
+        c = self.cfg
+        return linear(x_ND, self.routed_expert_down_proj[...], run) if c.latent is not None else x_ND.astype(run.dtype)
+
     def _grouped_decode(self, x_ND, z_NL, idx_NX, w, run: RunConfig):
         """Gathered float experts whose products the grouped-product op runs as one native call (decode on CPU):
         the chosen experts and the shared experts as two such calls, up projections then down projections
-        (:mod:`kernels_pallas.matvec`); ``w``: the routed experts' weights, in device memory. Returns (routed
+        (:mod:`kernels_pallas.matvec`); ``w``: the routed experts' weights in device memory (``idx_NX`` indexes
+        them: the compact stack of :meth:`Experts.fetch` and its ids, when they were offloaded). Returns (routed
         ``[N, X, L]``, shared ``[N, D]`` or None), or None when the op would not run them that way (then each part
         runs on its own)."""
         N, X = idx_NX.shape

@@ -27,7 +27,8 @@ class RunConfig:
     that run as one ``lax.scan`` (:mod:`kimi_jax.model.layer_plan`: compile time falls by the repetition count; the
     compilers copy each iteration's weight slice, so off by default). The model's parameter layout follows it.
     ``offload``: what lives in host memory and moves to the device per layer (:mod:`kimi_jax.parallel.offload`):
-    any of ``"kda_state"`` (KDA cache entries), ``"cache"`` (MLA / GQA cache entries), ``"experts"`` (routed experts).
+    any of ``"kda_state"`` (KDA cache entries), ``"cache"`` (MLA / GQA cache entries), ``"experts"`` (routed experts:
+    a decode step moves only the ones its tokens chose, a prefill each layer's whole stack).
     ``remat``: rematerialise each decoder layer (a scanned run: each repetition of its group) in the backward pass
     (``jax.checkpoint``): training keeps one residual stream per layer instead of every activation.
     """

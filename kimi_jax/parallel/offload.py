@@ -4,16 +4,37 @@ What is unusual here: placement is a *memory kind*, not a device. The offloaded 
 ``memory_kind`` is ``"pinned_host"`` (same devices, same partition spec); inside the compiled step the model moves
 each one to device memory right before its layer uses it (``jax.device_put(x, jax.memory.Space.Device)``) and moves a
 layer's new cache entry back (``Space.Host``) before the layer returns. The copies are left to XLA's scheduler: the
-TPU and GPU compilers turn them into asynchronous host <-> device copies that the latency-hiding scheduler may start
-while earlier layers run. The TPU and GPU compilers account host buffers apart (``host_argument_size_in_bytes`` ...
-of ``memory_analysis()``), which :func:`compile_step` reports; XLA:CPU has one memory, so there the path runs (the
-moves are copies) and must give the non-offloaded logits bit for bit.
+TPU and GPU compilers turn them into asynchronous host <-> device copies. The TPU and GPU compilers account host
+buffers apart (``host_argument_size_in_bytes`` ... of ``memory_analysis()``), which :func:`compile_step` reports
+with the bytes one step copies host -> device (:func:`host_to_device_bytes`, read from the scheduled program);
+XLA:CPU has one memory, so there the path runs (the moves are copies) and must give the non-offloaded logits bit
+for bit.
 
-Scheduling, as the compilers did it (deviceless, JAX 0.12): XLA:GPU starts each copy shortly before its layer (device
-temporaries grow by about one layer's experts); XLA:TPU starts them all at the top of the step when the step fits
-HBM anyway (temporaries grow by everything moved, the peak stays) and spaces them out when it does not (a K3 slice
-that is out of HBM on one v5e compiles with its experts on host). The ``optimization_barrier`` that ties a copy to
-its layer's input (:func:`to_device`'s ``after``) is a hint: TPU's host-offload pass moves the copy to the parameter.
+Routed experts, two ways (:func:`fetch_experts`):
+  * **decode** (the products gather: no more (token, expert) pairs than experts): only the chosen experts move. Each
+    of the ``N*X`` slots is a dynamic slice ``[1, ...]`` of every field of the host array by the chosen id, moved to
+    the device on its own and stacked there; the products run on that ``[N*X, ...]`` stack with ids ``0..N*X-1``.
+    Both compilers copy just the slice (XLA:TPU ``dynamic-slice-start``, XLA:GPU an async ``fusion-start``, on the
+    host operand): a K3 slice (4 layers, 32 experts, batch 1) copies 16 of 32 experts per layer, 0.84 of 1.68 GB
+    (MXFP4, one H200) and 3.17 of 6.34 GB (bf16, TPU v5p). Not on TPU for 8-bit fields (MXFP4 codes and scales):
+    libtpu gives the slice another tiling than the host array's and round-trips the whole array through the device
+    to relayout it (2.46 GB per step on that slice, more than the whole layers), so there MXFP4 experts still move
+    whole (:func:`slices_from_host`; a host array laid out ``(8,128)(4,1)`` slices directly, but the arrays are not
+    placed that way).
+  * **prefill** (more pairs): each MoE layer's local experts move whole.
+
+Overlap (what the compilers did, deviceless, JAX 0.12). The routed copy depends on its own layer's router, so it
+cannot start before that router has run; what runs while it flies is the rest of the MoE block that does not need
+it: the latent down projection, the shared experts, and (TPU, up to 32 slices in flight) the ``w1`` product once its
+slices have landed while ``w3`` / ``w2`` still stream. XLA:GPU runs the slices one or two at a time and puts the
+independent matmuls beside the last ones. At decode the copies are the step: PCIe moves a K3 expert (17.5 MB MXFP4)
+in ~0.27 ms, the shared experts read theirs from HBM in microseconds; nothing earlier can hide them without guessing
+the routing. The whole-layer copy of layer ``i`` depends on nothing, so the decoder lets it start once layer
+``i - 1`` has started (an ``optimization_barrier`` on the previous layer's input, :func:`to_device`'s ``after``):
+XLA:GPU then issues each layer's copies one to two layers ahead, beside those layers' attention and MoE kernels (a
+K3 prefill slice: device temporaries 0.64 -> 1.38 GB, about one layer's experts more), where with the copy tied to
+its own MoE input it issued each right before that MoE, after the attention, with nothing to overlap. XLA:TPU moves the copies to the parameters and starts them at the top of the step when the step fits HBM
+anyway, and spaces them out when it does not.
 
 Kinds (``RunConfig.offload``):
   * ``"kda_state"``: every KDA cache entry (recurrent state ``[B, H, K, U]`` float32 and the three conv tails);
@@ -21,18 +42,22 @@ Kinds (``RunConfig.offload``):
   * ``"experts"``: every routed-expert weight (``w1``, ``w3``, ``w2``; a packed weight: every field).
 
 The bytes moved (:func:`offload_bytes`) and what they do to a deployment (:func:`offload_plan`) are computed from the
-same abstract shapes and partition specs as :mod:`kimi_jax.parallel.plan`. Each decode step copies every offloaded
-byte host -> device once (a layer's local experts whole, not only the routed ones) and the cache entries back.
+same abstract shapes and partition specs as :mod:`kimi_jax.parallel.plan`. Each decode step copies the offloaded
+cache entries host -> device and back, and of the experts ``N*X`` per MoE layer (at most the chip's local ones;
+:func:`routed_slots`), or every local expert where the products do not gather or the compiler cannot slice them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from kernels_pallas._dispatch import target_platform
 
 KINDS = ("kda_state", "cache", "experts")
 HOST = "pinned_host"
@@ -90,10 +115,45 @@ def store_entry(entry, run):
     return to_host(entry)
 
 
-def fetch_experts(weights, run, after=None):
-    """Routed-expert weights (a pytree: arrays or packed weights) in device memory when ``run`` offloads them; the
-    copy waits for ``after`` (:func:`to_device`)."""
-    return to_device(weights, after) if "experts" in run.offload else weights
+def fetch_experts(weights, idx_NX, run, *, routed: bool, after=None):
+    """Routed-expert weights (a pytree: arrays or packed weights, every leaf ``[E, ...]``) in device memory when
+    ``run`` offloads them, and the expert ids ``[N, X]`` that index what comes back.
+
+    ``routed`` (the caller's gather path: few pairs): only the chosen experts move, one ``[1, ...]`` slice of every
+    leaf per (token, expert) slot, stacked on the device as ``[N*X, ...]`` (slot ``k`` holds expert
+    ``idx_NX.flat[k]``; a repeated expert is moved once per slot), with the ids ``0 .. N*X-1``. The slices depend
+    only on ``idx_NX``, so they start as soon as the router has chosen. Otherwise (or where the compiler cannot
+    slice these leaves out of host memory, :func:`slices_from_host`) the whole layer moves, waiting for ``after``
+    (:func:`to_device`)."""
+    if "experts" not in run.offload:
+        return weights, idx_NX
+    if routed and slices_from_host(jax.tree.leaves(weights), target_platform(run.placement)):
+        return _fetch_slots(weights, idx_NX)
+    return to_device(weights, after), idx_NX
+
+
+def _fetch_slots(weights, idx_NX):
+    """(every leaf's rows ``idx_NX.flat`` as ``[N*X, ...]`` in device memory, ids ``arange(N*X)`` as ``[N, X]``).
+    Each row is a dynamic slice of the host array moved on its own: the TPU and GPU compilers turn that into one
+    asynchronous copy of the slice (``dynamic-slice-start`` / ``fusion-start`` on a host operand); a gather
+    (``jnp.take``) of a host array is refused by JAX, and a stack built in host memory first becomes host compute
+    on XLA:GPU."""
+    N, X = idx_NX.shape
+    ids = idx_NX.reshape(N * X)
+
+    def take(a):
+        rows = [jax.lax.dynamic_slice_in_dim(a, ids[k], 1, 0) for k in range(N * X)]
+        return jnp.concatenate([jax.device_put(r, jax.memory.Space.Device) for r in rows])
+
+    return jax.tree.map(take, weights), jnp.arange(N * X, dtype=jnp.int32).reshape(N, X)
+
+
+def slices_from_host(leaves, platform: str) -> bool:
+    """Whether the compiler for ``platform`` copies a dynamic slice of these host arrays as just the slice. XLA:TPU
+    (libtpu 0.0.50, v5e / v5p / v6e) does not for 8-bit arrays (MXFP4 codes and scales): it gives the slice a
+    different tiling than the host array's and copies the whole array to the device and back to relayout it,
+    every step; 16- and 32-bit arrays slice directly. XLA:GPU slices any dtype; XLA:CPU has one memory."""
+    return platform != "tpu" or all(jnp.dtype(a.dtype).itemsize >= 2 for a in leaves)
 
 
 # -- placing arrays ----------------------------------------------------------------------------------------
@@ -169,20 +229,35 @@ class Offload:
     moved: dict  # kind -> bytes per chip moved from device to host memory
     h2d_per_step: int  # bytes per chip copied host -> device per decode step
     d2h_per_step: int  # bytes per chip copied device -> host per decode step (new cache entries)
+    h2d_whole_layers: int = 0  # the same step were every MoE layer's local experts copied whole (prefill does)
+    expert_slots: int = 0  # experts one MoE layer fetches per decode step (0: whole layers, or no experts moved)
+    local_experts: int = 0  # experts one chip holds per MoE layer
 
     @property
     def total(self) -> int:
         return sum(self.moved.values())
 
-    def step_seconds(self, bandwidth: float = PCIE_GEN5) -> float:
-        """Seconds of one decode step's copies at ``bandwidth`` bytes/s each way (the two directions overlap)."""
-        return max(self.h2d_per_step, self.d2h_per_step) / bandwidth
+    def step_seconds(self, bandwidth: float = PCIE_GEN5, whole_layers: bool = False) -> float:
+        """Seconds of one decode step's copies at ``bandwidth`` bytes/s each way (the two directions overlap);
+        ``whole_layers``: with every local expert copied, not only the routed ones."""
+        return max(self.h2d_whole_layers if whole_layers else self.h2d_per_step, self.d2h_per_step) / bandwidth
+
+
+def routed_slots(cfg, batch: int, sizes: dict, local_experts: int) -> int:
+    """Experts one MoE layer fetches per decode step on a chip (:func:`fetch_experts`): one per (token, expert) pair
+    of the chip's tokens (``batch`` over the data axis), at most the experts it holds; 0 when the pairs outnumber
+    the layer's experts (the products do not gather then, and the whole layer moves)."""
+    data = int(sizes.get("data", 1))
+    pairs = (batch // data if batch % data == 0 else batch) * cfg.moe.top_k
+    return min(pairs, local_experts) if pairs <= cfg.moe.num_experts else 0
 
 
 def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
-                  quantize: str | None = None) -> Offload:
+                  quantize: str | None = None, platform: str = "gpu") -> Offload:
     """Per-chip bytes the offload ``kinds`` move to host memory for ``cfg`` on a mesh of ``sizes`` (the plan's
-    figures by category: ``routed experts``, the KDA state + conv tails, the MLA / KV cache)."""
+    figures by category: ``routed experts``, the KDA state + conv tails, the MLA / KV cache), and one decode step's
+    copies: the routed experts only (:func:`routed_slots` of each MoE layer's local experts) where ``platform``'s
+    compiler slices them out of host memory (:func:`slices_from_host`), else every local expert."""
     from kimi_jax.parallel import plan
 
     kinds = check_kinds(kinds)
@@ -192,7 +267,22 @@ def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, contex
            "cache": p.cache["mla"] + p.cache["kv"]}
     moved = {k: per[k] for k in kinds}
     back = sum(moved[k] for k in kinds if k != "experts")  # a new cache entry is written back whole
-    return Offload(kinds, moved, sum(moved.values()), back)
+    whole = sum(moved.values())
+    slots = e_loc = 0
+    experts = moved.get("experts", 0)
+    if experts:
+        e_loc, dtypes = plan.expert_leaves(cfg, sizes, layout, dtype=dtype, quantize=quantize)
+        if slices_from_host([jax.ShapeDtypeStruct((), d) for d in dtypes], platform):
+            slots = routed_slots(cfg, batch, sizes, e_loc)
+    h2d = whole - experts + experts // e_loc * slots if slots else whole  # every layer's local experts alike
+    return Offload(kinds, moved, h2d, back, whole, slots, e_loc)
+
+
+def chip_platform(chip: str) -> str:
+    """``"tpu"`` or ``"gpu"`` for a :data:`kimi_jax.parallel.plan.CHIPS` key."""
+    from kimi_jax.parallel import plan
+
+    return "tpu" if plan.CHIPS[chip].name.startswith("TPU") else "gpu"
 
 
 def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16", chip: str = "h200",
@@ -202,8 +292,10 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
     plan's total minus what is moved (:func:`offload_bytes`), which must fit ``host_bytes`` of host memory per chip
     (with the same ``reserve``). Returns ``{"without": row, "with": row}``; each row
     has ``chips``, ``sizes``, ``device`` (bytes per chip), ``host`` (bytes per chip in host memory),
-    ``h2d_per_step``, ``copy_seconds`` (per decode step at ``bandwidth``) and ``hbm_seconds`` (the plan's roofline
-    step), or is None when nothing up to ``max_chips`` fits."""
+    ``h2d_per_step`` and ``copy_seconds`` (per decode step at ``bandwidth``: the routed experts only, where the
+    chip's compiler slices them), ``h2d_whole_layers`` and ``whole_layer_seconds`` (every local expert instead),
+    ``expert_slots`` / ``local_experts`` (per MoE layer) and ``hbm_seconds`` (the plan's roofline step), or is None
+    when nothing up to ``max_chips`` fits."""
     from kimi_jax.parallel import plan
 
     kinds = check_kinds(kinds)
@@ -214,13 +306,17 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
         while n <= max_chips and best is None:
             for s in plan.candidate_meshes(n):
                 p = plan.make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
-                o = offload_bytes(cfg, ks, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
+                o = offload_bytes(cfg, ks, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize,
+                                  platform=chip_platform(chip))
                 device = p.total - o.total
                 fits = device <= c.hbm_bytes * (1 - reserve) and o.total <= host_bytes * (1 - reserve)
                 if fits and (best is None or device < best["device"]):
                     best = {"chips": n, "sizes": s, "device": device, "host": o.total, "moved": o.moved,
                             "h2d_per_step": o.h2d_per_step, "d2h_per_step": o.d2h_per_step,
-                            "copy_seconds": o.step_seconds(bandwidth), "hbm_seconds": p.step_seconds(c.hbm_bandwidth)}
+                            "copy_seconds": o.step_seconds(bandwidth), "h2d_whole_layers": o.h2d_whole_layers,
+                            "whole_layer_seconds": o.step_seconds(bandwidth, whole_layers=True),
+                            "expert_slots": o.expert_slots, "local_experts": o.local_experts,
+                            "hbm_seconds": p.step_seconds(c.hbm_bandwidth)}
             n *= 2
         out[name] = best
     return out
@@ -238,7 +334,8 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     ``scan_layers``: the repeating run of layers as one ``lax.scan`` (its stacked host arrays sliced per iteration).
     The host-memory arguments carry shardings over ``mesh.abstract_mesh``: the deviceless GPU client reports no
     memory kinds, so a concrete GPU mesh would drop ``pinned_host`` silently. Returns the device ``argument`` /
-    ``output`` / ``alias`` / ``temp`` bytes and their ``host_*`` counterparts (per device), ``peak`` (device) and
+    ``output`` / ``alias`` / ``temp`` bytes and their ``host_*`` counterparts (per device), ``peak`` (device),
+    ``h2d`` (bytes one step copies host -> device, :func:`host_to_device_bytes`; None where it cannot tell) and
     ``compile_seconds``."""
     from jax.sharding import NamedSharding
 
@@ -288,7 +385,67 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     out.update({f"host_{k}": int(getattr(m, f"host_{k}_size_in_bytes")) for k in keys})
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out["compile_seconds"] = time.perf_counter() - t0
+    try:
+        out["h2d"] = host_to_device_bytes(compiled.as_text())
+    except ValueError:  # copies inside a scan on TPU: the program does not say how often they run
+        out["h2d"] = None
     return out
+
+
+_HLO_BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16,
+             "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
+_HLO_SHAPE = re.compile(r"\b([a-z]+[0-9]+[a-z0-9]*|pred)\[([0-9,]*)\](\{[^}]*\})?")
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+
+
+def host_to_device_bytes(hlo_text: str) -> int:
+    """Bytes one run of a compiled program copies host -> device, read from its scheduled HLO
+    (``compiled.as_text()``): the result bytes of every asynchronous copy (``copy-start``) or slice / fusion
+    (``dynamic-slice-start`` on TPU, ``fusion-start`` on GPU) or host computation (``custom-call-start``) whose
+    first operand lives in host memory (layout ``S(5)``) and whose result does not, times the trip count of the while loops around it. Logical bytes: TPU tile padding
+    is not counted. Raises ValueError for a host read inside a loop whose trip count the program does not state
+    (XLA:TPU drops ``known_trip_count``)."""
+    def shapes(line):
+        return [(t, dims, "S(5)" in (lay or "")) for t, dims, lay in _HLO_SHAPE.findall(line)]
+
+    def nbytes(t, dims):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        return n * _HLO_BITS[t] // 8
+
+    computation, reads, loops = None, {}, {}
+    for line in hlo_text.splitlines():
+        m = _HLO_COMPUTATION.match(line)
+        if m:
+            computation = m.group(1)
+            continue
+        rhs = line.partition(" = ")[2]
+        if " while(" in rhs:
+            body = re.search(r"body=%?([\w.\-]+)", rhs).group(1)
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs)
+            loops[body] = (computation, int(trips.group(1)) if trips else None)
+        op = re.search(r"\s(copy-start|dynamic-slice-start|fusion-start|custom-call-start)\(", rhs)
+        if not op:
+            continue
+        sh = shapes(rhs[: op.start()])
+        if op.group(1) == "copy-start":
+            (dt, dd, dh), (_, _, sh_host) = sh[0], sh[1]
+            moved = nbytes(dt, dd) if sh_host and not dh else 0
+        else:
+            rt, rd, rh = sh[-2]
+            moved = nbytes(rt, rd) if sh[0][2] and not rh else 0
+        reads[computation] = reads.get(computation, 0) + moved
+
+    def times(computation):
+        if computation not in loops:
+            return 1
+        parent, trips = loops[computation]
+        if trips is None:
+            raise ValueError(f"host -> device copies in loop body {computation} whose trip count is not stated")
+        return trips * times(parent)
+
+    return sum(b * times(c) for c, b in reads.items() if b)
 
 
 def moved_bytes(cfg, kinds, mesh, *, batch: int, context: int, dtype="bfloat16") -> int:
@@ -325,11 +482,17 @@ def format_offload(o: Offload, bandwidth: float = PCIE_GEN5) -> str:
     lines = [f"offload {','.join(o.kinds) or '(none)'}: per chip, moved to host memory"]
     lines += [f"  {k:<34}{v / 1e9:9.2f} GB" for k, v in o.moved.items()]
     lines.append(f"  {'total':<34}{o.total / 1e9:9.2f} GB")
-    lines.append(f"  per decode step: {o.h2d_per_step / 1e9:.2f} GB host->device, {o.d2h_per_step / 1e9:.2f} GB "
-                 f"device->host = {o.step_seconds(bandwidth) * 1e3:.1f} ms at {bandwidth / 1e9:.0f} GB/s")
+    routed = (f" (routed experts only: {o.expert_slots} of {o.local_experts} local experts per MoE layer)"
+              if o.expert_slots else "")
+    lines.append(f"  per decode step: {o.h2d_per_step / 1e9:.2f} GB host->device{routed}, "
+                 f"{o.d2h_per_step / 1e9:.2f} GB device->host = {o.step_seconds(bandwidth) * 1e3:.1f} ms at "
+                 f"{bandwidth / 1e9:.0f} GB/s")
+    if o.h2d_whole_layers != o.h2d_per_step:
+        lines.append(f"  every local expert instead (prefill; TPU with 8-bit experts): {o.h2d_whole_layers / 1e9:.2f} "
+                     f"GB host->device = {o.step_seconds(bandwidth, whole_layers=True) * 1e3:.1f} ms")
     return "\n".join(lines)
 
 
-__all__ = ["KINDS", "Offload", "check_kinds", "compile_step", "fetch_entry", "fetch_experts", "format_offload",
-           "moved_bytes", "offload_bytes", "offload_plan", "place_cache", "place_model", "store_entry", "to_device",
-           "to_host"]
+__all__ = ["KINDS", "Offload", "check_kinds", "chip_platform", "compile_step", "fetch_entry", "fetch_experts",
+           "format_offload", "host_to_device_bytes", "moved_bytes", "offload_bytes", "offload_plan", "place_cache",
+           "place_model", "routed_slots", "slices_from_host", "store_entry", "to_device", "to_host"]

@@ -260,6 +260,17 @@ def _local_experts(model, specs, sizes):
     return w1, e_loc, f_loc
 
 
+def expert_leaves(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, dtype="bfloat16",
+                  quantize: str | None = None) -> tuple[int, list]:
+    """(routed experts one chip holds per MoE layer, the dtypes of the expert weights' leaves) for ``cfg`` on a mesh
+    of ``sizes``."""
+    model, table = _abstract(cfg, jnp.dtype(dtype).name, quantize)
+    sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
+    specs = sharding.param_specs(model, sizes, sharding.layout(layout), table=table)
+    leaves = params.leaves(nnx.state(model))
+    return _local_experts(model, specs, sizes)[1], [v.dtype for k, v in leaves.items() if ".experts.w" in k]
+
+
 def _exchange_rows(cfg, w1_spec, e_loc, sizes, lay, batch):
     """Rows a chip receives in one decode step's expert exchange (lossless buffers)."""
     ep = _spec_axes(w1_spec[0])
@@ -547,8 +558,11 @@ def _offload_cli(cfg, p: Plan, args, chips):
             print(f"  {CHIPS[name].name:<18} none up to 512 chips")
             continue
         before = rows["without"]["chips"] if rows["without"] else "none"
+        whole = "" if r["h2d_whole_layers"] == r["h2d_per_step"] else \
+            f" (every local expert: {r['whole_layer_seconds'] * 1e3:.2f})"
         print(f"  {CHIPS[name].name:<18} {r['chips']:4d} chips (without: {before}) {r['device'] / GB:7.1f} GB/chip on "
-              f"device, {r['host'] / GB:7.1f} GB/chip in host memory, {r['copy_seconds'] * 1e3:8.2f} ms/step of copies")
+              f"device, {r['host'] / GB:7.1f} GB/chip in host memory, {r['copy_seconds'] * 1e3:8.2f} ms/step of "
+              f"copies{whole}")
 
 
 COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typical prefill chunk
