@@ -200,15 +200,16 @@ def main(argv=None):
     print()
     print("| metric | kimi-jax | HF transformers | ratio |")
     print("|---|---|---|---|")
+    def row(metric, ours, hf):  # HF's columns read "-" when it did not run (--skip-hf)
+        theirs = "- | -" if hf is None else f"{hf:.1f} | {ours / hf:.2f}x"
+        print(f"| {metric} | {ours:.1f} | {theirs} |")
+
     for b in batches:
-        ours_dec = b * (NEW - 1) / med(results[("ours", b)], 1)
-        hf_dec = b * (NEW - 1) / med(results[("hf", b)], 1) if ("hf", b) in results else float("nan")
-        print(f"| decode b={b} (tok/s, {NEW} new after {PROMPT}) | {ours_dec:.1f} | {hf_dec:.1f} | "
-              f"{ours_dec / hf_dec:.2f}x |")
+        row(f"decode b={b} (tok/s, {NEW} new after {PROMPT})", b * (NEW - 1) / med(results[("ours", b)], 1),
+            b * (NEW - 1) / med(results[("hf", b)], 1) if ("hf", b) in results else None)
     b0 = batches[0]
-    ours_pre = b0 * PROMPT / med(results[("ours", b0)], 0)
-    hf_pre = b0 * PROMPT / med(results[("hf", b0)], 0) if ("hf", b0) in results else float("nan")
-    print(f"| prefill {PROMPT} b={b0} (tok/s) | {ours_pre:.1f} | {hf_pre:.1f} | {ours_pre / hf_pre:.2f}x |")
+    row(f"prefill {PROMPT} b={b0} (tok/s)", b0 * PROMPT / med(results[("ours", b0)], 0),
+        b0 * PROMPT / med(results[("hf", b0)], 0) if ("hf", b0) in results else None)
     print(f"| time to first token, compile included (s) | {results['ttft_compile']:.2f} | - | - |")
     if 1 in batches:
         step = med(results[("ours", 1)], 1) / (NEW - 1)

@@ -13,6 +13,11 @@ The trained demo model (kimi_jax/assets/k3-demo) is measured too, on a prompt of
 trained model here, where the issue's targets mean something. It is also quantized with GPTQ (rows ``FORMAT+gptq``:
 ``from_pretrained(..., quantize_calibration=ids)``), calibrated on 64 sequences of 256 tokens of its training text.
 
+    python benchmarks/quantization.py --sensitivity   # which weights carry int4's error (demo model, 3 minutes)
+
+``--sensitivity`` quantizes one part of the demo model at a time to int4:g32 (round to nearest): each module class,
+then each projection of the attention layers by mixer (KDA, MLA), and prints the same KL measure per part.
+
 The benchmark model's weights are built as benchmarks/decode.py builds them (../shared/bench/README.md).
 """
 
@@ -117,6 +122,50 @@ def _demo(include) -> list[dict]:
                    calibrated=True)
 
 
+def sensitivity(fmt: str = "int4:g32") -> None:
+    """The demo model with one part at a time in ``fmt``: each module class, then each attention projection by
+    mixer; the KL measure of :func:`measure` per part (the float32 continuation of its held-out prompt)."""
+    import collections
+
+    import kimi_jax
+    from flax import nnx
+
+    from kimi_jax.cli.demo import demo_model_dir
+    from kimi_jax.model import quantize as Q
+    from kimi_jax.text.tokenizer import load_tokenizer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import make_demo_model
+
+    path = demo_model_dir()
+    ids = load_tokenizer(path).encode(make_demo_model.corpus())
+    start = int(len(ids) * (1 - make_demo_model.EVAL_FRAC))
+    base = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
+    seq = continuation(base, np.asarray(ids[start:start + PROMPT], np.int32)[None])
+    ref = log_probs(base, seq)
+    parts = {f"class {c}": list(Q.plan(base, fmt, [c])) for c in ("attention", "mlp", "latent", "lm_head")}
+    by_projection = collections.defaultdict(list)
+    for name in parts["class attention"]:
+        mixer = base.cfg.attn_types[int(name.split(".")[1])]
+        by_projection[f"{mixer} {name.split('.')[-1]}"].append(name)
+    parts.update(sorted(by_projection.items()))
+    print(f"| {fmt} on | weights | KL mean | KL max | top-1 agreement ({NEW} tokens) |")
+    print("|---|---|---|---|---|")
+    for part, names in parts.items():
+        model = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
+        todo = Q.plan(model, fmt)
+        state = nnx.state(model, nnx.Param)
+        for p, var in nnx.to_flat_state(state):
+            name = ".".join(map(str, p))
+            if name in names:
+                var.set_value(Q.quantizer(todo[name])(var.get_value()))
+        nnx.update(model, state)
+        lq = log_probs(model, seq)
+        kl = np.sum(np.exp(ref) * (ref - lq), axis=-1)
+        print(f"| {part} | {len(names)} | {kl.mean():.2e} | {kl.max():.2e} | "
+              f"{np.mean(ref.argmax(-1) == lq.argmax(-1)):.3f} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax",
@@ -124,7 +173,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--include", default="attention,mlp,latent,lm_head,experts",
                     help="module classes quantized, comma separated (default: all but the embedding)")
+    ap.add_argument("--sensitivity", action="store_true", help="only: int4:g32 on one part of the demo model at a "
+                    "time (module docstring)")
     args = ap.parse_args(argv)
+    if args.sensitivity:
+        sensitivity()
+        return 0
 
     from kimi_jax.checkpoint import synthetic
 
