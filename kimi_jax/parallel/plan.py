@@ -224,8 +224,9 @@ def _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, mla_positio
         L = cfg.moe.expert_in
         act["expert exchange (lossless)"] = rows * (L * (2 * dt.itemsize + 4) + 2 * f_loc * dt.itemsize)
         # one weight decoded to dense, its transposed copy, and a dense product of every received row with every
-        # local expert before the selection: an upper estimate of the jnp reference grouped matmul as XLA:CPU
-        # compiled it at full size (at small shapes XLA:CPU loops over experts instead)
+        # local expert before the selection: an upper estimate of the plain-JAX grouped matmul's workspace (the
+        # capacity form, now kernels_pallas/moe_gmm/xla_cpu, as XLA:CPU compiled it at full size; at small shapes it
+        # loops over experts instead; the lax.ragged_dot reference decodes the packed stack once, within this bound)
         work["workspace: expert dequant (ref.)"] = (2 * e_loc * f_loc * L + rows * e_loc * max(f_loc, L)) * dt.itemsize
     if cfg.mla is not None and "mla" in cfg.attn_types:
         # The reference upcasts one layer's latent cache to float32 for the scores and again, transposed, for the
