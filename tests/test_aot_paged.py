@@ -6,7 +6,8 @@ The compiled program must hold the Pallas custom call (the kernel, not the refer
 step's temporaries must stay below the size of the gathered cache: the kernel reads the pool through the page
 table and never writes a contiguous copy. (On TPU they still hold one copy of the MLA ``kpe`` pool: XLA lays a
 64-wide minor dim out transposed and relays it out for Mosaic, as for the dense cache's ``kpe``.) The default
-set compiles for v5p and H200; the other chips are ``-m slow``.
+set compiles the kernels for v5p and H200; the other chips, and the serving engine's whole decode step (50 s a
+chip), are ``-m slow``.
 """
 
 import jax
@@ -74,7 +75,8 @@ def _compile_kernel_and_stats(target_text, f, args):
         return target, jax.jit(f).lower(*args).compile()
 
 
-@pytest.mark.parametrize("target", [TARGETS["v5p"], pytest.param(TARGETS["h200"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("target", [pytest.param(TARGETS["v5p"], marks=pytest.mark.slow),  # 50 s; the paged kernels
+                                    pytest.param(TARGETS["h200"], marks=pytest.mark.slow)])  # compile in the fast set
 def test_engine_decode_step_compiles(target):
     """The serving engine's decode step (kimi_jax/serving/steps.py) over the paged cache, for a full-width K3 slice
     (layers 0-3: three KDA and one MLA layer, 16 MXFP4 experts) on one device of the target: the compiler accepts the

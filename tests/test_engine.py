@@ -54,7 +54,7 @@ def _prompts(V, lengths, seed):
     return [rng.integers(3, V, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("compact", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_k3_in_flight_matches_golden(compact, families, engines, k3_golden):
     """``compact``: decode steps with fewer active slots run a smaller batch of just them (rows gathered)."""
     g = k3_golden

@@ -37,7 +37,7 @@ def _kl(ref_logits, logits):
     return np.asarray(jnp.sum(jnp.exp(lp) * (lp - lq), -1))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "k3" else f for f in FAMILIES])
 def test_selection_bytes_and_logits(checkpoints, family):
     path = checkpoints[family]
     base = kimi_jax.from_pretrained(path, dtype="float32", progress=False)

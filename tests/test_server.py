@@ -149,7 +149,8 @@ def _reference(s: Served, prompts, max_new: int):
 # -- completions: greedy ids equal generate's, several requests in flight ---------------------------------------
 
 
-@pytest.mark.parametrize("family", [pytest.param("k3", marks=pytest.mark.slow), "kimi_linear", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("k3", marks=pytest.mark.slow),
+                                    pytest.param("kimi_linear", marks=pytest.mark.slow), "llama"])
 def test_greedy_ids_match_generate(family, request):
     s = request.getfixturevalue(family)
     V = s.engine.cfg.vocab_size

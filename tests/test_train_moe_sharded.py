@@ -97,6 +97,7 @@ def test_k3_train_step_on_expert_and_model_axes_equals_one_device():
     _check(_run("train_errors('k3', (1, 2, 2), layers=2)"), "k3 expert=2 model=2")
 
 
+@pytest.mark.slow  # 48 s; the K3 case above runs the same exchange with MXFP4 experts and AttnRes
 def test_kimi_linear_train_step_on_data_and_expert_axes_equals_one_device():
     """Tiny Kimi Linear (dense layer 0, three MoE layers of 4 experts) on data=2, expert=2: tokens over 4 shards."""
     _check(_run("train_errors('kimi_linear', (2, 2, 1))"), "kimi_linear data=2 expert=2")
