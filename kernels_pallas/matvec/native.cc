@@ -226,13 +226,14 @@ inline Vec LoadVec(const uint16_t* p) {  // bfloat16: the high half of the float
   return (Vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
 #elif defined(__AVX2__)  // GCC 12 widens a generic 8 x uint16 vector as two halves and a lane insert
   return (Vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-#endif
+#else
   VecHalves h;
   std::memcpy(&h, p, sizeof h);
   const VecWords w = __builtin_convertvector(h, VecWords) << 16;
   Vec v;
   std::memcpy(&v, &w, sizeof v);
   return v;
+#endif
 }
 
 inline Vec LoadVec(const int8_t* p) {  // int8 codes, sign-extended and converted (exact)
