@@ -82,7 +82,7 @@ class Experts(nnx.Module):
         when the products gather (no more pairs than experts), else the layer's whole stack once ``after`` is
         ready (:func:`kimi_jax.parallel.offload.fetch_experts`); unchanged otherwise."""
         pairs = idx_NX.size
-        routed = self.path(pairs, run) == "gather" and pairs <= self.cfg.num_experts
+        routed = offload.fetches_routed(pairs, self.cfg.num_experts, self.path(pairs, run))
         return offload.fetch_experts(self.weights(), idx_NX, run, routed=routed, after=after)
 
     def act(self, a, b, run: RunConfig):

@@ -243,25 +243,34 @@ class Offload:
         return max(self.h2d_whole_layers if whole_layers else self.h2d_per_step, self.d2h_per_step) / bandwidth
 
 
+def fetches_routed(pairs: int, num_experts: int, path: str = "gather") -> bool:
+    """The one rule for moving only the chosen experts (the model's :meth:`~kimi_jax.model.moe.Experts.fetch` and
+    the plan's :func:`routed_slots`): the products gather (``path``, one expert read per (token, expert) pair) and
+    the pairs do not outnumber the layer's experts. On TPU and GPU the products gather exactly then
+    (:func:`kernels_pallas.moe_gmm.expert_path`); a forced gather of more pairs would move more than the layer."""
+    return path == "gather" and pairs <= num_experts
+
+
 def routed_slots(cfg, batch: int, sizes: dict, local_experts: int) -> int:
     """Experts one MoE layer fetches per decode step on a chip (:func:`fetch_experts`): one per (token, expert) pair
-    of the chip's tokens (``batch`` over the data axis), at most the experts it holds; 0 when the pairs outnumber
-    the layer's experts (the products do not gather then, and the whole layer moves)."""
+    of the chip's tokens (``batch`` over the data axis), at most the experts it holds; 0 when the whole layer moves
+    (:func:`fetches_routed` says no)."""
     data = int(sizes.get("data", 1))
     pairs = (batch // data if batch % data == 0 else batch) * cfg.moe.top_k
-    return min(pairs, local_experts) if pairs <= cfg.moe.num_experts else 0
+    return min(pairs, local_experts) if fetches_routed(pairs, cfg.moe.num_experts) else 0
 
 
 def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
-                  quantize: str | None = None, platform: str = "gpu") -> Offload:
+                  quantize: str | None = None, platform: str = "gpu", plan=None) -> Offload:
     """Per-chip bytes the offload ``kinds`` move to host memory for ``cfg`` on a mesh of ``sizes`` (the plan's
     figures by category: ``routed experts``, the KDA state + conv tails, the MLA / KV cache), and one decode step's
     copies: the routed experts only (:func:`routed_slots` of each MoE layer's local experts) where ``platform``'s
-    compiler slices them out of host memory (:func:`slices_from_host`), else every local expert."""
-    from kimi_jax.parallel import plan
+    compiler slices them out of host memory (:func:`slices_from_host`), else every local expert. ``plan``: the
+    :func:`kimi_jax.parallel.plan.make_plan` of the same arguments, when the caller has it already."""
+    from kimi_jax.parallel import plan as plan_lib
 
     kinds = check_kinds(kinds)
-    p = plan.make_plan(cfg, sizes, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
+    p = plan or plan_lib.make_plan(cfg, sizes, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
     per = {"experts": p.params.get("routed experts", 0),
            "kda_state": p.cache["kda_state"] + p.cache["kda_conv"],
            "cache": p.cache["mla"] + p.cache["kv"]}
@@ -271,8 +280,8 @@ def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, contex
     slots = e_loc = 0
     experts = moved.get("experts", 0)
     if experts:
-        e_loc, dtypes = plan.expert_leaves(cfg, sizes, layout, dtype=dtype, quantize=quantize)
-        if slices_from_host([jax.ShapeDtypeStruct((), d) for d in dtypes], platform):
+        e_loc = p.local_experts
+        if slices_from_host([jax.ShapeDtypeStruct((), d) for d in p.expert_dtypes], platform):
             slots = routed_slots(cfg, batch, sizes, e_loc)
     h2d = whole - experts + experts // e_loc * slots if slots else whole  # every layer's local experts alike
     return Offload(kinds, moved, h2d, back, whole, slots, e_loc)
@@ -307,7 +316,7 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
             for s in plan.candidate_meshes(n):
                 p = plan.make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
                 o = offload_bytes(cfg, ks, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize,
-                                  platform=chip_platform(chip))
+                                  platform=chip_platform(chip), plan=p)
                 device = p.total - o.total
                 fits = device <= c.hbm_bytes * (1 - reserve) and o.total <= host_bytes * (1 - reserve)
                 if fits and (best is None or device < best["device"]):
@@ -494,5 +503,5 @@ def format_offload(o: Offload, bandwidth: float = PCIE_GEN5) -> str:
 
 
 __all__ = ["KINDS", "Offload", "check_kinds", "chip_platform", "compile_step", "fetch_entry", "fetch_experts",
-           "format_offload", "host_to_device_bytes", "moved_bytes", "offload_bytes", "offload_plan", "place_cache",
+           "fetches_routed", "format_offload", "host_to_device_bytes", "moved_bytes", "offload_bytes", "offload_plan", "place_cache",
            "place_model", "routed_slots", "slices_from_host", "store_entry", "to_device", "to_host"]

@@ -68,6 +68,8 @@ class Plan:
     notes: list
     kv_cache: str | None = None  # the cache's storage options (kimi_jax.model.cache)
     kda_state: str = "float32"
+    local_experts: int = 0  # routed experts one chip holds per MoE layer
+    expert_dtypes: tuple = ()  # the distinct dtypes of the routed-expert weights' leaves (a packed weight: its fields)
 
     @property
     def chips(self) -> int:
@@ -147,8 +149,11 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     read["MLA / KV cache"] = cache["mla"] + cache["kv"]
     prefill = _prefill_activations(cfg, sizes, lay, specs, model, b_loc, prefill_chunk, dt) if prefill_chunk else {}
     state = jnp.dtype(jnp.float32 if kda_state is None else kda_state).name
+    e_loc = _local_experts(model, specs, sizes)[1] if expert_local else 0
+    e_dtypes = tuple(dict.fromkeys(a.dtype for m in table for n, a in m.arrays.items()
+                                   if _category(m.prefix + n) == "routed experts"))
     return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
-                prefill, notes, kv_cache, state)
+                prefill, notes, kv_cache, state, e_loc, e_dtypes)
 
 
 def _param_bytes(table, specs, sizes) -> tuple[dict, int, dict]:
@@ -259,17 +264,6 @@ def _local_experts(model, specs, sizes):
     w1 = next(k for k in specs if ".experts.w1" in k)
     e_loc, f_loc = sharding.shard_shape(_leaf_shape(model, w1), specs[w1], sizes)[:2]
     return w1, e_loc, f_loc
-
-
-def expert_leaves(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, dtype="bfloat16",
-                  quantize: str | None = None) -> tuple[int, list]:
-    """(routed experts one chip holds per MoE layer, the dtypes of the expert weights' leaves) for ``cfg`` on a mesh
-    of ``sizes``."""
-    model, table = _abstract(cfg, jnp.dtype(dtype).name, quantize)
-    sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
-    specs = sharding.param_specs(model, sizes, sharding.layout(layout), table=table)
-    leaves = params.leaves(nnx.state(model))
-    return _local_experts(model, specs, sizes)[1], [v.dtype for k, v in leaves.items() if ".experts.w" in k]
 
 
 def _exchange_rows(cfg, w1_spec, e_loc, sizes, lay, batch):
