@@ -503,5 +503,5 @@ def format_offload(o: Offload, bandwidth: float = PCIE_GEN5) -> str:
 
 
 __all__ = ["KINDS", "Offload", "check_kinds", "chip_platform", "compile_step", "fetch_entry", "fetch_experts",
-           "fetches_routed", "format_offload", "host_to_device_bytes", "moved_bytes", "offload_bytes", "offload_plan", "place_cache",
-           "place_model", "routed_slots", "slices_from_host", "store_entry", "to_device", "to_host"]
+           "fetches_routed", "format_offload", "host_to_device_bytes", "moved_bytes", "offload_bytes", "offload_plan",
+           "place_cache", "place_model", "routed_slots", "slices_from_host", "store_entry", "to_device", "to_host"]
