@@ -349,3 +349,64 @@ def test_bfloat16_weights_stream_in_the_native_kernel():
     assert f"kimi_jax_{native.SYMBOLS[jnp.dtype(bf)]}" in gather.lower(xb, wb, idx).as_text()
     ref = jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c, implementation="reference"))(xb, wb, idx)
     np.testing.assert_allclose(np.asarray(gather(xb, wb, idx)), np.asarray(ref), atol=1e-4, rtol=0)
+
+
+def _mla_numpy(q_lat, q_pe, c, kpe, q_pos, scale):
+    """Absorbed MLA attention in float64 (the reference's math): causal by absolute position."""
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    s = (np.einsum("bthr,bsr->bths", f64(q_lat), f64(c)) + np.einsum("btho,bso->bths", f64(q_pe), f64(kpe))) * scale
+    S = c.shape[1]
+    s = np.where(np.arange(S)[None, None, None, :] <= np.asarray(q_pos)[:, :, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bths,bsr->bthr", p, f64(c))
+
+
+@pytest.mark.parametrize("B,T,H,R,O,S,dtype", [
+    (1, 1, 8, 512, 64, 576, jnp.bfloat16),  # the benchmark model's decode step: bf16 cache, several chunks
+    (1, 1, 8, 512, 64, 300, jnp.float32),
+    (2, 3, 13, 72, 24, 300, jnp.float32),  # heads in groups of 8, 4, 1; columns past the last vector; 2 chunks
+    (3, 1, 2, 40, 8, 37, jnp.bfloat16),  # one chunk; positions past the cache and inside it
+])
+def test_mla_decode_matches_numpy(B, T, H, R, O, S, dtype):
+    import kernels_pallas.mla_decode as mla
+    from kernels_pallas.mla_decode import native as mla_native
+
+    rng = np.random.default_rng(S + H)
+    q_lat, q_pe = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, H, R), (B, T, H, O)))
+    c, kpe = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((B, S, R), (B, S, O)))
+    q_pos = jnp.asarray(rng.integers(0, S + 4, (B, T)), jnp.int32)
+    scale = (R + O) ** -0.5
+    f = jax.jit(lambda *a: mla.mla_attention(*a, scale=scale, implementation="cpu_native"))
+    assert f"kimi_jax_{mla_native.SYMBOLS[jnp.dtype(dtype)]}" in f.lower(q_lat, q_pe, c, kpe, q_pos).as_text()
+    got = np.asarray(f(q_lat, q_pe, c, kpe, q_pos))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, _mla_numpy(q_lat, q_pe, c, kpe, q_pos, scale), atol=2e-6, rtol=0)
+
+
+def test_mla_decode_automatic_choice(monkeypatch):
+    """On CPU a decode step (few query rows) over a bfloat16 cache runs the native kernel; a float32 cache (where
+    it was not faster), a prefill chunk of many rows, an int8 cache and mixed cache dtypes keep XLA's, and so does a
+    run with native kernels turned off; asking for the native kernel with an int8 cache raises, naming it."""
+    import kernels_pallas.mla_decode as mla
+    from kernels_pallas import cache_quant
+
+    rng = np.random.default_rng(0)
+    q = lambda T: (jnp.asarray(rng.standard_normal((1, T, 4, 32)), jnp.float32),  # noqa: E731
+                   jnp.asarray(rng.standard_normal((1, T, 4, 8)), jnp.float32))
+    c, kpe = jnp.asarray(rng.standard_normal((1, 64, 32)), jnp.bfloat16), jnp.asarray(rng.standard_normal((1, 64, 8)))
+    target = "kimi_jax_KimiMlaDecode"
+    lower = lambda T, c, kpe, **kw: jax.jit(  # noqa: E731
+        lambda *a: mla.mla_attention(*a, scale=0.1, **kw)).lower(*q(T), c, kpe, jnp.zeros((1, T), jnp.int32)).as_text()
+    assert target in lower(1, c, kpe.astype(jnp.bfloat16))
+    assert target not in lower(mla.NATIVE_ROWS + 1, c, kpe.astype(jnp.bfloat16))
+    assert target not in lower(1, c.astype(jnp.float32), kpe)
+    assert target in lower(1, c.astype(jnp.float32), kpe, implementation="cpu_native")
+    assert target not in lower(1, c, kpe)  # bf16 latent with a float32 decoupled part: XLA's
+    c8, k8 = cache_quant.quantize(c), cache_quant.quantize(kpe)
+    assert target not in lower(1, c8, k8)
+    with pytest.raises(KernelUnavailable, match="int8 cache"):
+        lower(1, c8, k8, implementation="cpu_native")
+    with monkeypatch.context() as m:
+        m.setenv(_native.ENV, "off")
+        assert target not in lower(1, c, kpe.astype(jnp.bfloat16))
