@@ -6,7 +6,8 @@ context lengths beside the cache bytes each keeps per sequence.
     python benchmarks/recall.py --steps 60 --models hybrid gqa --out /tmp/r.json   # a quick look
 
 Two processes use two cores better than one (most steps are small, single-threaded ops): run halves of the models
-with ``--out`` each, then ``--merge`` their files into the table (what the README's numbers come from).
+with ``--out`` each, then ``--merge`` their files into the table (what the README's numbers come from). Runs of the
+same setting with other ``--seed`` merge too: their accuracies share a line, one per seed.
 """
 
 from __future__ import annotations
@@ -56,12 +57,19 @@ def main(argv=None) -> int:
 
 def _merge(paths, out) -> int:
     runs = [json.load(open(p)) for p in paths]
-    if any(r["study"] != runs[0]["study"] for r in runs):
+    setting = lambda r: {k: v for k, v in r["study"].items() if k != "seed"}  # noqa: E731
+    if any(setting(r) != setting(runs[0]) for r in runs):
         raise SystemExit(f"--merge: the runs used different settings: {[r['study'] for r in runs]}")
-    rows = sorted((row for r in runs for row in r["rows"]), key=lambda row: recall.MODELS.index(row["model"]))
+    for r in runs:
+        for row in r["rows"]:
+            row.setdefault("seed", r["study"]["seed"])
+    rows = sorted((row for r in runs for row in r["rows"]),
+                  key=lambda row: (recall.MODELS.index(row["model"]), row["seed"], row["length"]))
     print(recall.table(rows))
     with open(out, "w") as f:
-        json.dump({**runs[0], "command": [r["command"] for r in runs], "rows": rows}, f, indent=1)
+        json.dump({**runs[0], "study": {**runs[0]["study"], "seed": sorted({row["seed"] for row in rows})},
+                   "command": [c for r in runs for c in (r["command"] if isinstance(r["command"], list)
+                                                         else [r["command"]])], "rows": rows}, f, indent=1)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

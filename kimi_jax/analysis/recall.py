@@ -192,7 +192,7 @@ def accuracy(model, task: str, length: int, s: Study) -> float:
 
 
 def run(s: Study = Study(), models: Sequence[str] = MODELS, log=print) -> list[dict]:
-    """Train and score every model; one row per (model, length): ``model``, ``params``, ``length``, ``mqar``,
+    """Train and score every model; one row per (model, length): ``model``, ``seed``, ``params``, ``length``, ``mqar``,
     ``needle`` (accuracies), ``cache_bytes`` (planned, one sequence), ``measured_bytes``, ``train_seconds``,
     ``final_loss``."""
     from kimi_jax.analysis.memory import measured_cache_bytes
@@ -205,7 +205,7 @@ def run(s: Study = Study(), models: Sequence[str] = MODELS, log=print) -> list[d
         n = param_count(model)
         log(f"{kind}: {n} parameters, trained in {seconds:.0f} s, final loss {loss:.3f}")
         for length in s.eval_lengths:
-            row = {"model": kind, "params": n, "length": length,
+            row = {"model": kind, "seed": s.seed, "params": n, "length": length,
                    **{t: accuracy(model, t, length, s) for t in TASKS},
                    "cache_bytes": cache_bytes(model.cfg, 1, length, jnp.float32)["total"],
                    "measured_bytes": measured_cache_bytes(model.cfg, length, dtype=jnp.float32),
@@ -216,26 +216,41 @@ def run(s: Study = Study(), models: Sequence[str] = MODELS, log=print) -> list[d
     return rows
 
 
+def _seeds(rows) -> list:
+    return sorted({r.get("seed", 0) for r in rows})
+
+
 def table(rows: list[dict]) -> str:
-    """A markdown table of :func:`run`'s rows."""
-    head = "| model | parameters | context | MQAR accuracy | needle accuracy | cache per sequence (plan / allocated) |"
-    lines = [head, "|---|---|---|---|---|---|"]
+    """A markdown table of :func:`run`'s rows; rows of several seeds share a line, their accuracies joined by
+    ``/`` in seed order."""
+    seeds = _seeds(rows)
+    by = {}
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params'] / 1e3:.0f}K | {r['length']} | {r['mqar']:.3f} | {r['needle']:.3f} "
+        by.setdefault((r["model"], r["length"]), {})[r.get("seed", 0)] = r
+    label = f" (seed {' / '.join(map(str, seeds))})" if len(seeds) > 1 else ""
+    head = (f"| model | parameters | context | MQAR accuracy{label} | needle accuracy{label} | cache per sequence "
+            "(plan / allocated) |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    for (kind, length), per in by.items():
+        r = next(iter(per.values()))
+        acc = lambda task: " / ".join(f"{per[s][task]:.3f}" if s in per else "-" for s in seeds)  # noqa: E731
+        lines.append(f"| {kind} | {r['params'] / 1e3:.0f}K | {length} | {acc('mqar')} | {acc('needle')} "
                      f"| {r['cache_bytes'] / 1e3:.1f} / {r['measured_bytes'] / 1e3:.1f} kB |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict]):
-    """Accuracy vs context length and vs cache bytes per sequence, one line per model and task."""
+    """Accuracy vs context length and vs cache bytes per sequence, one line per model (and seed) and task."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for kind in dict.fromkeys(r["model"] for r in rows):
-        rs = [r for r in rows if r["model"] == kind]
+    several = len(_seeds(rows)) > 1
+    for kind, seed in dict.fromkeys((r["model"], r.get("seed", 0)) for r in rows):
+        rs = [r for r in rows if r["model"] == kind and r.get("seed", 0) == seed]
+        name = f"{kind} seed {seed}" if several else kind
         for task, style in (("mqar", "-o"), ("needle", "--s")):
-            axes[0].plot([r["length"] for r in rs], [r[task] for r in rs], style, label=f"{kind} {task}")
-            axes[1].plot([r["cache_bytes"] / 1e3 for r in rs], [r[task] for r in rs], style, label=f"{kind} {task}")
+            axes[0].plot([r["length"] for r in rs], [r[task] for r in rs], style, label=f"{name} {task}")
+            axes[1].plot([r["cache_bytes"] / 1e3 for r in rs], [r[task] for r in rs], style, label=f"{name} {task}")
     axes[0].set(xscale="log", xlabel="context length (tokens)", ylabel="accuracy (fraction of values)",
                 title="Associative recall vs context length")
     axes[1].set(xscale="log", xlabel="cache per sequence (kB, float32)", ylabel="accuracy (fraction of values)",
