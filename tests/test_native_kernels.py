@@ -370,7 +370,7 @@ def _mla_numpy(q_lat, q_pe, c, kpe, q_pos, scale):
 ])
 def test_mla_decode_matches_numpy(B, T, H, R, O, S, dtype):
     import kernels_pallas.mla_decode as mla
-    from kernels_pallas.mla_decode import native as mla_native
+    from kernels_pallas.mla_decode import native as mla_native, reference
 
     rng = np.random.default_rng(S + H)
     q_lat, q_pe = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, H, R), (B, T, H, O)))
@@ -382,6 +382,15 @@ def test_mla_decode_matches_numpy(B, T, H, R, O, S, dtype):
     got = np.asarray(f(q_lat, q_pe, c, kpe, q_pos))
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, _mla_numpy(q_lat, q_pe, c, kpe, q_pos, scale), atol=2e-6, rtol=0)
+    # the split-cache form (what a mesh's merge takes): the log-sum-exp too, and a row that sees no slot of this
+    # part of the cache gives zeros and -inf, as the reference does
+    q_pos = q_pos.at[0, 0].set(-1)
+    lse_f = jax.jit(lambda *a: mla_native.mla_attention(*a, scale=scale, with_lse=True))
+    (u, lse), (ru, rlse) = lse_f(q_lat, q_pe, c, kpe, q_pos), reference.mla_attention(
+        q_lat, q_pe, c, kpe, q_pos, scale=scale, with_lse=True)
+    np.testing.assert_allclose(np.asarray(u), np.asarray(ru), atol=2e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=2e-6, rtol=1e-6)
+    assert np.isneginf(np.asarray(lse)[0, 0]).all() and (np.asarray(u)[0, 0] == 0).all()
 
 
 def test_mla_decode_automatic_choice(monkeypatch):

@@ -4,7 +4,7 @@ Shapes: q_lat ``[B, T, H, R]``, q_pe ``[B, T, H, O]``, c ``[B, S, R]``, kpe ``[B
 Returns u ``[B, T, H, R]`` float32 (still in latent space). On CPU the automatic choice is ``"cpu_native"``
 (``native.cc``: the cache read in place, each query row's slots split over the threads) for a bfloat16 cache and
 up to :data:`NATIVE_ROWS` query rows, else ``"xla_cpu"`` (``xla_cpu.py``: the reference's math with the cache
-product oriented for XLA:CPU), which also takes what the native kernel does not (int8 caches, ``with_lse``).
+product oriented for XLA:CPU), which also takes what the native kernel does not (int8 caches).
 Measured on one query row, 8 heads, R = 512, O = 64, two cores (2026-12-04): a bfloat16 cache of 576 slots 116 us
 native against 303 us, of 4096 slots 1.13 ms against 1.57 ms; a float32 cache 164 us against 203 us at 576 slots
 but 1.43 ms against 1.02 ms at 4096, so float32 caches stay with XLA's form until the kernel is faster there.
@@ -30,6 +30,7 @@ NATIVE_ROWS = 16
 
 RULE = Rule(args=("BTHR", "BTHO", "BSR", "BSO", "BT"), out="BTHR",
             split=(("B", "batch"), ("S", "mla_seq"), ("H", "heads")), merge="S", positions=4)
+
 
 def _native_ready() -> bool:
     return _native.try_target(native.SOURCE, native.SYMBOL) is not None

@@ -6,7 +6,9 @@
 //
 //   KimiMlaDecodeF32, KimiMlaDecodeBF16   the cache (c [B, S, R], kpe [B, S, O]) in float32 / bfloat16 (a bfloat16 is
 //                                         widened in registers, exactly); q_lat [B, T, H, R], q_pe [B, T, H, O] and
-//                                         u [B, T, H, R] float32, q_pos [B, T] int32.
+//                                         u [B, T, H, R] float32, q_pos [B, T] int32; also the log-sum-exp of the
+//                                         visible scores, lse [B, T, H] (-inf, and u = 0, where none is visible),
+//                                         which merges the partial results of a cache split over devices.
 //
 // XLA:CPU runs the reference's two cache products one after another on one core (about 10 GB/s of cache). Here
 // every query row's visible slots are cut into chunks that the threads claim; a chunk reads its cache rows once for
@@ -32,6 +34,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using F32x3 = ffi::Buffer<ffi::F32, 3>;
 using F32x4 = ffi::Buffer<ffi::F32, 4>;
 using Positions = ffi::Buffer<ffi::S32, 2>;
 template <ffi::DataType CT>
@@ -146,7 +149,7 @@ struct Problem {
   const float *q_lat, *q_pe;
   const C *c, *kpe;
   const int32_t* q_pos;
-  float* u;
+  float *u, *lse;
   int64_t B, T, H, S, R, O;
   float scale;
   int64_t chunk;  // slots per chunk
@@ -200,7 +203,8 @@ struct Problem {
       for (int64_t k = 0; k < chunks; ++k) top = std::max(top, parts[k * stride + h]);
       float* uh = ur + h * R;
       std::fill(uh, uh + R, 0.0f);
-      if (!std::isfinite(top)) continue;  // no visible slot: zeros (the reference's with_lse form gives zeros too)
+      lse[row * H + h] = -std::numeric_limits<float>::infinity();
+      if (!std::isfinite(top)) continue;  // no visible slot: zeros and -inf, as the reference's with_lse form
       float total = 0.0f;
       for (int64_t k = 0; k < chunks; ++k) {
         const float* pk = parts + k * stride;
@@ -211,27 +215,28 @@ struct Problem {
       }
       const float inv = 1.0f / total;
       for (int64_t r = 0; r < R; ++r) uh[r] *= inv;
+      lse[row * H + h] = top + std::log(total);
     }
   }
 };
 
 template <ffi::DataType CT, typename C>
 ffi::Error MlaDecode(ffi::ThreadPool pool, F32x4 q_lat, F32x4 q_pe, Cache<CT> c, Cache<CT> kpe, Positions q_pos,
-                     float scale, ffi::Result<F32x4> u) {
+                     float scale, ffi::Result<F32x4> u, ffi::Result<F32x3> lse) {
   const auto qd = q_lat.dimensions(), cd = c.dimensions();
   const int64_t B = qd[0], T = qd[1], H = qd[2], R = qd[3], S = cd[1], O = q_pe.dimensions()[3];
   auto is = [](auto dims, std::initializer_list<int64_t> want) {
     return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
   };
   if (!is(q_pe.dimensions(), {B, T, H, O}) || !is(cd, {B, S, R}) || !is(kpe.dimensions(), {B, S, O}) ||
-      !is(q_pos.dimensions(), {B, T}) || !is(u->dimensions(), {B, T, H, R})) {
+      !is(q_pos.dimensions(), {B, T}) || !is(u->dimensions(), {B, T, H, R}) || !is(lse->dimensions(), {B, T, H})) {
     return ffi::Error::InvalidArgument("mla decode: shapes must be q_lat [B, T, H, R], q_pe [B, T, H, O], "
                                        "c [B, S, R], kpe [B, S, O], q_pos [B, T]");
   }
   const int64_t chunk = std::max<int64_t>(16, kChunkBytes / static_cast<int64_t>((R + O) * sizeof(C)));
   const Problem<C> p{q_lat.typed_data(), q_pe.typed_data(), reinterpret_cast<const C*>(c.untyped_data()),
                      reinterpret_cast<const C*>(kpe.untyped_data()), q_pos.typed_data(), u->typed_data(),
-                     B, T, H, S, R, O, scale, chunk};
+                     lse->typed_data(), B, T, H, S, R, O, scale, chunk};
   const int64_t rows = B * T, chunks = std::max<int64_t>(1, (S + chunk - 1) / chunk), parts = rows * chunks;
   const int64_t stride = H * (2 + R);
   std::vector<float> partials(parts * stride);
@@ -281,6 +286,7 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, F32x4 q_lat, F32x4 q_pe, Cache<CT> c,
                                     .Arg<Cache<CT>>()  /* kpe */        \
                                     .Arg<Positions>()  /* q_pos */      \
                                     .Attr<float>("scale")               \
-                                    .Ret<F32x4>())     /* u */
+                                    .Ret<F32x4>()      /* u */          \
+                                    .Ret<F32x3>())     /* lse */
 KIMI_MLA_HANDLER(KimiMlaDecodeF32, ffi::F32, float);
 KIMI_MLA_HANDLER(KimiMlaDecodeBF16, ffi::BF16, uint16_t);
