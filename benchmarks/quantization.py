@@ -211,9 +211,7 @@ def main(argv=None) -> int:
 
     include = args.include.split(",") if args.include else None
     rows = _demo(include)
-    if args.demo_only:
-        pass
-    elif not args.skip_bench:
+    if not (args.demo_only or args.skip_bench):
         from decode import BENCH_CONFIG, build_weights
 
         path = build_weights(args.weights, BENCH_CONFIG)

@@ -19,7 +19,7 @@ SYMBOL = SYMBOLS[jnp.dtype(jnp.float32)]
 _F32 = jnp.float32
 
 
-def unsupported(q_lat, q_pe, c, kpe, q_pos, *, scale, with_lse=False) -> str | None:
+def unsupported(q_lat, q_pe, c, kpe, q_pos, **_) -> str | None:
     """Why the kernel cannot take these operands, or None."""
     if is_int8(c) or is_int8(kpe):
         return "an int8 cache (the kernel reads float32 or bfloat16 caches)"
@@ -32,7 +32,7 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, wit
     """Returns u ``[B, T, H, R]`` float32, and with ``with_lse`` also the log-sum-exp ``[B, T, H]`` of the visible
     scores (a cache split over devices, ``kernels_pallas._dispatch.Rule.merge``); raises
     :class:`~kernels_pallas._native.NativeUnavailable` when the kernel cannot take the operands or cannot be built."""
-    why = unsupported(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, scale=scale)
+    why = unsupported(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT)
     if why is not None:
         raise _native.NativeUnavailable(f"mla_attention: {why}")
     target = _native.target(SOURCE, SYMBOLS[jnp.dtype(c_BSR.dtype)])

@@ -217,7 +217,7 @@ def run(s: Study = Study(), models: Sequence[str] = MODELS, log=print) -> list[d
 
 
 def _seeds(rows) -> list:
-    return sorted({r.get("seed", 0) for r in rows})
+    return sorted({r["seed"] for r in rows})
 
 
 def table(rows: list[dict]) -> str:
@@ -226,7 +226,7 @@ def table(rows: list[dict]) -> str:
     seeds = _seeds(rows)
     by = {}
     for r in rows:
-        by.setdefault((r["model"], r["length"]), {})[r.get("seed", 0)] = r
+        by.setdefault((r["model"], r["length"]), {})[r["seed"]] = r
     label = f" (seed {' / '.join(map(str, seeds))})" if len(seeds) > 1 else ""
     head = (f"| model | parameters | context | MQAR accuracy{label} | needle accuracy{label} | cache per sequence "
             "(plan / allocated) |")
@@ -245,8 +245,8 @@ def plot(rows: list[dict]):
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     several = len(_seeds(rows)) > 1
-    for kind, seed in dict.fromkeys((r["model"], r.get("seed", 0)) for r in rows):
-        rs = [r for r in rows if r["model"] == kind and r.get("seed", 0) == seed]
+    for kind, seed in dict.fromkeys((r["model"], r["seed"]) for r in rows):
+        rs = [r for r in rows if r["model"] == kind and r["seed"] == seed]
         name = f"{kind} seed {seed}" if several else kind
         for task, style in (("mqar", "-o"), ("needle", "--s")):
             axes[0].plot([r["length"] for r in rs], [r[task] for r in rs], style, label=f"{name} {task}")
