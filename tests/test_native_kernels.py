@@ -351,6 +351,49 @@ def test_bfloat16_weights_stream_in_the_native_kernel():
     np.testing.assert_allclose(np.asarray(gather(xb, wb, idx)), np.asarray(ref), atol=1e-4, rtol=0)
 
 
+def _huge_page_state(lo: int, hi: int):
+    """(whether every mapping over [lo, hi) is advised for 2 MB pages, their AnonHugePages bytes), from smaps."""
+    advised, huge, cur = True, 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(v, 16) for v in head.split("-"))
+                cur = a < hi and b > lo
+            elif cur and head == "AnonHugePages:":
+                huge += int(line.split()[1]) * 1024
+            elif cur and head == "VmFlags:":
+                advised &= "hg" in line.split()[1:]
+    return advised, huge
+
+
+def test_a_weight_read_twice_is_asked_into_2mb_pages():
+    """The second product that reads a weight at the same address asks for its memory in 2 MB pages and collapses
+    it (MADV_HUGEPAGE + MADV_COLLAPSE, native.cc HugePages): its pages are then huge, and the products unchanged."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        release = tuple(int(v) for v in os.uname().release.split(".")[:2])
+    except (OSError, ValueError):
+        pytest.skip("no transparent huge pages on this system")
+    if "[never]" in mode or release < (6, 1):
+        pytest.skip(f"transparent huge pages {mode.strip()!r} on Linux {os.uname().release}: no MADV_COLLAPSE")
+    w = jax.jit(lambda k: jax.random.normal(k, (4096, 1024)).astype(jnp.bfloat16))(jax.random.key(0))  # 8 MB
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1024)), jnp.float32)
+    f = jax.jit(lambda x, w: matvec.group([(x, w, None)])[0])
+    assert f"kimi_jax_{native.SYMBOLS[jnp.dtype(jnp.bfloat16)]}" in f.lower(x, w).as_text()
+    H = 2 << 20
+    p = w.unsafe_buffer_pointer()
+    lo, hi = -(-p // H) * H, (p + w.nbytes) // H * H  # the whole 2 MB pages inside the weight
+    first = np.asarray(f(x, w))
+    second = np.asarray(f(x, w))
+    advised, huge = _huge_page_state(lo, hi)
+    assert advised and huge >= hi - lo, (advised, huge, hi - lo)
+    np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+    np.testing.assert_array_equal(second, first)
+    want = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    np.testing.assert_allclose(first, want, atol=1e-5 * np.sqrt(1024), rtol=0)
+
+
 def _mla_numpy(q_lat, q_pe, c, kpe, q_pos, scale):
     """Absorbed MLA attention in float64 (the reference's math): causal by absolute position."""
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731

@@ -40,6 +40,7 @@
 // (an AVX2 + FMA build gave the same bits).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -333,7 +334,7 @@ inline void DotRows(const W* w, const float* x, float* y, int64_t I, const W* en
   TreeSums<RowCount>(wide, sums);
   for (int r = 0; r < RowCount; ++r) {
     float s = sums[r];
-    for (int64_t t = i; t < I; ++t) s += Widen(w[r * I + t]) * x[t];
+    for (int64_t t = i; t < I; ++t) s = std::fma(Widen(w[r * I + t]), x[t], s);  // fused on every build
     y[r] = s;
   }
 }
@@ -540,6 +541,10 @@ void HugePages(const void* data, int64_t bytes) {
 // stream the prefetchers start anew (parts of 128 KB streamed a decode step's bfloat16 products at 28.6 GB/s, of
 // 512 KB at 29.8, medians of five alternated runs; a 1 MB weight is still shared by both threads of 2 cores).
 constexpr int64_t kPartBytes = 512 << 10;
+// ... and into at least this many parts where it has the rows: the 4-bit products are compute-bound (12-14 GB/s of
+// codes per core), and one part of a 0.5 MB int4 weight would leave the other cores idle (147.8 tok/s for int4 g32
+// against 175.6 with more parts).
+constexpr int64_t kMinParts = 4;
 
 // Item: Compute(j0, j1) writes output features [j0, j1) of every row; RowBytes() is one weight row's bytes.
 template <typename Item>
@@ -552,7 +557,7 @@ ffi::Error RunParts(ffi::ThreadPool pool, const std::vector<Item>& items) {
   std::vector<Part> parts;
   for (const Item& it : items) {
     const int64_t J = it.r.J, bytes = it.r.M * J * it.RowBytes();
-    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(bytes / kPartBytes, J / kRows));
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(std::max(bytes / kPartBytes, kMinParts), J / kRows));
     for (int64_t p = 0; p < n; ++p) {
       const int64_t j0 = J * p / n / kRows * kRows, j1 = p + 1 == n ? J : J * (p + 1) / n / kRows * kRows;
       if (j1 > j0) parts.push_back(Part{&it, j0, j1});
