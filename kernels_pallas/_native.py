@@ -35,6 +35,7 @@ from kernels_pallas._dispatch import KernelUnavailable
 log = logging.getLogger(__name__)
 
 ENV = "KIMI_JAX_NATIVE"  # "off" / "0" / "false" disables the native kernels
+HEADER = Path(__file__).with_name("_native.h")  # what every kernel includes: vectors, loads, the parts loop
 _registered: set[str] = set()
 _lock = threading.Lock()
 
@@ -86,7 +87,8 @@ def _build(source: Path) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"cannot run the C++ compiler {cxx!r}: {e}") from e
     key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), version.encode(), " ".join(flags).encode(), jaxlib.__version__.encode(), _cpu_id(),
+        source.read_bytes(), HEADER.read_bytes(), version.encode(), " ".join(flags).encode(),
+        jaxlib.__version__.encode(), _cpu_id(),
     ])).hexdigest()[:20]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():

@@ -351,6 +351,24 @@ def test_bfloat16_weights_stream_in_the_native_kernel():
     np.testing.assert_allclose(np.asarray(gather(xb, wb, idx)), np.asarray(ref), atol=1e-4, rtol=0)
 
 
+def test_every_native_source_ships_with_the_package():
+    """A wheel carries every kernel source and the header they share (pyproject's package-data): a source left out
+    would make an installed package fall back to the reference with a warning."""
+    import fnmatch
+    import glob
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    files = glob.glob(os.path.join(ROOT, "kernels_pallas", "**", "*.cc"), recursive=True)
+    files += glob.glob(os.path.join(ROOT, "kernels_pallas", "**", "*.h"), recursive=True)
+    assert len(files) >= 4
+    for path in files:
+        rel = os.path.relpath(path, ROOT)
+        package, name = os.path.dirname(rel).replace(os.sep, "."), os.path.basename(rel)
+        assert any(fnmatch.fnmatch(name, pat) for pat in data.get(package, [])), f"{rel} is not in package-data"
+
+
 def _huge_page_state(lo: int, hi: int):
     """(whether every mapping over [lo, hi) is advised for 2 MB pages, their AnonHugePages bytes), from smaps."""
     advised, huge, cur = True, 0, None

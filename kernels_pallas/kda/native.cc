@@ -17,13 +17,10 @@
 // Built and registered by kernels_pallas/_native.py.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "../_native.h"  // Lanes, Load, Store, ShareParts
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -33,18 +30,7 @@ namespace {
 using F32x4 = ffi::Buffer<ffi::F32, 4>;
 using F32x3 = ffi::Buffer<ffi::F32, 3>;
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 4 * kLanes;  // columns per block
-// kLanes floats as one value (GCC/Clang vector extension), as in kernels_pallas/matvec/native.cc.
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
 
 // One pass over columns of the state, row by row: token t's update (S <- diag(a) S + k delta^T) and/or token
 // t + 1's reads (rk = S^T ak, rq = S^T aq, taken from the updated rows).
@@ -196,33 +182,11 @@ ffi::Error KdaRecurrent(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, F32x4 a
                   kq.typed_data(), s, o->typed_data(), B, T, H, K, U, scale};
   const int64_t blocks = p.Blocks(), parts = B * H * blocks, scratch = p.Scratch();
   auto run = [&p, blocks](int64_t i, float* buf) { p.Part(i / blocks / p.H, i / blocks % p.H, i % blocks, buf); };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, parts - 1);
-  if (helpers <= 0) {
-    std::vector<float> buf(scratch);
-    for (int64_t i = 0; i < parts; ++i) run(i, buf.data());
-    return ffi::Error::Success();
-  }
-  // As in kernels_pallas/matvec/native.cc: parts claimed from a counter by this thread and by helpers on XLA's pool;
-  // this thread waits only for parts in progress, and a helper that starts after every part was claimed touches
-  // nothing but the shared counters (`p` and `run` live until every claimed part is finished).
-  struct Shared {
-    explicit Shared(int64_t n) : parts(n) {}
-    const int64_t parts;
-    std::atomic<int64_t> next{0}, finished{0};
-  };
-  auto shared = std::make_shared<Shared>(parts);
-  auto* body = &run;
-  auto work = [body, scratch](Shared& sh) {
-    std::vector<float> buf;
-    for (int64_t i; (i = sh.next.fetch_add(1)) < sh.parts;) {
-      buf.resize(scratch);
-      (*body)(i, buf.data());
-      sh.finished.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared, work] { work(*shared); });
-  work(*shared);
-  while (shared->finished.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  // `p` and `run` live until every claimed part is finished (ShareParts)
+  ShareParts<std::vector<float>>(pool, parts, [&run, scratch](int64_t i, std::vector<float>& buf) {
+    buf.resize(scratch);
+    run(i, buf.data());
+  });
   return ffi::Error::Success();
 }
 

@@ -59,6 +59,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../_native.h"  // Lanes, Load, Widen, ShareParts
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,36 +71,13 @@ using Ids = ffi::Buffer<ffi::S32, 1>;
 template <ffi::DataType T>
 using Stack = ffi::Buffer<T, 3>;
 
-constexpr int64_t kLanes = 16;
 #ifdef __AVX512F__
 constexpr int kRows = 8;  // 8 accumulators + x + loads fit the 32 zmm registers (4-bit: + 8 tables)
 #else
 constexpr int kRows = 4;
 #endif
 
-// kLanes floats as one value (GCC/Clang vector extension): one AVX-512 register, two AVX2 ones, four NEON ones.
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);  // unaligned load
-  return v;
-}
-
 inline Lanes Splat(float v) { return Lanes{} + v; }  // a scalar operand is broadcast
-
-// kLanes bfloat16 values widened to float32: a bfloat16 is the high half of the float32 with the same value.
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Lanes Load(const uint16_t* p) {
-  Halves h;
-  std::memcpy(&h, p, sizeof h);
-  const Words w = __builtin_convertvector(h, Words) << 16;
-  Lanes v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
 
 // kLanes int8 codes as float32 (exact): sign-extended and converted.
 typedef int8_t Codes __attribute__((vector_size(kLanes)));
@@ -115,14 +93,7 @@ inline Lanes Load(const int8_t* p) {
 #endif
 }
 
-inline float Widen(float v) { return v; }
 inline float Widen(int8_t v) { return float(v); }
-inline float Widen(uint16_t v) {
-  const uint32_t w = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
 
 // The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds;
 // adding the lanes one by one took about a tenth of the time of a product over rows of 128-256 floats).
@@ -219,7 +190,6 @@ constexpr int64_t kVec = 4;
 #endif
 constexpr int kParts = kLanes / kVec;
 typedef float Vec __attribute__((vector_size(kVec * sizeof(float))));
-typedef uint16_t VecHalves __attribute__((vector_size(kVec * sizeof(uint16_t))));
 typedef uint32_t VecWords __attribute__((vector_size(kVec * sizeof(uint32_t))));
 typedef int8_t VecCodes __attribute__((vector_size(kVec)));
 
@@ -227,21 +197,6 @@ inline Vec LoadVec(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-inline Vec LoadVec(const uint16_t* p) {  // bfloat16: the high half of the float32 of the same value
-#if defined(__AVX512F__)
-  return (Vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-#elif defined(__AVX2__)  // GCC 12 widens a generic 8 x uint16 vector as two halves and a lane insert
-  return (Vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-#else
-  VecHalves h;
-  std::memcpy(&h, p, sizeof h);
-  const VecWords w = __builtin_convertvector(h, VecWords) << 16;
-  Vec v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-#endif
 }
 
 inline Vec LoadVec(const int8_t* p) {  // int8 codes, sign-extended and converted (exact)
@@ -563,36 +518,10 @@ ffi::Error RunParts(ffi::ThreadPool pool, const std::vector<Item>& items) {
       if (j1 > j0) parts.push_back(Part{&it, j0, j1});
     }
   }
-  const int64_t total = static_cast<int64_t>(parts.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
-  if (helpers <= 0) {
-    for (const Part& p : parts) p.item->Compute(p.j0, p.j1);
-    return ffi::Error::Success();
-  }
-  // XLA:CPU runs a step's ops one after another, so the pool's threads are mostly idle here. Parts are claimed
-  // from a shared counter by this thread and by helpers scheduled on the pool; this thread never waits for a helper
-  // to start (a pool may run a task scheduled from one of its own threads late), only for parts already being
-  // computed. The counters are shared with the helpers, which may start after this call has returned: a helper that
-  // starts after every part was claimed touches nothing else, and one that claims a part does so while this thread
-  // still waits below, so `parts` and `items` are alive.
-  struct State {
-    explicit State(int64_t n) : parts(n) {}
-    const int64_t parts;
-    std::atomic<int64_t> next{0}, finished{0};
-  };
-  auto state = std::make_shared<State>(total);
+  struct None {};
   const Part* list = parts.data();
-  auto work = [list](State& st) {
-    for (int64_t p; (p = st.next.fetch_add(1)) < st.parts;) {
-      list[p].item->Compute(list[p].j0, list[p].j1);
-      st.finished.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state, work] { work(*state); });
-  work(*state);
-  while (state->finished.load(std::memory_order_acquire) < total) {
-    std::this_thread::yield();  // a helper descheduled mid-part gets this core back
-  }
+  ShareParts<None>(pool, static_cast<int64_t>(parts.size()),
+                   [list](int64_t p, None&) { list[p].item->Compute(list[p].j0, list[p].j1); });
   return ffi::Error::Success();
 }
 

@@ -18,16 +18,13 @@
 // differs from the reference's only in the order of the sums (the tests bound it).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "../_native.h"  // Lanes, Load, Store, Widen, ShareParts
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,36 +36,6 @@ using F32x4 = ffi::Buffer<ffi::F32, 4>;
 using Positions = ffi::Buffer<ffi::S32, 2>;
 template <ffi::DataType CT>
 using Cache = ffi::Buffer<CT, 3>;
-
-constexpr int64_t kLanes = 16;
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline Lanes Load(const uint16_t* p) {  // bfloat16: the high half of the float32 of the same value
-  Halves h;
-  std::memcpy(&h, p, sizeof h);
-  const Words w = __builtin_convertvector(h, Words) << 16;
-  Lanes v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-inline float Widen(float v) { return v; }
-inline float Widen(uint16_t v) {
-  const uint32_t w = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
-
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
 
 inline float Sum(Lanes v) {  // a tree: halves added until one lane is left
   typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
@@ -244,32 +211,7 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, F32x4 q_lat, F32x4 q_pe, Cache<CT> c,
   auto run = [&p, out, chunks, stride](int64_t i, std::vector<float>& scores) {
     p.Part(i / chunks, i % chunks, out + i * stride, scores);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, parts - 1);
-  if (helpers <= 0) {
-    std::vector<float> scores;
-    for (int64_t i = 0; i < parts; ++i) run(i, scores);
-  } else {
-    // As in kernels_pallas/kda/native.cc: parts claimed from a counter by this thread and by helpers on XLA's pool;
-    // this thread waits only for parts in progress, and a helper that starts after every part was claimed touches
-    // nothing but the shared counters.
-    struct Shared {
-      explicit Shared(int64_t n) : parts(n) {}
-      const int64_t parts;
-      std::atomic<int64_t> next{0}, finished{0};
-    };
-    auto shared = std::make_shared<Shared>(parts);
-    auto* body = &run;
-    auto work = [body](Shared& sh) {
-      std::vector<float> scores;
-      for (int64_t i; (i = sh.next.fetch_add(1)) < sh.parts;) {
-        (*body)(i, scores);
-        sh.finished.fetch_add(1, std::memory_order_release);
-      }
-    };
-    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared, work] { work(*shared); });
-    work(*shared);
-    while (shared->finished.load(std::memory_order_acquire) < parts) std::this_thread::yield();
-  }
+  ShareParts<std::vector<float>>(pool, parts, run);
   for (int64_t row = 0; row < rows; ++row) p.Merge(row, out + row * chunks * stride, chunks);
   return ffi::Error::Success();
 }
