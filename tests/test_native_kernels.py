@@ -369,6 +369,48 @@ def test_every_native_source_ships_with_the_package():
         assert any(fnmatch.fnmatch(name, pat) for pat in data.get(package, [])), f"{rel} is not in package-data"
 
 
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f " in line + " " for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="compares this machine's AVX-512 build with an AVX2 build")
+def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
+    """The bfloat16 and 4-bit summation orders do not depend on the instruction set (native.cc): a build for AVX2 +
+    FMA gives this machine's AVX-512 build's bits, rows and columns past every vector and block tail included."""
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np, jax, jax.numpy as jnp
+        from kernels_pallas import _native, matvec, quant
+        if sys.argv[1] == "avx2":
+            _native._arch_flags = lambda: ["-mavx2", "-mfma", "-mf16c"]
+        rng = np.random.default_rng(0)
+        bf = jnp.bfloat16
+        x1, x2 = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 1000), (3, 2048)))
+        w1 = jnp.asarray(rng.standard_normal((70, 1000)), bf)
+        w2 = jnp.asarray(rng.standard_normal((4, 300, 2048)), bf)
+        w3 = quant.quantize(jnp.asarray(rng.standard_normal((70, 2048)), jnp.float32), quant.Format.parse("int4:g32"))
+        ids = jnp.asarray([3, 0, 3], jnp.int32)
+        f = jax.jit(lambda it: matvec.group(it, implementation="cpu_native"))
+        outs = f([(x1, w1, None), (x2, w2, ids)]) + f([(x2[:1], w3, None)])
+        np.save(sys.argv[2], np.concatenate([np.asarray(o).ravel() for o in outs]))
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop(_native.ENV, None)
+    got = {}
+    for build in ("native", "avx2"):
+        out = str(tmp_path / f"{build}.npy")
+        proc = subprocess.run([sys.executable, "-c", script, build, out], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[build] = np.load(out)
+    assert got["native"].size == 70 + 3 * 300 + 70
+    np.testing.assert_array_equal(got["native"], got["avx2"])
+
+
 def _huge_page_state(lo: int, hi: int):
     """(whether every mapping over [lo, hi) is advised for 2 MB pages, their AnonHugePages bytes), from smaps."""
     advised, huge, cur = True, 0, None
