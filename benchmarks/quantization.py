@@ -14,7 +14,8 @@ statistics over all 256 continuation positions; one 64-token continuation moves 
 the one trained model here, where the issue's targets mean something. It is also quantized with GPTQ (rows
 ``FORMAT+gptq``: ``from_pretrained(..., quantize_calibration=ids)``), calibrated on 64 sequences of 256 tokens of its
 training text, and with a mixed recipe (``int4:g32,attention=int8``: the attention projections in int8, the rest in
-int4 g32; two ``quantize`` calls, one per module-class selection).
+int4 g32; two ``quantize`` calls, one per module-class selection). Each demo row also has its perplexity on the
+first 16 windows of 256 tokens of the held-out text (teacher-forced; printed as a second table).
 
     python benchmarks/quantization.py --demo-only     # the demo model's rows alone (about 15 minutes)
 
@@ -47,6 +48,7 @@ DEMO_PROMPTS = 4  # held-out prompts the demo model is measured on (one 64-token
 # every other selected weight in int4 g32 (two quantize() calls, one per module-class selection)
 MIXED = "int4:g32,attention=int8"
 CALIBRATION = (64, 256)  # GPTQ calibration: sequences x tokens of the demo model's training text
+PERPLEXITY, PERPLEXITY_LEN = 16, 256  # the demo model's perplexity: windows x tokens of its held-out text
 
 
 def param_bytes(model) -> int:
@@ -73,19 +75,35 @@ def log_probs(model, seq: np.ndarray) -> np.ndarray:
     return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
 
 
-def measure(name: str, load, include=None, prompts=None, calibrated: bool = False, formats=FORMATS) -> list[dict]:
+def perplexity(model, text: np.ndarray, batch: int = 8) -> float:
+    """exp of the mean next-token negative log-likelihood over every position of ``text [N, L]`` (real text)."""
+    import jax
+    import jax.numpy as jnp
+
+    nll = []
+    for i in range(0, len(text), batch):
+        ids = text[i:i + batch]
+        logits = model(jnp.asarray(ids)).logits[:, :-1].astype(jnp.float32)
+        lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        nll.append(-np.take_along_axis(lp, ids[:, 1:, None], axis=-1)[..., 0].ravel())
+    return float(np.exp(np.concatenate(nll).astype(np.float64).mean()))
+
+
+def measure(name: str, load, include=None, prompts=None, calibrated: bool = False, formats=FORMATS,
+            text=None) -> list[dict]:
     """``load(quantize)`` returns a float32 model, quantized when ``quantize`` is given; ``load("bfloat16")`` the
     model in bfloat16 (a reference point: what rounding every weight and activation to bfloat16 costs).
     ``prompts``: ``[P, PROMPT]`` ids, each continued on its own; the KL mean, max and top-1 agreement are over all
     ``P * NEW`` positions (default: one prompt of random ids). ``calibrated``: also each format + GPTQ
-    (``load(fmt + "+gptq")``)."""
+    (``load(fmt + "+gptq")``). ``text``: held-out ids ``[N, L]``; each row then also has its :func:`perplexity`."""
     base = load(None)
     vocab = base.cfg.vocab_size
     if prompts is None:
         prompts = np.random.default_rng(0).integers(3, vocab, (1, PROMPT)).astype(np.int32)
     seqs = [continuation(base, prompt[None]) for prompt in prompts]
     ref = np.concatenate([log_probs(base, seq) for seq in seqs])
-    rows = [dict(model=name, format="float32", bytes=param_bytes(base), kl_mean=0.0, kl_max=0.0, top1=1.0)]
+    rows = [dict(model=name, format="float32", bytes=param_bytes(base), kl_mean=0.0, kl_max=0.0, top1=1.0,
+                 ppl=None if text is None else perplexity(base, text))]
     del base
     p = np.exp(ref)
     for fmt in ["bfloat16", *formats, *([f + "+gptq" for f in formats] if calibrated else [])]:
@@ -98,9 +116,11 @@ def measure(name: str, load, include=None, prompts=None, calibrated: bool = Fals
         lq = np.concatenate([log_probs(model, seq) for seq in seqs])  # float32 logits of either model
         kl = np.sum(p * (ref - lq), axis=-1)
         rows.append(dict(model=name, format=fmt, bytes=param_bytes(model), kl_mean=float(kl.mean()),
-                         kl_max=float(kl.max()), top1=float(np.mean(ref.argmax(-1) == lq.argmax(-1)))))
+                         kl_max=float(kl.max()), top1=float(np.mean(ref.argmax(-1) == lq.argmax(-1))),
+                         ppl=None if text is None else perplexity(model, text)))
+        ppl = "" if text is None else f" perplexity {rows[-1]['ppl']:.3f}"
         print(f"  {name} {fmt}: KL mean {rows[-1]['kl_mean']:.2e} max {rows[-1]['kl_max']:.2e} top-1 "
-              f"{rows[-1]['top1']:.3f} ({time.perf_counter() - t0:.1f}s)", flush=True)
+              f"{rows[-1]['top1']:.3f}{ppl} ({time.perf_counter() - t0:.1f}s)", flush=True)
         del model
     return rows
 
@@ -144,8 +164,10 @@ def _demo(include) -> list[dict]:
     prompts = np.stack([ids[a:a + PROMPT] for a in start + 10 * PROMPT * np.arange(DEMO_PROMPTS)]).astype(np.int32)
     at = np.random.default_rng(0).integers(0, start - CALIBRATION[1], CALIBRATION[0])  # training text only
     calibration = np.stack([ids[a:a + CALIBRATION[1]] for a in at]).astype(np.int32)
+    # perplexity: the held-out text's first PERPLEXITY windows of PERPLEXITY_LEN tokens (the prompts are inside it)
+    text = np.stack([ids[a:a + PERPLEXITY_LEN] for a in start + PERPLEXITY_LEN * np.arange(PERPLEXITY)])
     return measure("demo model (trained K3 10.1M)", lambda q: _load(path, q, include, calibration), prompts=prompts,
-                   calibrated=True, formats=[*FORMATS, MIXED])
+                   calibrated=True, formats=[*FORMATS, MIXED], text=text.astype(np.int32))
 
 
 def sensitivity(fmt: str = "int4:g32") -> None:
@@ -230,6 +252,16 @@ def main(argv=None) -> int:
         full.setdefault(r["model"], r["bytes"])
         print(f"| {r['model']} | {r['format']} | {r['bytes'] / 1e6:.1f} MB | {r['bytes'] / full[r['model']]:.2f} | "
               f"{r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.3f} |")
+    with_ppl = [r for r in rows if r.get("ppl") is not None]
+    if with_ppl:
+        print()
+        print(f"| model | format | bytes | perplexity ({PERPLEXITY} x {PERPLEXITY_LEN} held-out tokens) | vs float32 |")
+        print("|---|---|---|---|---|")
+        base = {}
+        for r in with_ppl:
+            base.setdefault(r["model"], r["ppl"])
+            print(f"| {r['model']} | {r['format']} | {r['bytes'] / 1e6:.1f} MB | {r['ppl']:.3f} | "
+                  f"{r['ppl'] / base[r['model']]:.4f} |")
     return 0
 
 
