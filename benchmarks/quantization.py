@@ -214,6 +214,18 @@ def sensitivity(fmt: str = "int4:g32") -> None:
               f"{np.mean(ref.argmax(-1) == lq.argmax(-1)):.3f} |", flush=True)
 
 
+def table(columns: str, rows: list[dict], cells) -> None:
+    """A markdown table of ``rows``: model, format, bytes, then ``columns`` (``"a | b"``), whose cells are
+    ``cells(row, first)``, ``first`` being the model's first (float32) row."""
+    print()
+    print(f"| model | format | bytes | {columns} |")
+    print("|---|---|---|" + "---|" * (columns.count("|") + 1))
+    first = {}
+    for r in rows:
+        f = first.setdefault(r["model"], r)
+        print(f"| {r['model']} | {r['format']} | {r['bytes'] / 1e6:.1f} MB | {cells(r, f)} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax",
@@ -244,24 +256,12 @@ def main(argv=None) -> int:
             synthetic.write_checkpoint(path, family)
             rows += measure(f"tiny {family} (random)", lambda q, p=path: _load(p, q, include))
 
-    print()
-    print("| model | format | bytes | vs float32 | KL mean | KL max | top-1 agreement |")
-    print("|---|---|---|---|---|---|---|")
-    full = {}
-    for r in rows:
-        full.setdefault(r["model"], r["bytes"])
-        print(f"| {r['model']} | {r['format']} | {r['bytes'] / 1e6:.1f} MB | {r['bytes'] / full[r['model']]:.2f} | "
-              f"{r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.3f} |")
+    table("vs float32 | KL mean | KL max | top-1 agreement", rows,
+          lambda r, f: f"{r['bytes'] / f['bytes']:.2f} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.3f}")
     with_ppl = [r for r in rows if r.get("ppl") is not None]
     if with_ppl:
-        print()
-        print(f"| model | format | bytes | perplexity ({PERPLEXITY} x {PERPLEXITY_LEN} held-out tokens) | vs float32 |")
-        print("|---|---|---|---|---|")
-        base = {}
-        for r in with_ppl:
-            base.setdefault(r["model"], r["ppl"])
-            print(f"| {r['model']} | {r['format']} | {r['bytes'] / 1e6:.1f} MB | {r['ppl']:.3f} | "
-                  f"{r['ppl'] / base[r['model']]:.4f} |")
+        table(f"perplexity ({PERPLEXITY} x {PERPLEXITY_LEN} held-out tokens) | vs float32", with_ppl,
+              lambda r, f: f"{r['ppl']:.3f} | {r['ppl'] / f['ppl']:.4f}")
     return 0
 
 
