@@ -3,9 +3,10 @@
 A decode step on XLA:CPU is a chain of few-row products, each streaming its weight once; XLA runs them one by one
 (the small ones at about half the memory rate of the large ones) and first copies a chosen expert out of its
 stacked ``[E, J, I]`` array. A few lines of C++ stream several products as one piece of work and read chosen
-experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``), written against XLA's FFI headers, which ship with jaxlib
-(``jax.ffi.include_dir()``); they are compiled with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``/
-``clang++``) for this CPU, once per source, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native``
+experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``, with what
+they share in ``_native.h``), written against XLA's FFI headers, which ship with jaxlib (``jax.ffi.include_dir()``);
+they are compiled with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) for this CPU, once
+per source, header, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native``
 (``~/.cache/kimi-jax/native``), and loaded from there afterwards.
 
 ``KIMI_JAX_NATIVE=off`` turns them off: the automatic choice is then the plain-jnp reference, and asking for a
