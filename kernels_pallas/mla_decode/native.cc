@@ -198,7 +198,7 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, F32x4 q_lat, F32x4 q_pe, Cache<CT> c,
   if (!is(q_pe.dimensions(), {B, T, H, O}) || !is(cd, {B, S, R}) || !is(kpe.dimensions(), {B, S, O}) ||
       !is(q_pos.dimensions(), {B, T}) || !is(u->dimensions(), {B, T, H, R}) || !is(lse->dimensions(), {B, T, H})) {
     return ffi::Error::InvalidArgument("mla decode: shapes must be q_lat [B, T, H, R], q_pe [B, T, H, O], "
-                                       "c [B, S, R], kpe [B, S, O], q_pos [B, T]");
+                                       "c [B, S, R], kpe [B, S, O], q_pos [B, T] -> u [B, T, H, R], lse [B, T, H]");
   }
   const int64_t chunk = std::max<int64_t>(16, kChunkBytes / static_cast<int64_t>((R + O) * sizeof(C)));
   const Problem<C> p{q_lat.typed_data(), q_pe.typed_data(), reinterpret_cast<const C*>(c.untyped_data()),
