@@ -35,10 +35,14 @@ import kernels_pallas.attention as attn_api  # noqa: E402
 import kernels_pallas.kda as kda_api  # noqa: E402
 import kernels_pallas.mla_decode as mla_api  # noqa: E402
 import kernels_pallas.moe_gmm as moe_api  # noqa: E402
+import kernels_pallas.qmatmul as qmm_api  # noqa: E402
+from kernels_pallas import cache_quant  # noqa: E402
+from kernels_pallas import quant as qfmt  # noqa: E402
 from kernels_pallas.attention import pallas as attn_pallas  # noqa: E402
 from kernels_pallas.kda import pallas as kda_pallas  # noqa: E402
 from kernels_pallas.mla_decode import pallas as mla_pallas  # noqa: E402
 from kernels_pallas.moe_gmm import pallas as moe_pallas  # noqa: E402
+from kernels_pallas.qmatmul import pallas as qmm_pallas  # noqa: E402
 from kernels_pallas.mxfp4 import MXFP4Weight  # noqa: E402
 
 BF, F32, I32, U8 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.uint8
@@ -169,6 +173,20 @@ def build_cases(tiny: bool) -> list[Case]:
                for bq, bk, s in [(16, 32, 8), (32, 32, 4), (64, 16, 4), (32, 64, 8)]},
     ))
 
+    def make_mla_decode_int8(key):
+        q, qpe, c, kpe, pos = make_mla_decode(key)
+        return q, qpe, cache_quant.quantize(c), cache_quant.quantize(kpe), pos
+
+    i8 = lambda shape: cache_quant.Int8Rows(_spec(shape, jnp.int8), _spec(shape[:-1] + (1,), F32))
+    cases.append(Case(
+        "mla_decode_int8_cache",
+        (_spec((Bl, 1, Hl, R), F32), _spec((Bl, 1, Hl, Ol), BF), i8((Bl, Sl, R)), i8((Bl, Sl, Ol)), _spec((Bl, 1), I32)),
+        make_mla_decode_int8,
+        lambda impl: lambda *a: mla_api.mla_attention(*a, scale=0.072, implementation=impl),
+        lambda *a: mla_api.mla_attention(*a, scale=0.072, implementation="reference"),
+        nbytes=Bl * ml * (R + Ol + 8),
+    ))
+
     # -- KDA -------------------------------------------------------------------------------------------------
     Bk, Tk, Hk, Kk = (1, 40, 2, 32) if tiny else (1, 4096, 16, 128)
 
@@ -246,6 +264,35 @@ def build_cases(tiny: bool) -> list[Case]:
             tuned=lambda **kw: lambda x, w, i: moe_pallas.gather_matmul(x, w, i, compute_dtype=BF, **kw),
             sweep={f"bn{bn}_bk{bk}_w{nw}": dict(block_n=min(bn, Fo), block_k=min(bk, Li), num_warps=nw)
                    for bn, bk, nw in [(16, 512, 4), (32, 256, 4), (64, 512, 8), (128, 256, 8)]},
+        ))
+
+    # -- weight-only integer matmul (qmatmul): a K3-width projection, decode (8 rows) and prefill (2048 rows) ------
+    Jq, Iq = (96, 128) if tiny else (7168, 7168)
+
+    def make_qweight(key, fmt):
+        w = _normal(key, (Jq, Iq), F32, Iq**-0.5)
+        return qfmt.quantize(w, qfmt.Format.parse(fmt))
+
+    def qspec(fmt):
+        return jax.tree.map(lambda a: _spec(a.shape, a.dtype), jax.eval_shape(lambda: make_qweight(jax.random.key(0), fmt)))
+
+    for fmt, rows in [("int8", 8), ("int4", 8), ("int4:g128:zero", 8), ("nf4", 8), ("int8", 2048), ("int4", 2048)]:
+        Mq = min(rows, 16) if tiny else rows
+        label = fmt.replace(":", "_")
+        wbytes = Jq * Iq * qfmt.Format.parse(fmt).bytes_per_value(Iq)
+        cases.append(Case(
+            f"qmatmul_{label}_m{rows}", (_spec((Mq, Iq), BF), qspec(fmt)),
+            (lambda f, m: lambda key: (_normal(jax.random.fold_in(key, 1), (m, Iq), BF), make_qweight(key, f)))(fmt, Mq),
+            lambda impl: lambda x, w: qmm_api.matmul(x, w, implementation=impl),
+            lambda x, w: qmm_api.matmul(x, w, implementation="reference"),
+            nbytes=wbytes + Mq * Iq * 2 + Mq * Jq * 4 if rows <= 64 else 0.0,
+            flops=2.0 * Mq * Jq * Iq if rows > 64 else 0.0,
+            extra={"xla_dequant_bf16": lambda x, w: jnp.dot(x, qfmt.dequantize(w, BF).T,
+                                                            preferred_element_type=F32)},
+            tuned=lambda **kw: lambda x, w: qmm_pallas.matmul(x, w, **kw),
+            sweep={f"bm{bm}_bn{bn}_bk{bk}": dict(block_m=bm, block_n=bn, block_k=bk)
+                   for bm, bn, bk in ([(16, 64, 256), (16, 128, 256), (16, 32, 512)] if rows <= 64
+                                      else [(64, 128, 128), (128, 128, 64), (128, 64, 128)])},
         ))
     return cases
 

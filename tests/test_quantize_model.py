@@ -224,3 +224,22 @@ def test_calibration_refusals(checkpoints, monkeypatch):
                     (dict(quantize="int8", quantize_include=("mlp", "experts"), quantize_calibration=ok), "experts")]:
         with pytest.raises(ValueError, match=why):
             kimi_jax.from_pretrained(path, dtype="float32", progress=False, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_plan_counts_packed_weights_in_their_class(fmt):
+    """`kimi-jax plan --quantize`: a packed weight's fields (``mlp.up_proj.packed``, ``lm_head.scale``) are counted in
+    their weight's category. The dense model's MLP was once reported as "router + latent proj" and its lm_head as
+    "norms", which grew from 33 KB to 0.4 GB."""
+    from kimi_jax.parallel import plan
+
+    cfg = kimi_jax.preset("kimi-dense").sliced(2)
+    one = dict(data=1, expert=1, model=1)
+    full = plan.make_plan(cfg, one, batch=1, context=1024).params
+    q = plan.make_plan(cfg, one, batch=1, context=1024, quantize=fmt).params
+    assert set(q) == set(full) == {"dense + shared MLP", "attention", "norms + AttnRes", "embedding + lm_head"}
+    assert q["norms + AttnRes"] == full["norms + AttnRes"]  # norms are never quantized
+    ratio = 0.55 if fmt == "int8" else 0.35  # bf16 -> int8 ~1/2, -> 4-bit with group scales 0.28-0.31
+    assert q["dense + shared MLP"] < ratio * full["dense + shared MLP"]
+    assert q["attention"] < ratio * full["attention"]
+    assert q["embedding + lm_head"] < full["embedding + lm_head"]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from kernels_pallas import packed
 from kimi_jax.model import params
 from kimi_jax.model.cache import MLACache, cache_shapes
 from kimi_jax.model.config import ModelConfig
@@ -98,7 +99,15 @@ class Plan:
         return self.total <= chip.hbm_bytes * (1 - reserve)
 
 
+_PACKED_FIELDS = frozenset(f for t in packed.TYPES for f in t._fields)
+
+
 def _category(path: str) -> str:
+    """The plan's category of one parameter leaf; a packed weight's field (``lm_head.packed``, ``...up_proj.scale``)
+    counts as its weight."""
+    head, _, last = path.rpartition(".")
+    if head and last in _PACKED_FIELDS:
+        path = head
     if ".experts." in path:
         return "routed experts"
     if ".self_attn." in path:
