@@ -93,3 +93,20 @@ def test_quantized_model_decode_step_runs_the_kernel(target):
     assert q8["pallas_calls"] - base["pallas_calls"] >= projections, (base, q8)
     assert q4["pallas_calls"] - base["pallas_calls"] >= projections, (base, q4)
     assert q4["argument"] < q8["argument"] < base["argument"]
+
+
+def test_dense_model_int4_fits_a_10gb_gpu_at_32k():
+    """The dense ``KimiForCausalLM`` preset (7B: hidden 4096, 32 layers, 163840 vocab) at batch 1 with a 32K cache,
+    compiled whole by XLA:GPU for the smallest GPU it ships a config for (a 1g.10gb MIG slice of an H100: 10.47 GB):
+    with int4 weights (groups of 32) the decode step fits, in bfloat16 it does not (its weights alone are 14 GB).
+    A 24 GB card holds the int4 model with room to spare (README: the same compile for a 22 GB B200 slice)."""
+    from kimi_jax.model import config as C
+
+    cfg = C.preset("kimi-dense")
+    target = aot.parse_target("gpu:h100-1g.10gb:1x1x1")
+    kw = dict(batch=1, context=32768, dtype="bfloat16", scan_layers=True)
+    q4 = aot.compile_steps(cfg, target, {}, quantize="int4", **kw)["decode"]
+    bf = aot.compile_steps(cfg, target, {}, **kw)["decode"]
+    assert q4["fits"] and q4["peak"] < 10.47e9 and q4["argument"] > 9.5e9, q4  # weights 5.3 GB + cache 4.3 GB
+    assert not bf["fits"], bf
+    assert bf.get("peak", 0) > 18e9 or bf.get("oom"), bf

@@ -30,7 +30,10 @@ EXTRA = 'pip install "kimi-jax[aot]"'
 TPU_HBM = {"v4": 32 * GIB, "v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95e9, "tpu7x": 96e9}
 # GPU names -> the GpuTargetConfigProto XLA ships (its device_description_str). Their HBM is read from the
 # config's device_memory_size (H200: 141 GiB).
-GPU_NAMES = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e", "b200": "NVIDIA B200"}
+# The MIG slices are the configs' smallest GPUs: a 1g.23gb slice of a B200 (22.0 GB) stands for the 24 GB cards
+# XLA ships no config for; a 1g.10gb slice of an H100 holds 10.5 GB.
+GPU_NAMES = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e", "b200": "NVIDIA B200",
+             "b200-1g.23gb": "NVIDIA B200 MIG 1g.23gb", "h100-1g.10gb": "NVIDIA H100 80GB HBM3 MIG 1g.10gb"}
 
 
 class TargetError(ValueError):
