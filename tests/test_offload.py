@@ -281,8 +281,8 @@ def test_decode_fetches_the_routed_experts_prefill_the_layer(hf_kimi_linear, mon
     moe_layers = model.cfg.ffn_types.count("moe")
     shapes, real = [], offload._fetch_slots
 
-    def fetch(w, idx):
-        out = real(w, idx)
+    def fetch(w, idx, hot=None):
+        out = real(w, idx, hot)
         shapes.append(out[0]["w1"].shape)
         return out
 
@@ -364,3 +364,79 @@ def test_a_converted_checkpoint_restores_the_experts_into_host_memory(k3_tiny_a,
     ids = jnp.asarray(k3_golden["input_ids"][:, :8])
     base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
     np.testing.assert_array_equal(np.asarray(model(ids).logits), np.asarray(base(ids).logits))
+
+
+# -- hot experts: the most used routed experts kept in device memory too ----------------------------------------
+
+
+def _zero_host_experts(model):
+    """Every routed-expert weight in host memory replaced by zeros: what the host path would read from now on."""
+    for experts in offload._moe_layers(model):
+        for name in ("w1", "w3", "w2"):
+            var = getattr(experts, name)
+            var.set_value(jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), var.get_value()))
+
+
+def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a, k3_golden):
+    """`offload.keep_hot_experts`: (1) usage counts every routed choice once (tokens x top-k per MoE layer); (2) with
+    2 of 8 experts per layer hot, generation (prefill + 5 decode steps) gives the on-device logits bit for bit; (3)
+    the hot rows really come from the device copy: with every expert hot and the host weights then zeroed, a
+    decode-sized call (2 tokens x top-2: the routed path) still gives the on-device logits, and without the hot set it
+    does not."""
+    ids = k3_golden["input_ids"]
+    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
+    cfg = base.cfg
+    usage = offload.expert_usage(base, k3_golden["full_ids"])
+    moe_layers = cfg.ffn_types.count("moe")
+    assert len(usage) == moe_layers
+    assert all(u.sum() == k3_golden["full_ids"].size * cfg.moe.top_k for u in usage)
+    ref = Generator(base, max_len=32).generate(ids, 6, stop=(), record_logits=True)
+
+    model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
+    hot = offload.keep_hot_experts(model, 2, usage)
+    assert [sorted(h) for h in hot] == [sorted(np.argsort(-u, kind="stable")[:2].tolist()) for u in usage]
+    out = Generator(model, max_len=32).generate(ids, 6, stop=(), record_logits=True)
+    np.testing.assert_array_equal(np.stack(out.logits), np.stack(ref.logits))
+
+    step = jnp.asarray(ids[:, :1])
+    want = np.asarray(base(step).logits)
+    for per_layer, same in ((cfg.moe.num_experts, True), (0, False)):
+        m = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
+        offload.keep_hot_experts(m, per_layer, usage)
+        _zero_host_experts(m)
+        got = np.asarray(m(step).logits)
+        assert np.array_equal(got, want) == same, per_layer
+
+
+def test_hot_experts_refusals(k3_tiny_a):
+    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
+    usage = [np.ones(base.cfg.moe.num_experts, np.int64)] * base.cfg.ffn_types.count("moe")
+    with pytest.raises(ValueError, match="not offloaded"):
+        offload.keep_hot_experts(base, 2, usage)
+    model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
+    with pytest.raises(ValueError, match=r"per_layer=9 must lie in \[0, 8\]"):
+        offload.keep_hot_experts(model, 9, usage)
+    with pytest.raises(ValueError, match="one per MoE layer"):
+        offload.keep_hot_experts(model, 2, usage[:-1])
+    with pytest.raises(ValueError, match="must lie in"):
+        offload.expert_usage(base, np.array([[0, base.cfg.vocab_size]]))
+
+
+def test_compiler_copies_cold_experts_only_in_their_branch(k3_tiny_a):
+    """XLA:GPU, deviceless, the tiny K3's first 3 layers (2 MoE layers of 8 MXFP4 experts, top-2), batch 2, experts
+    on host, 3 per layer also on the device: the device arguments grow by exactly 2 x 3 experts' bytes (counted by
+    hand) and the slot map, the host arguments do not change, and every host -> device expert copy now sits inside a
+    branch of a ``conditional`` (none runs unconditionally; with all four slots cold, the same bytes as without a hot
+    set)."""
+    from kimi_jax.parallel import aot
+
+    cfg = C.load(k3_tiny_a).sliced(3)
+    mesh = aot.target_mesh(aot.parse_target("gpu:h200:1x1x1"))
+    kw = dict(batch=2, context=256, parallel=False)
+    cold = offload.compile_step(cfg, mesh, ("experts",), **kw)
+    hot = offload.compile_step(cfg, mesh, ("experts",), hot_experts=3, **kw)
+    slot_map = cfg.moe.num_experts * 4
+    assert hot["argument"] - cold["argument"] == 2 * (3 * _routed_expert_bytes(cfg, 2) + slot_map)
+    assert hot["host_argument"] == cold["host_argument"] > 0
+    assert cold["h2d_always"] == cold["h2d"] == 2 * (2 * 2) * _routed_expert_bytes(cfg, 2)
+    assert hot["h2d"] == cold["h2d"] and hot["h2d_always"] == 0

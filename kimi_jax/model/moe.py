@@ -59,6 +59,7 @@ class Experts(nnx.Module):
         packed = MXFP4Weight if cfg.quant == "mxfp4" else None
         for name, (shape, axes) in shapes.items():
             setattr(self, name, param(rngs, shape, axes, param_dtype, packed=packed))
+        self.hot_cache = nnx.data(None)  # offload.HotExperts: experts kept on the device too (offload.keep_hot_experts)
 
     def weight(self, name):
         """A float array or a packed weight (:mod:`kernels_pallas.packed`)."""
@@ -83,7 +84,8 @@ class Experts(nnx.Module):
         ready (:func:`kimi_jax.parallel.offload.fetch_experts`); unchanged otherwise."""
         pairs = idx_NX.size
         routed = offload.fetches_routed(pairs, self.cfg.num_experts, self.path(pairs, run))
-        return offload.fetch_experts(self.weights(), idx_NX, run, routed=routed, after=after)
+        hot = None if self.hot_cache is None else self.hot_cache.get_value()
+        return offload.fetch_experts(self.weights(), idx_NX, run, routed=routed, after=after, hot=hot)
 
     def act(self, a, b, run: RunConfig):
         c = self.cfg

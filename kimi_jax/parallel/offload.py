@@ -115,7 +115,14 @@ def store_entry(entry, run):
     return to_host(entry)
 
 
-def fetch_experts(weights, idx_NX, run, *, routed: bool, after=None):
+class HotExperts(nnx.Variable):
+    """The routed experts of one MoE layer that are also kept in device memory while the layer's weights live in host
+    memory (:func:`keep_hot_experts`): ``{"slot": int32 [E] (the row of ``rows`` holding expert e, -1 where it is
+    in host memory only), "rows": the weights' pytree with leading dimension H}``. Derived state, not a parameter:
+    never saved, counted or trained."""
+
+
+def fetch_experts(weights, idx_NX, run, *, routed: bool, after=None, hot=None):
     """Routed-expert weights (a pytree: arrays or packed weights, every leaf ``[E, ...]``) in device memory when
     ``run`` offloads them, and the expert ids ``[N, X]`` that index what comes back.
 
@@ -124,28 +131,110 @@ def fetch_experts(weights, idx_NX, run, *, routed: bool, after=None):
     ``idx_NX.flat[k]``; a repeated expert is moved once per slot), with the ids ``0 .. N*X-1``. The slices depend
     only on ``idx_NX``, so they start as soon as the router has chosen. Otherwise (or where the compiler cannot
     slice these leaves out of host memory, :func:`slices_from_host`) the whole layer moves, waiting for ``after``
-    (:func:`to_device`)."""
+    (:func:`to_device`).
+
+    ``hot`` (the value of a :class:`HotExperts`, or None): on the routed path a slot whose expert is hot is read from
+    the device copy and nothing crosses the host link for it; each slot's choice is a ``lax.cond``, so the copy of a
+    cold expert runs only when one was chosen."""
     if "experts" not in run.offload:
         return weights, idx_NX
     if routed and slices_from_host(jax.tree.leaves(weights), target_platform(run.placement)):
-        return _fetch_slots(weights, idx_NX)
+        return _fetch_slots(weights, idx_NX, hot)
     return to_device(weights, after), idx_NX
 
 
-def _fetch_slots(weights, idx_NX):
+def _fetch_slots(weights, idx_NX, hot=None):
     """(every leaf's rows ``idx_NX.flat`` as ``[N*X, ...]`` in device memory, ids ``arange(N*X)`` as ``[N, X]``).
     Each row is a dynamic slice of the host array moved on its own: the TPU and GPU compilers turn that into one
     asynchronous copy of the slice (``dynamic-slice-start`` / ``fusion-start`` on a host operand); a gather
     (``jnp.take``) of a host array is refused by JAX, and a stack built in host memory first becomes host compute
-    on XLA:GPU."""
+    on XLA:GPU. With ``hot`` (:class:`HotExperts`' value) a slot of a hot expert takes its row from the device copy
+    instead, behind a ``lax.cond`` per slot (XLA:GPU keeps the slice copy inside the cold branch)."""
     N, X = idx_NX.shape
     ids = idx_NX.reshape(N * X)
+    from_host = lambda e: jax.tree.map(  # noqa: E731
+        lambda a: jax.device_put(jax.lax.dynamic_slice_in_dim(a, e, 1, 0), jax.memory.Space.Device), weights)
+    if hot is None:
+        rows = [from_host(ids[k]) for k in range(N * X)]
+    else:
+        slot = hot["slot"][ids]
 
-    def take(a):
-        rows = [jax.lax.dynamic_slice_in_dim(a, ids[k], 1, 0) for k in range(N * X)]
-        return jnp.concatenate([jax.device_put(r, jax.memory.Space.Device) for r in rows])
+        def one(e, s):
+            from_device = lambda: jax.tree.map(  # noqa: E731
+                lambda a: jax.lax.dynamic_slice_in_dim(a, jnp.maximum(s, 0), 1, 0), hot["rows"])
+            return jax.lax.cond(s >= 0, from_device, lambda: from_host(e))
 
-    return jax.tree.map(take, weights), jnp.arange(N * X, dtype=jnp.int32).reshape(N, X)
+        rows = [one(ids[k], slot[k]) for k in range(N * X)]
+    return (jax.tree.map(lambda *r: jnp.concatenate(r), *rows),
+            jnp.arange(N * X, dtype=jnp.int32).reshape(N, X))
+
+
+def expert_usage(model, ids, batch: int = 8) -> list:
+    """How often each routed expert of each MoE layer is chosen while ``model`` runs on the token ids ``ids [B, T]``
+    (padding counts like any token): one int64 array ``[E]`` per MoE layer, in layer order."""
+    import numpy as np
+
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be a non-empty integer [sequences, tokens] array, got {ids.dtype} {ids.shape}")
+    if ids.min() < 0 or ids.max() >= model.cfg.vocab_size:
+        raise ValueError(f"ids must lie in [0, {model.cfg.vocab_size}): found {ids.min()}..{ids.max()}")
+    routers = nnx.jit(lambda m, x: m(x, return_router=True).router)
+    counts = None
+    for i in range(0, len(ids), batch):
+        r = routers(model, jnp.asarray(ids[i:i + batch], jnp.int32))
+        c = [np.bincount(np.asarray(idx).ravel(), minlength=model.cfg.moe.num_experts) for idx, _ in r]
+        counts = c if counts is None else [a + b for a, b in zip(counts, c)]
+    return counts
+
+
+def _moe_layers(model) -> list:
+    """The routed-expert modules (:class:`kimi_jax.model.moe.Experts`) of an unscanned model, in layer order."""
+    from kimi_jax.model.moe import MoE
+
+    return [layer.mlp.experts for layer in getattr(model, "layers", ()) if isinstance(getattr(layer, "mlp", None), MoE)]
+
+
+def keep_hot_experts(model, per_layer: int, usage) -> list:
+    """Keep, of each MoE layer's host-resident routed experts, the ``per_layer`` most used (``usage``: counts per
+    layer as :func:`expert_usage` returns them; ties go to the lower id) in device memory as well (a
+    :class:`HotExperts` on the layer's ``Experts``); a decode step then copies across the host link only the experts
+    outside that set that its tokens chose. ``per_layer`` 0 removes the hot sets. Call it before building a
+    ``Generator`` (which captures the model's state). Returns the hot expert ids per layer.
+
+    Refused before anything moves: a model whose run does not offload experts, scanned layers, a mesh, a usage list
+    that does not match the model's MoE layers."""
+    import numpy as np
+
+    if "experts" not in check_kinds(model.run.offload):
+        raise ValueError("keep_hot_experts: the model's experts are not offloaded (RunConfig(offload=('experts',)))")
+    if model.run.scan_layers or model.run.parallel is not None:
+        raise ValueError("keep_hot_experts: unscanned layers on one device only (as expert offload itself)")
+    layers = _moe_layers(model)
+    platform = target_platform(model.run.placement)
+    if layers and not slices_from_host(jax.tree.leaves(layers[0].weights()), platform):
+        raise ValueError(f"keep_hot_experts: on {platform} these experts move whole layers at a time (8-bit fields, "
+                         "see slices_from_host); a hot set would only add device bytes")
+    E = model.cfg.moe.num_experts if layers else 0
+    if not 0 <= per_layer <= E:
+        raise ValueError(f"keep_hot_experts: per_layer={per_layer} must lie in [0, {E}] (experts per layer)")
+    if len(usage) != len(layers) or any(np.shape(u) != (E,) for u in usage):
+        raise ValueError(f"keep_hot_experts: usage must hold {len(layers)} count arrays of shape ({E},), one per MoE "
+                         f"layer; got {[np.shape(u) for u in usage]}")
+    chosen = []
+    for experts, counts in zip(layers, usage):
+        if per_layer == 0:
+            experts.hot_cache = None
+            chosen.append([])
+            continue
+        top = np.sort(np.argsort(-np.asarray(counts), kind="stable")[:per_layer])
+        slot = np.full((E,), -1, np.int32)
+        slot[top] = np.arange(per_layer, dtype=np.int32)
+        dev = jax.local_devices()[0]
+        rows = jax.tree.map(lambda a: jax.device_put(np.asarray(a)[top], dev), experts.weights())
+        experts.hot_cache = HotExperts({"slot": jax.device_put(slot, dev), "rows": rows})
+        chosen.append(top.tolist())
+    return chosen
 
 
 def slices_from_host(leaves, platform: str) -> bool:
@@ -335,7 +424,8 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
 
 
 def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int = 1, dtype="bfloat16",
-                 implementation: str | None = None, parallel: bool = True, scan_layers: bool = False) -> dict:
+                 implementation: str | None = None, parallel: bool = True, scan_layers: bool = False,
+                 hot_experts: int = 0) -> dict:
     """Compile one decode step (``tokens == 1``) or fresh prefill chunk on ``mesh`` (CPU devices or a deviceless TPU
     / GPU topology, :mod:`kimi_jax.parallel.aot`) with abstract parameters and cache, the ``kinds`` offloaded.
 
@@ -345,7 +435,8 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     memory kinds, so a concrete GPU mesh would drop ``pinned_host`` silently. Returns the device ``argument`` /
     ``output`` / ``alias`` / ``temp`` bytes and their ``host_*`` counterparts (per device), ``peak`` (device),
     ``h2d`` (bytes one step copies host -> device, :func:`host_to_device_bytes`; None where it cannot tell) and
-    ``compile_seconds``."""
+    ``compile_seconds``. ``hot_experts``: with ``"experts"`` offloaded, that many experts per MoE layer also held
+    in device memory (:func:`keep_hot_experts`; abstract here), the routed slots behind a ``lax.cond`` each."""
     from jax.sharding import NamedSharding
 
     from kimi_jax.model import params
@@ -360,9 +451,18 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     run = RunConfig(dtype=dt, implementation=implementation, offload=kinds,
                     parallel=sharding.Parallel(mesh, lay) if parallel else None, scan_layers=scan_layers)
     model = abstract_model(cfg, run)
-    graphdef, state = nnx.split(model)
-    specs = sharding.param_specs(model, mesh, lay)
     am = mesh.abstract_mesh
+    if hot_experts:
+        if "experts" not in kinds or parallel:
+            raise ValueError("compile_step: hot_experts needs the experts offloaded on one device (parallel=False)")
+        one = NamedSharding(am, jax.sharding.PartitionSpec(), memory_kind="device")
+        for experts in _moe_layers(model):
+            rows = jax.tree.map(lambda v: jax.ShapeDtypeStruct((hot_experts, *v.shape[1:]), v.dtype, sharding=one),
+                                experts.weights())
+            experts.hot_cache = HotExperts({"slot": jax.ShapeDtypeStruct((cfg.moe.num_experts,), jnp.int32,
+                                                                         sharding=one), "rows": rows})
+    graphdef, hot, state = nnx.split(model, HotExperts, ...)
+    specs = sharding.param_specs(model, mesh, lay)
 
     def leaf(key, v):
         host = "experts" in kinds and ".experts.w" in key
@@ -380,24 +480,26 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     bspec = sharding.batch_spec((batch, tokens), mesh, lay)
     ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=NamedSharding(am, bspec, memory_kind="device"))
 
-    def step(state, ids, cache):
-        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
+    def step(hot, state, ids, cache):
+        out = nnx.merge(graphdef, hot, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
         return out.logits, out.cache
 
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(am), jax.set_mesh(mesh):
-        compiled = jax.jit(step, donate_argnums=(2,), out_shardings=(None, cshard),
-                           keep_unused=True).lower(state, ids, cache).compile()
+        compiled = jax.jit(step, donate_argnums=(3,), out_shardings=(None, cshard),
+                           keep_unused=True).lower(hot, state, ids, cache).compile()
     m = compiled.memory_analysis()
     keys = ("argument", "output", "alias", "temp")
     out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in keys}
     out.update({f"host_{k}": int(getattr(m, f"host_{k}_size_in_bytes")) for k in keys})
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out["compile_seconds"] = time.perf_counter() - t0
+    text = compiled.as_text()
     try:
-        out["h2d"] = host_to_device_bytes(compiled.as_text())
+        out["h2d"] = host_to_device_bytes(text)
+        out["h2d_always"] = host_to_device_bytes(text, conditional=False)  # less the cold-expert copies' branches
     except ValueError:  # copies inside a scan on TPU: the program does not say how often they run
-        out["h2d"] = None
+        out["h2d"] = out["h2d_always"] = None
     return out
 
 
@@ -407,13 +509,15 @@ _HLO_SHAPE = re.compile(r"\b([a-z]+[0-9]+[a-z0-9]*|pred)\[([0-9,]*)\](\{[^}]*\})
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
 
 
-def host_to_device_bytes(hlo_text: str) -> int:
+def host_to_device_bytes(hlo_text: str, conditional: bool = True) -> int:
     """Bytes one run of a compiled program copies host -> device, read from its scheduled HLO
     (``compiled.as_text()``): the result bytes of every asynchronous copy (``copy-start``) or slice / fusion
     (``dynamic-slice-start`` on TPU, ``fusion-start`` on GPU) or host computation (``custom-call-start``) whose
     first operand lives in host memory (layout ``S(5)``) and whose result does not, times the trip count of the while loops around it. Logical bytes: TPU tile padding
     is not counted. Raises ValueError for a host read inside a loop whose trip count the program does not state
-    (XLA:TPU drops ``known_trip_count``)."""
+    (XLA:TPU drops ``known_trip_count``). Copies inside a branch of a ``conditional`` (the cold experts of
+    :func:`keep_hot_experts`) are counted as if their branch ran, unless ``conditional`` is False: then only the
+    copies every run makes are."""
     def shapes(line):
         return [(t, dims, "S(5)" in (lay or "")) for t, dims, lay in _HLO_SHAPE.findall(line)]
 
@@ -423,7 +527,7 @@ def host_to_device_bytes(hlo_text: str) -> int:
             n *= int(d)
         return n * _HLO_BITS[t] // 8
 
-    computation, reads, loops = None, {}, {}
+    computation, reads, loops, branches = None, {}, {}, {}
     for line in hlo_text.splitlines():
         m = _HLO_COMPUTATION.match(line)
         if m:
@@ -434,6 +538,11 @@ def host_to_device_bytes(hlo_text: str) -> int:
             body = re.search(r"body=%?([\w.\-]+)", rhs).group(1)
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs)
             loops[body] = (computation, int(trips.group(1)) if trips else None)
+        if " conditional(" in rhs:
+            named = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rhs)
+            listed = re.search(r"branch_computations=\{([^}]*)\}", rhs)
+            for b in named + (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed else []):
+                branches[b] = computation
         op = re.search(r"\s(copy-start|dynamic-slice-start|fusion-start|custom-call-start)\(", rhs)
         if not op:
             continue
@@ -447,6 +556,8 @@ def host_to_device_bytes(hlo_text: str) -> int:
         reads[computation] = reads.get(computation, 0) + moved
 
     def times(computation):
+        if computation in branches:
+            return int(conditional) * times(branches[computation])
         if computation not in loops:
             return 1
         parent, trips = loops[computation]
