@@ -397,6 +397,9 @@ def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a
     assert [sorted(h) for h in hot] == [sorted(np.argsort(-u, kind="stable")[:2].tolist()) for u in usage]
     out = Generator(model, max_len=32).generate(ids, 6, stop=(), record_logits=True)
     np.testing.assert_array_equal(np.stack(out.logits), np.stack(ref.logits))
+    experts = model.layers[1].mlp.experts
+    assert _memory_kinds(experts.hot_cache.get_value()) == {"device"}  # the Generator placed only the weights
+    assert _memory_kinds(experts.w1.get_value()) == {"pinned_host"}
 
     step = jnp.asarray(ids[:, :1])
     want = np.asarray(base(step).logits)
