@@ -230,9 +230,8 @@ def keep_hot_experts(model, per_layer: int, usage) -> list:
         top = np.sort(np.argsort(-np.asarray(counts), kind="stable")[:per_layer])
         slot = np.full((E,), -1, np.int32)
         slot[top] = np.arange(per_layer, dtype=np.int32)
-        dev = jax.local_devices()[0]
-        rows = jax.tree.map(lambda a: jax.device_put(np.asarray(a)[top], dev), experts.weights())
-        experts.hot_cache = HotExperts({"slot": jax.device_put(slot, dev), "rows": rows})
+        rows, _ = jax.jit(_fetch_slots)(experts.weights(), jnp.asarray(top[None], jnp.int32))  # only these cross
+        experts.hot_cache = HotExperts({"slot": jax.device_put(slot, jax.local_devices()[0]), "rows": rows})
         chosen.append(top.tolist())
     return chosen
 
