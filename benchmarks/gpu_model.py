@@ -12,7 +12,7 @@ Sections (each in its own try/except; one failure is reported and the rest still
   ``tests/test_kernels_model.py`` does in interpret mode on CPU).
 * ``offload``: ``Generator.generate`` of the fixture (prefill + 5 decode steps, recorded logits) with the KDA state,
   the cache and the routed experts in ``pinned_host`` memory against the same on the device: equal bit for bit or
-  not, and where the offloaded arrays are after the run.
+  not, and where the offloaded arrays are after the run; the same with 2 of 8 experts per layer kept hot on the device.
 * ``speed``: the shared benchmark model's config (``../shared/bench/kimi-linear-bench.config.json``: Kimi Linear,
   12 layers, hidden 1024, 16 experts) with random weights in bfloat16: decode tokens/s (64 new after a 512-token
   prompt, 63 decode steps) and prefill tokens/s at batch 1 and 8, with the kernels (the automatic choice on a GPU:
@@ -109,7 +109,14 @@ def offload(path: str) -> dict:
     out = gen.generate(ids, 6, stop=(), record_logits=True)
     a, b = np.stack(out.logits), np.stack(ref.logits)
     (cache,) = gen._caches.values()
+    # hot experts: 2 of each layer's 8 also on the device (usage counted on the fixture's longer sequences)
+    from kimi_jax.parallel import offload as off
+
+    hot_model = kimi_jax.from_pretrained(path, run=RunConfig(dtype=jnp.float32, offload=kinds))
+    off.keep_hot_experts(hot_model, 2, off.expert_usage(base, load_file(os.path.join(path, "golden.safetensors"))["full_ids"]))
+    hot = np.stack(Generator(hot_model, max_len=32).generate(ids, 6, stop=(), record_logits=True).logits)
     return {"offloaded": list(kinds), "logits_bit_equal": bool(np.array_equal(a, b)), "max_abs_diff": _max_abs(a, b),
+            "hot_experts_logits_bit_equal": bool(np.array_equal(hot, b)), "hot_experts_max_abs_diff": _max_abs(hot, b),
             "tokens_equal": out.tokens == ref.tokens,
             "expert_weights_memory": mem(model.layers[1].mlp.experts.w1.get_value()),
             "cache_layers_memory": sorted({k for e in cache.layers for k in mem(e)}),
