@@ -425,6 +425,27 @@ def test_hot_experts_refusals(k3_tiny_a):
         offload.expert_usage(base, np.array([[0, base.cfg.vocab_size]]))
 
 
+def test_plan_counts_hot_experts_on_the_device():
+    """`kimi-jax plan --offload experts --hot-experts N`: K3 on 8 H200 (``model=8``), batch 1, 128K: each chip keeps
+    its eighth of 64 experts per MoE layer on the device too (92 layers x 64 x 3 MXFP4 matrices of 3072 x 3584, counted
+    by hand), the host still holds every expert, the worst-case copies per step do not change."""
+    cfg = C.preset("k3")
+    sizes = {"data": 1, "expert": 1, "model": 8}
+    kw = dict(batch=1, context=131072)
+    cold = offload.offload_bytes(cfg, ("experts",), sizes, **kw)
+    hot = offload.offload_bytes(cfg, ("experts",), sizes, hot=64, **kw)
+    hot_by_hand = 92 * 64 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32) / 8
+    assert hot.hot_bytes == pytest.approx(hot_by_hand) and cold.hot_bytes == 0
+    assert hot.total == cold.total and hot.device_freed == cold.total - hot.hot_bytes
+    assert hot.h2d_per_step == cold.h2d_per_step
+    assert "hot experts: 64 of 896" in offload.format_offload(hot)
+    from kimi_jax.parallel import plan
+
+    r = offload.offload_plan(cfg, ("experts",), chip="h200", hot=64, **kw)["with"]
+    assert r["sizes"] == sizes  # the smallest mesh that fits with the experts on host, as without a hot set
+    assert r["device"] == pytest.approx(plan.make_plan(cfg, sizes, **kw).total - cold.total + hot_by_hand)
+
+
 def test_compiler_copies_cold_experts_only_in_their_branch(k3_tiny_a):
     """XLA:GPU, deviceless, the tiny K3's first 3 layers (2 MoE layers of 8 MXFP4 experts, top-2), batch 2, experts
     on host, 3 per layer also on the device: the device arguments grow by exactly 2 x 3 experts' bytes (counted by
@@ -443,3 +464,12 @@ def test_compiler_copies_cold_experts_only_in_their_branch(k3_tiny_a):
     assert hot["host_argument"] == cold["host_argument"] > 0
     assert cold["h2d_always"] == cold["h2d"] == 2 * (2 * 2) * _routed_expert_bytes(cfg, 2)
     assert hot["h2d"] == cold["h2d"] and hot["h2d_always"] == 0
+
+
+def test_plan_cli_takes_hot_experts(capsys):
+    from kimi_jax.cli import main
+
+    main(["plan", "--model", "k3", "--layers", "4", "--mesh", "model=8", "--offload", "experts", "--hot-experts", "16",
+          "--batch", "1", "--context", "4096", "--chips", "h200"])
+    out = capsys.readouterr().out
+    assert "hot experts: 16 of 896 per MoE layer also on the device" in out and "left on each chip" in out

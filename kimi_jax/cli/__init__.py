@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--offload", default=None, metavar="KINDS",
                     help="comma list of experts,kda_state,cache kept in host memory: the bytes moved per chip, "
                          "the per-step copy traffic, and with --search the smallest meshes with it")
+    pl.add_argument("--hot-experts", type=int, default=0, metavar="N",
+                    help="with --offload experts: N routed experts per MoE layer (of each chip's) kept in device "
+                         "memory as well (kimi_jax.parallel.offload.keep_hot_experts)")
     pl.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
                     help="with --offload --search: host memory per chip (default 256: a DGX H200's 2 TB / 8)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")

@@ -320,10 +320,17 @@ class Offload:
     h2d_whole_layers: int = 0  # the same step were every MoE layer's local experts copied whole (prefill does)
     expert_slots: int = 0  # experts one MoE layer fetches per decode step (0: whole layers, or no experts moved)
     local_experts: int = 0  # experts one chip holds per MoE layer
+    hot_experts: int = 0  # of those, kept in device memory as well (keep_hot_experts)
+    hot_bytes: int = 0  # their device bytes per chip (in addition to the host copy of every expert)
 
     @property
     def total(self) -> int:
         return sum(self.moved.values())
+
+    @property
+    def device_freed(self) -> int:
+        """Device bytes per chip this choice frees: what moved, less the hot experts' device copies."""
+        return self.total - self.hot_bytes
 
     def step_seconds(self, bandwidth: float = PCIE_GEN5, whole_layers: bool = False) -> float:
         """Seconds of one decode step's copies at ``bandwidth`` bytes/s each way (the two directions overlap);
@@ -349,12 +356,14 @@ def routed_slots(cfg, batch: int, sizes: dict, local_experts: int) -> int:
 
 
 def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
-                  quantize: str | None = None, platform: str = "gpu", plan=None) -> Offload:
+                  quantize: str | None = None, platform: str = "gpu", plan=None, hot: int = 0) -> Offload:
     """Per-chip bytes the offload ``kinds`` move to host memory for ``cfg`` on a mesh of ``sizes`` (the plan's
     figures by category: ``routed experts``, the KDA state + conv tails, the MLA / KV cache), and one decode step's
     copies: the routed experts only (:func:`routed_slots` of each MoE layer's local experts) where ``platform``'s
     compiler slices them out of host memory (:func:`slices_from_host`), else every local expert. ``plan``: the
-    :func:`kimi_jax.parallel.plan.make_plan` of the same arguments, when the caller has it already."""
+    :func:`kimi_jax.parallel.plan.make_plan` of the same arguments, when the caller has it already. ``hot``: experts
+    per MoE layer kept in device memory as well (:func:`keep_hot_experts`; at most the chip's local ones); the
+    per-step copies stay the worst case, every choice cold."""
     from kimi_jax.parallel import plan as plan_lib
 
     kinds = check_kinds(kinds)
@@ -372,7 +381,8 @@ def offload_bytes(cfg, kinds, sizes: dict, layout="tp_ep", *, batch: int, contex
         if slices_from_host([jax.ShapeDtypeStruct((), d) for d in p.expert_dtypes], platform):
             slots = routed_slots(cfg, batch, sizes, e_loc)
     h2d = whole - experts + experts // e_loc * slots if slots else whole  # every layer's local experts alike
-    return Offload(kinds, moved, h2d, back, whole, slots, e_loc)
+    hot = min(int(hot), e_loc) if experts else 0
+    return Offload(kinds, moved, h2d, back, whole, slots, e_loc, hot, experts * hot // e_loc if hot else 0)
 
 
 def chip_platform(chip: str) -> str:
@@ -384,7 +394,7 @@ def chip_platform(chip: str) -> str:
 
 def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16", chip: str = "h200",
                  reserve: float = 0.1, max_chips: int = 512, quantize: str | None = None,
-                 bandwidth: float = PCIE_GEN5, host_bytes: float = HOST_PER_CHIP) -> dict:
+                 bandwidth: float = PCIE_GEN5, host_bytes: float = HOST_PER_CHIP, hot: int = 0) -> dict:
     """The smallest fitting mesh for ``chip`` with and without offloading ``kinds``: device bytes per chip are the
     plan's total minus what is moved (:func:`offload_bytes`), which must fit ``host_bytes`` of host memory per chip
     (with the same ``reserve``). Returns ``{"without": row, "with": row}``; each row
@@ -392,7 +402,8 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
     ``h2d_per_step`` and ``copy_seconds`` (per decode step at ``bandwidth``: the routed experts only, where the
     chip's compiler slices them), ``h2d_whole_layers`` and ``whole_layer_seconds`` (every local expert instead),
     ``expert_slots`` / ``local_experts`` (per MoE layer) and ``hbm_seconds`` (the plan's roofline step), or is None
-    when nothing up to ``max_chips`` fits."""
+    when nothing up to ``max_chips`` fits. ``hot``: experts per MoE layer also kept on the device
+    (:func:`offload_bytes`)."""
     from kimi_jax.parallel import plan
 
     kinds = check_kinds(kinds)
@@ -404,8 +415,8 @@ def offload_plan(cfg, kinds, layout="tp_ep", *, batch: int, context: int, dtype=
             for s in plan.candidate_meshes(n):
                 p = plan.make_plan(cfg, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize)
                 o = offload_bytes(cfg, ks, s, layout, batch=batch, context=context, dtype=dtype, quantize=quantize,
-                                  platform=chip_platform(chip), plan=p)
-                device = p.total - o.total
+                                  platform=chip_platform(chip), plan=p, hot=hot if ks else 0)
+                device = p.total - o.device_freed
                 fits = device <= c.hbm_bytes * (1 - reserve) and o.total <= host_bytes * (1 - reserve)
                 if fits and (best is None or device < best["device"]):
                     best = {"chips": n, "sizes": s, "device": device, "host": o.total, "moved": o.moved,
@@ -606,12 +617,17 @@ def format_offload(o: Offload, bandwidth: float = PCIE_GEN5) -> str:
     lines.append(f"  per decode step: {o.h2d_per_step / 1e9:.2f} GB host->device{routed}, "
                  f"{o.d2h_per_step / 1e9:.2f} GB device->host = {o.step_seconds(bandwidth) * 1e3:.1f} ms at "
                  f"{bandwidth / 1e9:.0f} GB/s")
+    if o.hot_experts:
+        lines.append(f"  hot experts: {o.hot_experts} of {o.local_experts} per MoE layer also on the device, "
+                     f"+{o.hot_bytes / 1e9:.2f} GB; the copies above are the worst case (every choice cold): a choice "
+                     f"of a hot expert copies nothing (uniform routing: {o.hot_experts / o.local_experts:.0%} of them)")
     if o.h2d_whole_layers != o.h2d_per_step:
         lines.append(f"  every local expert instead (prefill; TPU with 8-bit experts): {o.h2d_whole_layers / 1e9:.2f} "
                      f"GB host->device = {o.step_seconds(bandwidth, whole_layers=True) * 1e3:.1f} ms")
     return "\n".join(lines)
 
 
-__all__ = ["KINDS", "Offload", "check_kinds", "chip_platform", "compile_step", "fetch_entry", "fetch_experts",
-           "fetches_routed", "format_offload", "host_to_device_bytes", "moved_bytes", "offload_bytes", "offload_plan",
-           "place_cache", "place_model", "routed_slots", "slices_from_host", "store_entry", "to_device", "to_host"]
+__all__ = ["KINDS", "HotExperts", "Offload", "check_kinds", "chip_platform", "compile_step", "expert_usage",
+           "fetch_entry", "fetch_experts", "fetches_routed", "format_offload", "host_to_device_bytes",
+           "keep_hot_experts", "moved_bytes", "offload_bytes", "offload_plan", "place_cache", "place_model",
+           "routed_slots", "slices_from_host", "store_entry", "to_device", "to_host"]

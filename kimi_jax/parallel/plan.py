@@ -547,16 +547,17 @@ def _offload_cli(cfg, p: Plan, args, chips):
 
     kinds = offload.check_kinds(args.offload)
     kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, quantize=args.quantize)
-    o = offload.offload_bytes(cfg, kinds, p.sizes, args.layout, **kw)
+    hot = getattr(args, "hot_experts", 0) or 0
+    o = offload.offload_bytes(cfg, kinds, p.sizes, args.layout, hot=hot, **kw)
     print("\n" + offload.format_offload(o))
-    print(f"  left on each chip: {(p.total - o.total) / GB:.2f} GB of the plan's {p.total / GB:.2f} GB")
+    print(f"  left on each chip: {(p.total - o.device_freed) / GB:.2f} GB of the plan's {p.total / GB:.2f} GB")
     if not args.search:
         return
     print(f"\nsmallest fitting meshes with {','.join(kinds)} in host memory ({args.host_memory:g} GB of it per chip; "
           f"data=1), per chip:")
     for name in chips:
         rows = offload.offload_plan(cfg, kinds, args.layout, chip=name, reserve=args.reserve,
-                                    host_bytes=args.host_memory * GB, **kw)
+                                    host_bytes=args.host_memory * GB, hot=hot, **kw)
         r = rows["with"]
         if r is None:
             print(f"  {CHIPS[name].name:<18} none up to 512 chips")
