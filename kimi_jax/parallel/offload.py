@@ -463,8 +463,9 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     model = abstract_model(cfg, run)
     am = mesh.abstract_mesh
     if hot_experts:
-        if "experts" not in kinds or parallel:
-            raise ValueError("compile_step: hot_experts needs the experts offloaded on one device (parallel=False)")
+        if "experts" not in kinds or parallel or scan_layers:
+            raise ValueError("compile_step: hot_experts needs the experts offloaded on one device (parallel=False), "
+                             "unscanned layers")
         one = NamedSharding(am, jax.sharding.PartitionSpec(), memory_kind="device")
         for experts in _moe_layers(model):
             rows = jax.tree.map(lambda v: jax.ShapeDtypeStruct((hot_experts, *v.shape[1:]), v.dtype, sharding=one),
