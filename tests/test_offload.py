@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kimi_jax
 from kimi_jax.generation.generate import Generator
@@ -41,13 +42,19 @@ def _count(monkeypatch, name):
     return calls
 
 
-def test_generate_offloaded_equals_on_device(k3_tiny_a, k3_golden, monkeypatch):
+@pytest.fixture(scope="module")
+def on_device(k3_tiny_a, k3_golden):
+    """The K3 fixture on the device (float32) and its generation: prefill + 5 decode steps, logits recorded."""
+    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
+    return base, Generator(base, max_len=32).generate(k3_golden["input_ids"], 6, stop=(), record_logits=True)
+
+
+def test_generate_offloaded_equals_on_device(k3_tiny_a, k3_golden, on_device, monkeypatch):
     """Prefill and 5 decode steps of the K3 fixture (MXFP4 experts) with every kind offloaded: the same logits, bit
     for bit, with the decode steps fetching only the routed experts (2 sequences x top-2 of 8), and the offloaded
     arrays still in host memory after the compiled loop (its carry included)."""
     ids = k3_golden["input_ids"]
-    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
-    ref = Generator(base, max_len=32).generate(ids, 6, stop=(), record_logits=True)
+    ref = on_device[1]
     model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=ALL))
     gen = Generator(model, max_len=32)
     slots = _count(monkeypatch, "_fetch_slots")
@@ -377,20 +384,19 @@ def _zero_host_experts(model):
             var.set_value(jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), var.get_value()))
 
 
-def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a, k3_golden):
+def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a, k3_golden, on_device):
     """`offload.keep_hot_experts`: (1) usage counts every routed choice once (tokens x top-k per MoE layer); (2) with
     2 of 8 experts per layer hot, generation (prefill + 5 decode steps) gives the on-device logits bit for bit; (3)
     the hot rows really come from the device copy: with every expert hot and the host weights then zeroed, a
     decode-sized call (2 tokens x top-2: the routed path) still gives the on-device logits, and without the hot set it
     does not."""
     ids = k3_golden["input_ids"]
-    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
+    base, ref = on_device
     cfg = base.cfg
     usage = offload.expert_usage(base, k3_golden["full_ids"])
     moe_layers = cfg.ffn_types.count("moe")
     assert len(usage) == moe_layers
     assert all(u.sum() == k3_golden["full_ids"].size * cfg.moe.top_k for u in usage)
-    ref = Generator(base, max_len=32).generate(ids, 6, stop=(), record_logits=True)
 
     model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
     hot = offload.keep_hot_experts(model, 2, usage)
@@ -402,17 +408,18 @@ def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a
     assert _memory_kinds(experts.w1.get_value()) == {"pinned_host"}
 
     step = jnp.asarray(ids[:, :1])
-    want = np.asarray(base(step).logits)
+    fwd = nnx.jit(lambda m, x: m(x).logits)
+    want = np.asarray(fwd(base, step))
     for per_layer, same in ((cfg.moe.num_experts, True), (0, False)):
         m = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
         offload.keep_hot_experts(m, per_layer, usage)
         _zero_host_experts(m)
-        got = np.asarray(m(step).logits)
+        got = np.asarray(fwd(m, step))
         assert np.array_equal(got, want) == same, per_layer
 
 
-def test_hot_experts_refusals(k3_tiny_a):
-    base = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32")
+def test_hot_experts_refusals(k3_tiny_a, on_device):
+    base = on_device[0]
     usage = [np.ones(base.cfg.moe.num_experts, np.int64)] * base.cfg.ffn_types.count("moe")
     with pytest.raises(ValueError, match="not offloaded"):
         offload.keep_hot_experts(base, 2, usage)
