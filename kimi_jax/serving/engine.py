@@ -14,8 +14,9 @@ snapshots KDA state.
   stored prefix of its prompt (leaving at least one token to prefill, which gives the first logits), copies the
   partly filled last page if the prefix ends inside one (copy on write), and prefills only the rest, chunks
   aligned to the same boundaries. Snapshots past ``prefix_cache_bytes`` spill to host memory (up to
-  ``prefix_host_bytes``), oldest first; entries are dropped least recently used past that, or when the pool needs
-  their pages. A finished request is snapshotted too (its prompt and reply, but the last token): the prefix of
+  ``prefix_host_bytes``), oldest first; when the pool needs pages, the oldest entry's pages spill there too (their
+  contents copied out, the pages given back; a later hit takes new pages and writes them back); entries are dropped
+  least recently used past that budget, or when the pool needs pages and none can spill. A finished request is snapshotted too (its prompt and reply, but the last token): the prefix of
   the conversation's next turn.
 * **Compiled shapes.** Decode programs per row bucket (powers of 4 up to all slots: a few active slots run a small
   batch) and page-table width (powers of 4 pages) (the longest active
@@ -69,6 +70,8 @@ class _Entry:
     state: tuple
     nbytes: int
     on_host: bool = False
+    host_pages: list | None = None  # the pages' contents (numpy, per page) while they are in host memory
+    page_nbytes: int = 0  # their bytes, counted in the host tier
 
 
 class _Pages:
@@ -97,13 +100,16 @@ class _Pages:
 class _PrefixCache:
     """Stored prefixes in least-recently-used order. KDA snapshots live in device memory up to ``budget`` bytes;
     past it the oldest spill to host memory (up to ``host_budget``), past that they are dropped. Their pages stay in
-    the pool until the entry is dropped (:meth:`evict`, when the pool needs pages)."""
+    the pool until the pool needs pages: then the oldest entry's pages move to host memory too
+    (:meth:`spill_pages`, within ``host_budget``, through ``read_page``), or the entry is dropped (:meth:`evict`).
+    A hit on an entry whose pages are on the host takes new pages and writes them back (the engine's ``_page_in``)."""
 
-    def __init__(self, pages: _Pages, budget: int, host_budget: int = 0):
+    def __init__(self, pages: _Pages, budget: int, host_budget: int = 0, read_page=None, page_bytes: int = 0):
         self.pages, self.budget, self.host_budget = pages, budget, host_budget
+        self.read_page, self.page_bytes = read_page, page_bytes
         self.entries: "collections.OrderedDict[bytes, _Entry]" = collections.OrderedDict()
         self.nbytes = self.host_nbytes = 0
-        self.evictions = self.spills = 0
+        self.evictions = self.spills = self.page_spills = self.page_restores = 0
 
     def lookup(self, prompt: list[int]) -> _Entry | None:
         """The longest stored prefix of ``prompt`` shorter than it (so at least one token is left to prefill)."""
@@ -146,7 +152,7 @@ class _PrefixCache:
         for key in list(self.entries):
             if self.host_nbytes <= self.host_budget:
                 break
-            if self.entries[key].on_host:
+            if self.entries[key].on_host or self.entries[key].host_pages is not None:
                 self._drop(key)
 
     def _drop(self, key: bytes) -> None:
@@ -155,16 +161,38 @@ class _PrefixCache:
             self.host_nbytes -= entry.nbytes
         else:
             self.nbytes -= entry.nbytes
-        entry.state = None
+        self.host_nbytes -= entry.page_nbytes
+        entry.state = entry.host_pages = None
         self.evictions += 1
         self.pages.release(entry.pages)
 
-    def evict(self) -> bool:
-        """Drop the least recently used entry; False when there is none."""
-        if not self.entries:
+    def evict(self, keep: _Entry | None = None) -> bool:
+        """Drop the least recently used entry other than ``keep``; False when there is none."""
+        key = next((k for k, e in self.entries.items() if e is not keep), None)
+        if key is None:
             return False
-        self._drop(next(iter(self.entries)))
+        self._drop(key)
         return True
+
+    def spill_pages(self, keep: _Entry | None = None) -> bool:
+        """Move the pages of the least recently used entry (other than ``keep``) that holds a page no one else does,
+        and whose pages fit the host tier, to host memory, and give its pages back to the pool; False when none
+        can."""
+        if self.read_page is None:
+            return False
+        for entry in self.entries.values():
+            if entry is keep or not entry.pages or not any(self.pages.refs[p] == 1 for p in entry.pages):
+                continue
+            nbytes = len(entry.pages) * self.page_bytes
+            if self.host_nbytes + nbytes > self.host_budget:
+                continue
+            entry.host_pages = [self.read_page(p) for p in entry.pages]
+            self.pages.release(entry.pages)
+            entry.pages, entry.page_nbytes = [], nbytes
+            self.host_nbytes += nbytes
+            self.page_spills += 1
+            return True
+        return False
 
     def clear(self) -> None:
         while self.evict():
@@ -204,7 +232,8 @@ class Engine:
     plus half as much again for the prefix cache). ``prefill_chunk``: the longest prefill call; shorter chunks run in
     power-of-two buckets from ``min_chunk``, each bucket two programs (fresh and continued) compiled at start.
     ``prefix_cache_bytes``: KDA-state bytes the prefix cache may keep in device memory, ``prefix_host_bytes`` in host
-    memory (snapshots spill there, oldest first; both 0 turn prefix caching off). ``snapshot_every``: tokens between
+    memory (snapshots spill there, oldest first, and so do the cache pages of stored prefixes when the pool needs
+    pages; both 0 turn prefix caching off). ``snapshot_every``: tokens between
     snapshots inside a prompt (a multiple of ``prefill_chunk``, the default; a K3 snapshot is ~0.43 GB of KDA state,
     so long system prompts may want fewer); every prompt's end and every finished reply are snapshotted too.
     ``compact_decode``: when few slots decode, run a decode batch of just those (row buckets of powers of 4).
@@ -249,7 +278,11 @@ class Engine:
         self.programs = steps.programs(self.graphdef, self.shardings)
         self.cache = self._new_cache()
         self.pool = _Pages(self.n_pages)
-        self.prefix = (_PrefixCache(self.pool, int(prefix_cache_bytes), int(prefix_host_bytes))
+        page_bytes = sum(math.prod(a.shape) // self.n_pages * a.dtype.itemsize
+                         for e, _ in steps._entries(self._shapes()) if not isinstance(e, steps.KDACache)
+                         for a in jax.tree.leaves(e))
+        read_page = lambda p: jax.device_get(self.programs.take_page(self.cache, np.int32(p)))  # noqa: E731
+        self.prefix = (_PrefixCache(self.pool, int(prefix_cache_bytes), int(prefix_host_bytes), read_page, page_bytes)
                        if prefix_cache_bytes or prefix_host_bytes else None)
         self.table = np.zeros((self.slots, self.pages_per_seq), np.int32)
         self.running: list[_Slot | None] = [None] * self.slots
@@ -444,11 +477,14 @@ class Engine:
             handle = self.waiting[0]
             req = handle.request
             entry = self.prefix.lookup(req.prompt) if self.prefix is not None else None
+            if entry is not None and entry.host_pages is not None and not self._page_in(entry):
+                entry = None  # its pages would not fit now: a miss
             hit = entry.length if entry is not None else 0
             held = entry.pages[: -(-hit // ps)] if entry is not None else []
             self.pool.hold(held)  # kept through any eviction below
             need = -(-(len(req.prompt) + req.max_tokens) // ps) - hit // ps
-            while self._available() < need and self.prefix is not None and self.prefix.evict():
+            while self._available() < need and self.prefix is not None and (
+                    self.prefix.spill_pages(keep=entry) or self.prefix.evict(keep=entry)):
                 pass
             if self._available() < need:
                 self.pool.release(held)
@@ -464,6 +500,22 @@ class Engine:
             handle.timings["admitted"] = time.perf_counter()
             self.counters["prefix_hits" if entry is not None else "prefix_misses"] += 1
             self.counters["prefix_hit_tokens"] += s.pos
+
+    def _page_in(self, entry: _Entry) -> bool:
+        """Pages for ``entry``'s cache, spilled to host memory, written back from there; False when the pool cannot
+        give that many (other entries spilled or dropped first)."""
+        n = len(entry.host_pages)
+        while self._available() < n and (self.prefix.spill_pages(keep=entry) or self.prefix.evict(keep=entry)):
+            pass
+        if self._available() < n:
+            return False
+        pages = [self.pool.take() for _ in range(n)]
+        for page, data in zip(pages, entry.host_pages):
+            self.cache = self.programs.put_page(self.cache, np.int32(page), data)
+        self.prefix.host_nbytes -= entry.page_nbytes
+        entry.pages, entry.host_pages, entry.page_nbytes = pages, None, 0
+        self.prefix.page_restores += 1
+        return True
 
     def _restore(self, i: int, s: _Slot, entry: _Entry, held: list[int]) -> None:
         """Slot ``i`` continues from ``entry``: its KDA state, its full pages shared, its partial page copied."""
@@ -633,6 +685,8 @@ class Engine:
         state = self.programs.take_state(self.cache, np.int32(0))
         self.cache = self.programs.put_state(self.cache, np.int32(0), state, np.int32(0))
         self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))
+        self.cache = self.programs.put_page(self.cache, np.int32(0),
+                                            jax.device_get(self.programs.take_page(self.cache, np.int32(0))))
         jax.block_until_ready(self.cache)
         self._warm_compiles = steps.backend_compiles()
 
@@ -648,6 +702,8 @@ class Engine:
             "prefix_evictions": 0 if self.prefix is None else self.prefix.evictions,
             "prefix_host_bytes": 0 if self.prefix is None else self.prefix.host_nbytes,
             "prefix_spills": 0 if self.prefix is None else self.prefix.spills,
+            "prefix_page_spills": 0 if self.prefix is None else self.prefix.page_spills,
+            "prefix_page_restores": 0 if self.prefix is None else self.prefix.page_restores,
             "compiles_after_warmup": None if self._warm_compiles is None else compiled - self._warm_compiles,
             **self.counters,
         }

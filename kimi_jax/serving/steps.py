@@ -6,7 +6,8 @@
 * :func:`decode_step`: one token for every slot at once; inactive slots (``active`` False) feed length 0, which
   leaves their KDA state, conv tails and pages untouched.
 * :func:`take_state` / :func:`put_state`: a slot's KDA state and conv tails out of the cache (a prefix snapshot) and
-  back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool.
+  back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool; :func:`take_page` /
+  :func:`put_page`: one page of every pool out (to host memory) and back.
 
 The cache is donated to every function that writes it. Every shape is static (slots, pages, chunk buckets), so a
 warm engine never recompiles; sampling values are traced per slot. :func:`programs` jits them for one model and one
@@ -136,6 +137,25 @@ def copy_page(cache: Cache, src, dst, *, constrain=lambda c: c):
     return constrain(_rebuild(cache, copy))
 
 
+def take_page(cache: Cache, page):
+    """Page ``page`` of every attention layer's pool, each ``[1, ...]`` on the page axis (a prefix entry's cache,
+    kept in host memory while its pages serve others)."""
+    return tuple(jax.tree.map(lambda a, ax=axis: jax.lax.dynamic_slice_in_dim(a, page, 1, ax), e)
+                 for e, axis in _entries(cache) if not isinstance(e, KDACache))
+
+
+def put_page(cache: Cache, page, data, *, constrain=lambda c: c):
+    """``cache`` with page ``page`` of every attention layer's pool set to ``data`` (from :func:`take_page`)."""
+    it = iter(data)
+
+    def put(e, axis):
+        if isinstance(e, KDACache):
+            return e
+        return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, page, axis), e, next(it))
+
+    return constrain(_rebuild(cache, put))
+
+
 class Programs(NamedTuple):
     """The functions above jitted for one model (graphdef bound) and one cache sharding."""
 
@@ -144,6 +164,8 @@ class Programs(NamedTuple):
     take_state: Callable
     put_state: Callable
     copy_page: Callable
+    take_page: Callable
+    put_page: Callable
 
 
 _compiles = [0]
@@ -180,5 +202,7 @@ def programs(graphdef, cache_sharding=None) -> Programs:
             jax.jit(functools.partial(decode_step, graphdef, **kw), static_argnames=("record",), **cached),
             jax.jit(take_state),
             jax.jit(functools.partial(put_state, **kw), **cached),
-            jax.jit(functools.partial(copy_page, **kw), **cached))
+            jax.jit(functools.partial(copy_page, **kw), **cached),
+            jax.jit(take_page),
+            jax.jit(functools.partial(put_page, **kw), **cached))
     return _PROGRAMS[key]
