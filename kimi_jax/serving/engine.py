@@ -16,8 +16,8 @@ snapshots KDA state.
   aligned to the same boundaries. Snapshots past ``prefix_cache_bytes`` spill to host memory (up to
   ``prefix_host_bytes``), oldest first; when the pool needs pages, the oldest entry's pages spill there too (their
   contents copied out, the pages given back; a later hit takes new pages and writes them back); entries are dropped
-  least recently used past that budget, or when the pool needs pages and none can spill. A finished request is snapshotted too (its prompt and reply, but the last token): the prefix of
-  the conversation's next turn.
+  least recently used past that budget, or when the pool needs pages and none can spill. A finished request is
+  snapshotted too (its prompt and reply, but the last token): the prefix of the conversation's next turn.
 * **Compiled shapes.** Decode programs per row bucket (powers of 4 up to all slots: a few active slots run a small
   batch) and page-table width (powers of 4 pages) (the longest active
   sequence's pages: short contexts do not read max_len's table), and one prefill program per chunk bucket, fresh
@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.generation.generate import default_stop_ids, free_memory
-from kimi_jax.model.cache import paged_cache, paged_cache_shapes
+from kimi_jax.model.cache import KDACache, paged_cache, paged_cache_shapes
 from kimi_jax.parallel.sharding import paged_cache_shardings
 from kimi_jax.serving import steps
 from kimi_jax.serving.events import Completion, Event, Handle, Request
@@ -279,7 +279,7 @@ class Engine:
         self.cache = self._new_cache()
         self.pool = _Pages(self.n_pages)
         page_bytes = sum(math.prod(a.shape) // self.n_pages * a.dtype.itemsize
-                         for e, _ in steps._entries(self._shapes()) if not isinstance(e, steps.KDACache)
+                         for e, _ in steps._entries(self._shapes()) if not isinstance(e, KDACache)
                          for a in jax.tree.leaves(e))
         read_page = lambda p: jax.device_get(self.programs.take_page(self.cache, np.int32(p)))  # noqa: E731
         self.prefix = (_PrefixCache(self.pool, int(prefix_cache_bytes), int(prefix_host_bytes), read_page, page_bytes)
