@@ -61,10 +61,13 @@ def test_generate_command(demo_dir, capsys):
 
 
 @pytest.mark.slow
-def test_generate_command_cache_options(demo_dir, capsys):
-    """--kv-cache int8 / --kda-state bfloat16 reach the generator: greedy ids as the float cache gives (the tiny
+def test_generate_command_memory_options(demo_dir, capsys):
+    """--kv-cache int8 / --kda-state bfloat16 reach the generator: greedy output as the float cache gives (the tiny
     model's int8 decode error is 1e-2 in the logits, far from its top-2 margins on these few steps) or a clear
-    refusal of an unknown choice."""
+    refusal of an unknown choice. --offload: every kind in host memory gives the on-device output (bit for bit on
+    the CPU); --quantize int8: the output of the Python API's int8 model; unknown names end in one line."""
+    import kimi_jax
+
     argv = ["generate", "--model", demo_dir, "--ids", "5,6,7", "--max-new-tokens", "4", "--dtype", "float32"]
     assert cli.main(argv) == 0
     plain = capsys.readouterr().out
@@ -73,6 +76,16 @@ def test_generate_command_cache_options(demo_dir, capsys):
     assert plain.strip() and quant == plain
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(argv + ["--kv-cache", "int4"])
+    assert cli.main(argv + ["--offload", "experts,kda_state,cache"]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli.main(argv + ["--quantize", "int8", "--no-stream"]) == 0
+    got = capsys.readouterr().out
+    model = kimi_jax.from_pretrained(demo_dir, dtype="float32", quantize="int8")
+    assert got == kimi_jax.generate(model, [[5, 6, 7]], 4, tokenizer=load_tokenizer(demo_dir)).text[0] + "\n"
+    assert cli.main(argv + ["--quantize", "int5"]) == 2
+    assert "unknown weight format 'int5'" in capsys.readouterr().err
+    assert cli.main(argv + ["--offload", "gpu"]) == 2
+    assert "offload: unknown ['gpu']" in capsys.readouterr().err
 
 
 def test_dtype_choice(capsys, monkeypatch):
@@ -226,3 +239,4 @@ def test_cli_errors_are_one_line(monkeypatch, capsys, error, code, line):
     assert cli.main(["info", "k3"]) == code
     err = capsys.readouterr().err
     assert err.startswith(line) and err.count("\n") == 1 and "Traceback" not in err
+

@@ -75,6 +75,12 @@ def _dtype_argument(p: argparse.ArgumentParser):
                         "faster than float32)")
 
 
+def quantize_argument(p: argparse.ArgumentParser):
+    p.add_argument("--quantize", default=None, metavar="FORMAT",
+                   help="weight-only format of the dense weights, quantized at load: int8, int4[:gN][:zero], nf4 "
+                        "(kimi_jax.from_pretrained(quantize=...))")
+
+
 def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
     p.add_argument("--model", help="HF or converted checkpoint directory (default: the shipped demo model)")
     p.add_argument("--max-new-tokens", type=int, default=max_new)
@@ -87,6 +93,10 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
                    help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
     p.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
                    help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
+    quantize_argument(p)
+    p.add_argument("--offload", default=None, metavar="KINDS",
+                   help="comma list of experts,kda_state,cache kept in host memory and brought to the device per "
+                        "layer (kimi_jax.parallel.offload)")
     _dtype_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
@@ -161,13 +171,20 @@ def _dtype(asked: str) -> str:
     return dtype.name
 
 
-def _load(path, dtype, check_finite=True):
+def _load(path, dtype, check_finite=True, quantize=None, offload=None):
+    """(model, tokenizer or None, load seconds, dtype name). ``quantize``: a weight format (refused by name before
+    any weight is read when it does not fit); ``offload``: ``"experts,kda_state,cache"`` or a part of it."""
+    import jax.numpy as jnp
+
     import kimi_jax
+    from kimi_jax.parallel.offload import check_kinds
     from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
 
+    kinds = check_kinds(offload) if offload else ()
     dtype = _dtype(dtype)
     t0 = time.perf_counter()
-    model = kimi_jax.from_pretrained(path, dtype=dtype, check_finite=check_finite)
+    kw = dict(run=kimi_jax.RunConfig(dtype=jnp.dtype(dtype), offload=kinds)) if kinds else dict(dtype=dtype)
+    model = kimi_jax.from_pretrained(path, check_finite=check_finite, quantize=quantize, **kw)
     tok = load_tokenizer(path) if has_tokenizer(path) else None
     return model, tok, time.perf_counter() - t0, dtype
 
@@ -266,7 +283,7 @@ def run_generate(args):
     from kimi_jax.text import chat
 
     with _model_dir(args.model) as path:
-        model, tok, *_ = _load(path, args.dtype, not args.no_check_finite)
+        model, tok, *_ = _load(path, args.dtype, not args.no_check_finite, args.quantize, args.offload)
         prompts = _prompts(args, tok)
         stream = None if (args.no_stream or len(prompts) > 1) else _printer()
         r = kimi_jax.generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -294,7 +311,7 @@ def run_chat(args, stdin=None):
     stdin = stdin or sys.stdin
     thinking = not args.no_thinking
     with _model_dir(args.model) as path:
-        model, tok, *_ = _load(path, args.dtype, not args.no_check_finite)
+        model, tok, *_ = _load(path, args.dtype, not args.no_check_finite, args.quantize, args.offload)
         if tok is None:
             raise ValueError(f"{path}: chat needs tokenizer files (tiktoken.model + tokenizer_config.json)")
         _require_chat(tok)

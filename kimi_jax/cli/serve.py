@@ -36,6 +36,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--snapshot-every", type=int, default=None,
                    help="tokens between snapshots inside a prompt (a multiple of --prefill-chunk; default: each chunk)")
     generate_cli._dtype_argument(p)
+    generate_cli.quantize_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -61,7 +62,7 @@ def run_serve(args):
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
         with generate_cli._model_dir(None if demo else args.model) as path:
-            model, tok, load_s, dtype = generate_cli._load(path, args.dtype, not args.no_check_finite)
+            model, tok, load_s, dtype = generate_cli._load(path, args.dtype, not args.no_check_finite, args.quantize)
             name = _name(args, path, demo)
             engine = Engine(model, tok, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                             page_size=args.page_size, pages=args.pages,
