@@ -100,7 +100,8 @@ def offload(path: str) -> dict:
     from kimi_jax import Generator, RunConfig
 
     kinds = ("kda_state", "cache", "experts")
-    ids = load_file(os.path.join(path, "golden.safetensors"))["input_ids"]
+    golden = load_file(os.path.join(path, "golden.safetensors"))
+    ids = golden["input_ids"]
     mem = lambda t: sorted({getattr(x.sharding, "memory_kind", None) or "device" for x in jax.tree.leaves(t)})
     base = kimi_jax.from_pretrained(path, dtype="float32")
     ref = Generator(base, max_len=32).generate(ids, 6, stop=(), record_logits=True)
@@ -113,7 +114,7 @@ def offload(path: str) -> dict:
     from kimi_jax.parallel import offload as off
 
     hot_model = kimi_jax.from_pretrained(path, run=RunConfig(dtype=jnp.float32, offload=kinds))
-    off.keep_hot_experts(hot_model, 2, off.expert_usage(base, load_file(os.path.join(path, "golden.safetensors"))["full_ids"]))
+    off.keep_hot_experts(hot_model, 2, off.expert_usage(base, golden["full_ids"]))
     hot = np.stack(Generator(hot_model, max_len=32).generate(ids, 6, stop=(), record_logits=True).logits)
     return {"offloaded": list(kinds), "logits_bit_equal": bool(np.array_equal(a, b)), "max_abs_diff": _max_abs(a, b),
             "hot_experts_logits_bit_equal": bool(np.array_equal(hot, b)), "hot_experts_max_abs_diff": _max_abs(hot, b),

@@ -174,15 +174,13 @@ def expert_usage(model, ids, batch: int = 8) -> list:
     (padding counts like any token): one int64 array ``[E]`` per MoE layer, in layer order."""
     import numpy as np
 
-    ids = np.asarray(ids)
-    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"ids must be a non-empty integer [sequences, tokens] array, got {ids.dtype} {ids.shape}")
-    if ids.min() < 0 or ids.max() >= model.cfg.vocab_size:
-        raise ValueError(f"ids must lie in [0, {model.cfg.vocab_size}): found {ids.min()}..{ids.max()}")
+    from kimi_jax.model.quantize import check_calibration
+
+    ids = check_calibration(ids, model.cfg.vocab_size)
     routers = nnx.jit(lambda m, x: m(x, return_router=True).router)
     counts = None
     for i in range(0, len(ids), batch):
-        r = routers(model, jnp.asarray(ids[i:i + batch], jnp.int32))
+        r = routers(model, jnp.asarray(ids[i:i + batch]))
         c = [np.bincount(np.asarray(idx).ravel(), minlength=model.cfg.moe.num_experts) for idx, _ in r]
         counts = c if counts is None else [a + b for a, b in zip(counts, c)]
     return counts
@@ -505,10 +503,10 @@ def compile_step(cfg, mesh, kinds=(), *, batch: int, context: int, tokens: int =
     out.update({f"host_{k}": int(getattr(m, f"host_{k}_size_in_bytes")) for k in keys})
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out["compile_seconds"] = time.perf_counter() - t0
-    text = compiled.as_text()
+    copies = _host_copies(compiled.as_text())
     try:
-        out["h2d"] = host_to_device_bytes(text)
-        out["h2d_always"] = host_to_device_bytes(text, conditional=False)  # less the cold-expert copies' branches
+        out["h2d"] = copies(True)
+        out["h2d_always"] = copies(False)  # less the cold-expert copies' branches
     except ValueError:  # copies inside a scan on TPU: the program does not say how often they run
         out["h2d"] = out["h2d_always"] = None
     return out
@@ -529,6 +527,11 @@ def host_to_device_bytes(hlo_text: str, conditional: bool = True) -> int:
     (XLA:TPU drops ``known_trip_count``). Copies inside a branch of a ``conditional`` (the cold experts of
     :func:`keep_hot_experts`) are counted as if their branch ran, unless ``conditional`` is False: then only the
     copies every run makes are."""
+    return _host_copies(hlo_text)(conditional)
+
+
+def _host_copies(hlo_text: str):
+    """The scheduled program read once (:func:`host_to_device_bytes`): a function of ``conditional`` -> bytes."""
     def shapes(line):
         return [(t, dims, "S(5)" in (lay or "")) for t, dims, lay in _HLO_SHAPE.findall(line)]
 
@@ -566,17 +569,20 @@ def host_to_device_bytes(hlo_text: str, conditional: bool = True) -> int:
             moved = nbytes(rt, rd) if sh[0][2] and not rh else 0
         reads[computation] = reads.get(computation, 0) + moved
 
-    def times(computation):
-        if computation in branches:
-            return int(conditional) * times(branches[computation])
-        if computation not in loops:
-            return 1
-        parent, trips = loops[computation]
-        if trips is None:
-            raise ValueError(f"host -> device copies in loop body {computation} whose trip count is not stated")
-        return trips * times(parent)
+    def total(conditional: bool) -> int:
+        def times(computation):
+            if computation in branches:
+                return int(conditional) * times(branches[computation])
+            if computation not in loops:
+                return 1
+            parent, trips = loops[computation]
+            if trips is None:
+                raise ValueError(f"host -> device copies in loop body {computation} whose trip count is not stated")
+            return trips * times(parent)
 
-    return sum(b * times(c) for c, b in reads.items() if b)
+        return sum(b * times(c) for c, b in reads.items() if b)
+
+    return total
 
 
 def moved_bytes(cfg, kinds, mesh, *, batch: int, context: int, dtype="bfloat16") -> int:

@@ -483,10 +483,7 @@ class Engine:
             held = entry.pages[: -(-hit // ps)] if entry is not None else []
             self.pool.hold(held)  # kept through any eviction below
             need = -(-(len(req.prompt) + req.max_tokens) // ps) - hit // ps
-            while self._available() < need and self.prefix is not None and (
-                    self.prefix.spill_pages(keep=entry) or self.prefix.evict(keep=entry)):
-                pass
-            if self._available() < need:
+            if not self._make_room(need, keep=entry):
                 self.pool.release(held)
                 return  # wait for a slot to finish
             self.waiting.popleft()
@@ -501,13 +498,19 @@ class Engine:
             self.counters["prefix_hits" if entry is not None else "prefix_misses"] += 1
             self.counters["prefix_hit_tokens"] += s.pos
 
+    def _make_room(self, n: int, keep: _Entry | None) -> bool:
+        """Whether ``n`` pages are free to take, after spilling (else dropping) stored prefixes other than ``keep``,
+        least recently used first, as far as needed."""
+        while self._available() < n and self.prefix is not None and (
+                self.prefix.spill_pages(keep=keep) or self.prefix.evict(keep=keep)):
+            pass
+        return self._available() >= n
+
     def _page_in(self, entry: _Entry) -> bool:
         """Pages for ``entry``'s cache, spilled to host memory, written back from there; False when the pool cannot
         give that many (other entries spilled or dropped first)."""
         n = len(entry.host_pages)
-        while self._available() < n and (self.prefix.spill_pages(keep=entry) or self.prefix.evict(keep=entry)):
-            pass
-        if self._available() < n:
+        if not self._make_room(n, keep=entry):
             return False
         pages = [self.pool.take() for _ in range(n)]
         for page, data in zip(pages, entry.host_pages):
