@@ -111,7 +111,7 @@ def offload(path: str) -> dict:
     a, b = np.stack(out.logits), np.stack(ref.logits)
     (cache,) = gen._caches.values()
     # hot experts: 2 of each layer's 8 also on the device (usage counted on the fixture's longer sequences)
-    from kimi_jax.parallel import offload as off
+    from kimi_jax.model import hot_experts as off
 
     hot_model = kimi_jax.from_pretrained(path, run=RunConfig(dtype=jnp.float32, offload=kinds))
     off.keep_hot_experts(hot_model, 2, off.expert_usage(base, golden["full_ids"]))

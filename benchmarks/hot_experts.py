@@ -1,10 +1,10 @@
 """How much of a decode step's expert traffic a hot set saves: the shipped demo model (trained K3 10.1M: 8 routed
 experts per MoE layer, top-2), experts offloaded to host memory, the ``H`` most used per layer kept on the device too
-(:func:`kimi_jax.parallel.offload.keep_hot_experts`).
+(:func:`kimi_jax.model.hot_experts.keep_hot_experts`).
 
     python benchmarks/hot_experts.py [--calibration 64] [--tokens 256]
 
-Usage is counted on sequences of the model's training text (:func:`offload.expert_usage`); the hit rate -- the share
+Usage is counted on sequences of the model's training text (:func:`hot_experts.expert_usage`); the hit rate -- the share
 of routed choices that land in the hot set, i.e. of per-slot copies a decode step no longer makes -- is measured on
 its held-out text, next to ``H / E`` (what a hot set buys when routing is uniform). Also prints the host -> device
 bytes of one decode step as the GPU compiler schedules them (deviceless, batch 1), with and without a hot set:
@@ -38,7 +38,8 @@ def main(argv=None) -> int:
 
     import kimi_jax
     from kimi_jax.cli.demo import demo_model_dir
-    from kimi_jax.parallel import offload
+    from kimi_jax.deploy.compile import compile_step
+    from kimi_jax.model import hot_experts
     from kimi_jax.text.tokenizer import load_tokenizer
 
     path = demo_model_dir()
@@ -48,8 +49,8 @@ def main(argv=None) -> int:
     pick = lambda lo, hi, n: np.stack([ids[a:a + args.tokens] for a in rng.integers(lo, hi - args.tokens, n)])  # noqa: E731
     calib, held = pick(0, start, args.calibration), pick(start, len(ids), args.heldout)
     model = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
-    train_use = offload.expert_usage(model, calib)
-    held_use = offload.expert_usage(model, held)
+    train_use = hot_experts.expert_usage(model, calib)
+    held_use = hot_experts.expert_usage(model, held)
     E, X = model.cfg.moe.num_experts, model.cfg.moe.top_k
     print(f"demo model: {len(train_use)} MoE layers x {E} experts, top-{X}; usage on {calib.size} training tokens, "
           f"hit rate on {held.size} held-out tokens")
@@ -66,12 +67,12 @@ def main(argv=None) -> int:
         print(f"| {H} | {np.mean(hits):.3f} | {min(hits):.3f} / {max(hits):.3f} | {H / E:.3f} |")
 
     if not args.no_compile:
-        from kimi_jax.parallel import aot
+        from kimi_jax.deploy import aot
 
         mesh = aot.target_mesh(aot.parse_target("gpu:h200:1x1x1"))
         print("\ndeviceless XLA:GPU (H200), one decode step, batch 1, 256-token cache, experts on host:")
         for H in (0, E // 4, E // 2):
-            r = offload.compile_step(model.cfg, mesh, ("experts",), batch=1, context=256, parallel=False,
+            r = compile_step(model.cfg, mesh, offload=("experts",), batch=1, context=256, parallel=False,
                                      hot_experts=H)
             print(f"  hot {H}: device arguments {r['argument'] / 1e6:.3f} MB, host {r['host_argument'] / 1e6:.3f} MB; "
                   f"host -> device per step: {r['h2d'] / 1e6:.3f} MB if every choice is cold, "

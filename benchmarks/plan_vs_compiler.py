@@ -43,7 +43,8 @@ def main(argv=None):
     import jax
 
     from kimi_jax.model import config as C
-    from kimi_jax.parallel import plan, sharding
+    from kimi_jax.deploy import plan
+    from kimi_jax.parallel import sharding
 
     if jax.device_count() != n:
         sys.exit(f"expected {n} devices, got {jax.device_count()} (was jax imported before XLA_FLAGS was set?)")

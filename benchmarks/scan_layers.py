@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kimi_jax.model import config as C  # noqa: E402
 from kimi_jax.model.layer_plan import layer_plan  # noqa: E402
-from kimi_jax.parallel import aot, sharding  # noqa: E402
+from kimi_jax.deploy import aot  # noqa: E402
+from kimi_jax.parallel import sharding  # noqa: E402
 
 GB = 1e9
 

@@ -24,7 +24,6 @@ import argparse
 import ast
 import hashlib
 import json
-import os
 import pathlib
 import platform
 import shutil

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax import cli
-from kimi_jax.parallel import aot
+from kimi_jax.deploy import aot
 from tests.test_kernels_lowering import KERNELS
 
 S = jax.ShapeDtypeStruct

@@ -16,7 +16,7 @@ import kernels_pallas.attention as attn_api
 import kernels_pallas.mla_decode as mla_api
 import kernels_pallas.paged_attention as paged_api
 from kernels_pallas.cache_quant import Int8Rows
-from kimi_jax.parallel import aot
+from kimi_jax.deploy import aot
 
 S = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -79,7 +79,7 @@ def test_k3_slice_decode_step_arguments_shrink_as_cache_bytes_says():
     argument bytes with the int8 cache (and the bf16 KDA state) = the float cache's minus cache_bytes' saving."""
     from kimi_jax.model import config as C
     from kimi_jax.model.cache import cache_bytes
-    from kimi_jax.parallel import plan
+    from kimi_jax.deploy import plan
 
     cfg = C.preset("k3").sliced(4, 16)
     assert "mla" in cfg.attn_types

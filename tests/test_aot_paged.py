@@ -66,7 +66,7 @@ def _compile_kernel_and_stats(target_text, f, args):
     """As tests/test_aot.py's ``_compile_kernel``, but the compiled executable (for ``memory_analysis``)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from kimi_jax.parallel import aot
+    from kimi_jax.deploy import aot
 
     target = aot.parse_target(target_text)
     mesh = Mesh(aot.device_array(target, (1,)), ("x",))
@@ -89,7 +89,7 @@ def test_engine_decode_step_compiles(target):
     from kimi_jax.model.config import preset
     from kimi_jax.model.decoder import abstract_model
     from kimi_jax.model.run import RunConfig
-    from kimi_jax.parallel import aot
+    from kimi_jax.deploy import aot
     from kimi_jax.serving import steps
 
     cfg = preset("k3").sliced(4, 16)

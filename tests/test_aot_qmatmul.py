@@ -20,7 +20,7 @@ import pytest
 
 import kernels_pallas.qmatmul as qm
 from kernels_pallas import quant
-from kimi_jax.parallel import aot
+from kimi_jax.deploy import aot
 from tests.test_aot import TARGETS
 from tests.test_aot_paged import _compile_kernel_and_stats
 
@@ -81,7 +81,7 @@ def test_quantized_model_decode_step_runs_the_kernel(target):
     projection beyond the float model's kernels, and the compiled step's arguments shrink by the packing."""
     from kimi_jax.checkpoint import synthetic
     from kimi_jax.model import config as C
-    from kimi_jax.parallel import aot, plan
+    from kimi_jax.deploy import aot, plan
 
     cfg = C.from_dict(synthetic.default_config("llama"))
     mesh = aot.target_mesh(aot.parse_target(target))

@@ -29,7 +29,9 @@ from flax import nnx
 from kimi_jax.checkpoint import synthetic
 from kimi_jax.model import config
 from kimi_jax.model.cache import MLACache, cache_shapes
-from kimi_jax.parallel import aot, plan, sharding
+from kimi_jax.deploy import aot
+from kimi_jax.deploy import compile as compile_lib
+from kimi_jax.parallel import sharding
 from tests.hlo import gathers_into_kernels
 
 MESHES = {"tp": (1, 1, 4), "ep": (1, 4, 1), "dp": (4, 1, 1), "mix": (1, 2, 2)}
@@ -50,8 +52,8 @@ def compile_case(model, mesh, step, target, scan=False):
     t = aot.parse_target(TARGETS[target])
     m = aot.target_mesh(t, *MESHES[mesh])
     tokens = STEPS[step]
-    graphdef, state, ids, cache, _ = plan._abstract_step_inputs(cfg, m, "tp_ep", BATCH, tokens, CACHE, jnp.bfloat16,
-                                                                None, scan)
+    graphdef, (state,), ids, cache, _ = compile_lib.step_inputs(cfg, m, batch=BATCH, tokens=tokens, context=CACHE,
+                                                                scan_layers=scan)
 
     def run(state, ids, cache):
         out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1)
@@ -127,7 +129,7 @@ def test_generator_programs_compile_for_tpu():
     cfg = config.from_dict(MODELS["k3"]())
     t = aot.parse_target(TARGETS["tpu"])
     m = aot.target_mesh(t, *MESHES["mix"])
-    graphdef, params, ids, cache, _ = plan._abstract_step_inputs(cfg, m, "tp_ep", BATCH, 16, CACHE, jnp.bfloat16, None)
+    graphdef, (params,), ids, cache, _ = compile_lib.step_inputs(cfg, m, batch=BATCH, tokens=16, context=CACHE)
     rep = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(m, P()))
     samp = Sampling(temperature=rep((BATCH,), jnp.float32), top_k=rep((BATCH,), jnp.int32),
                         top_p=rep((BATCH,), jnp.float32), budget=rep((BATCH,), jnp.int32),

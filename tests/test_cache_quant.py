@@ -120,7 +120,7 @@ def test_cache_bytes_count_codes_and_scales(preset):
 
 def test_plan_counts_the_int8_cache(capsys):
     from kimi_jax import cli
-    from kimi_jax.parallel import plan
+    from kimi_jax.deploy import plan
 
     cfg = C.preset("k3")
     sizes = dict(data=1, expert=8, model=8)

@@ -15,7 +15,6 @@ import pytest
 from flax import nnx
 
 import kimi_jax
-from convert import converter
 from convert.converter import ConvertError, VerifyError, convert_checkpoint, verify_checkpoint
 from kernels_pallas import packed, quant
 from kimi_jax.checkpoint import orbax as orbax_io

@@ -11,7 +11,6 @@ import pathlib
 import platform
 import re
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

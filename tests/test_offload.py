@@ -19,7 +19,11 @@ import kimi_jax
 from kimi_jax.generation.generate import Generator
 from kimi_jax.model import config as C
 from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import offload
+from kernels_pallas._dispatch import slices_from_host
+from kimi_jax.deploy import compile as compile_lib
+from kimi_jax.deploy import offload as offload_costs
+from kimi_jax.model import hot_experts, offload
+from kimi_jax.model.run import check_offload
 
 ALL = ("kda_state", "cache", "experts")
 
@@ -28,7 +32,7 @@ def test_unknown_kind_is_refused_by_name():
     with pytest.raises(ValueError, match="kda'"):
         RunConfig(offload=("kda", "experts"))
     assert RunConfig(offload=("experts", "kda_state")).offload == ("kda_state", "experts")
-    assert offload.check_kinds("cache, experts") == ("cache", "experts")
+    assert check_offload("cache, experts") == ("cache", "experts")
 
 
 def _memory_kinds(tree):
@@ -57,7 +61,7 @@ def test_generate_offloaded_equals_on_device(k3_tiny_a, k3_golden, on_device, mo
     ref = on_device[1]
     model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=ALL))
     gen = Generator(model, max_len=32)
-    slots = _count(monkeypatch, "_fetch_slots")
+    slots = _count(monkeypatch, "fetch_slots")
     assert _memory_kinds(model.layers[1].mlp.experts.w1.get_value()) == {"pinned_host"}
     assert _memory_kinds(model.layers[1].mlp.gate.get_value()) == {"device"}
     out = gen.generate(ids, 6, stop=(), record_logits=True)
@@ -113,27 +117,27 @@ def test_offload_bytes_match_the_arrays():
     cfg = C.preset("k3").sliced(4, 32)
     for sizes in ({"data": 1, "expert": 1, "model": 1}, {"data": 1, "expert": 4, "model": 2}):
         for kinds in (("experts",), ("kda_state",), ("cache",), ALL):
-            o = offload.offload_bytes(cfg, kinds, sizes, batch=8, context=4096)
-            assert o.total == offload.moved_bytes(cfg, kinds, sizes, batch=8, context=4096) > 0, (sizes, kinds)
+            o = offload_costs.offload_bytes(cfg, kinds, sizes, batch=8, context=4096)
+            assert o.total == offload_costs.moved_bytes(cfg, kinds, sizes, batch=8, context=4096) > 0, (sizes, kinds)
             # 8 tokens x top-16 = 128 pairs > 32 experts: the products do not gather, every local expert moves
             assert o.h2d_per_step == o.h2d_whole_layers == o.total and o.expert_slots == 0
             assert o.d2h_per_step == sum(v for k, v in o.moved.items() if k != "experts")
-    assert "per decode step" in offload.format_offload(o)
+    assert "per decode step" in offload_costs.format_offload(o)
 
 
 def test_offload_plan_k3_needs_fewer_h200():
     """K3, batch 8, 128K context: experts on host fit on fewer H200 than the plan's smallest on-device mesh, and the
     price is the routed experts' bytes over PCIe each decode step (every local expert byte before, and still on TPU,
     whose compiler cannot slice MXFP4 bytes out of host memory)."""
-    from kimi_jax.parallel import plan
+    from kimi_jax.deploy import plan
 
     cfg = C.preset("k3")
-    r = offload.offload_plan(cfg, ("experts",), batch=8, context=131072, chip="h200")
+    r = offload_costs.offload_plan(cfg, ("experts",), batch=8, context=131072, chip="h200")
     without, with_ = r["without"], r["with"]
     smallest = plan.search(cfg, "tp_ep", batch=8, context=131072, chips=["h200"])["h200"]
     assert without["chips"] == min(q.chips for q in smallest)
     assert without["chips"] == 16 and with_["chips"] == 8  # the issue's goal: 16 -> 8 H200
-    assert with_["host"] <= offload.HOST_PER_CHIP * 0.9 < 2 * with_["host"]  # 4 chips would need twice the host
+    assert with_["host"] <= offload_costs.HOST_PER_CHIP * 0.9 < 2 * with_["host"]  # 4 chips would need twice the host
     # by hand: 92 MoE layers x 896 experts x 3 matrices of 3072 x 3584 MXFP4 values (half a byte each plus one
     # scale byte per 32), spread over the 8 chips, all of them crossing PCIe (64 GB/s) every step
     experts_per_chip = 92 * 896 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32) / 8
@@ -147,7 +151,7 @@ def test_offload_plan_k3_needs_fewer_h200():
     assert with_["copy_seconds"] == pytest.approx(routed_per_chip / 64e9)  # 0.40 s
     p = plan.make_plan(cfg, with_["sizes"], batch=8, context=131072)
     assert with_["device"] == pytest.approx(p.total - experts_per_chip)
-    v5p = offload.offload_plan(cfg, ("experts",), batch=8, context=131072, chip="v5p")["with"]
+    v5p = offload_costs.offload_plan(cfg, ("experts",), batch=8, context=131072, chip="v5p")["with"]
     assert v5p["h2d_per_step"] == v5p["h2d_whole_layers"] == pytest.approx(experts_per_chip * 8 / v5p["chips"])
 
 
@@ -159,31 +163,31 @@ def test_routed_fetch_per_chip_is_capped_at_the_local_experts():
     cfg = C.preset("k3")
     expert_bytes = 3 * 3072 * 3584 * (1 / 2 + 1 / 32)  # one MXFP4 expert, whole (expert=8 splits experts, not rows)
     for batch, slots in ((1, 16), (8, 112)):
-        o = offload.offload_bytes(cfg, ("experts",), {"expert": 8}, batch=batch, context=4096)
+        o = offload_costs.offload_bytes(cfg, ("experts",), {"expert": 8}, batch=batch, context=4096)
         assert (o.expert_slots, o.local_experts) == (slots, 112)
         assert o.h2d_per_step == pytest.approx(92 * slots * expert_bytes)
         assert o.h2d_whole_layers == pytest.approx(92 * 112 * expert_bytes)
     bf16 = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, quant=None))
     for quant_cfg, slots in ((cfg, 0), (bf16, 16)):
-        o = offload.offload_bytes(quant_cfg, ("experts",), {"expert": 8}, batch=1, context=4096, platform="tpu")
+        o = offload_costs.offload_bytes(quant_cfg, ("experts",), {"expert": 8}, batch=1, context=4096, platform="tpu")
         assert o.expert_slots == slots
-    assert "routed experts only: 16 of 112" in offload.format_offload(
-        offload.offload_bytes(cfg, ("experts",), {"expert": 8}, batch=1, context=4096))
+    assert "routed experts only: 16 of 112" in offload_costs.format_offload(
+        offload_costs.offload_bytes(cfg, ("experts",), {"expert": 8}, batch=1, context=4096))
 
 
 def _compiled(target, cfg, kinds_list, batch, context):
-    from kimi_jax.parallel import aot
+    from kimi_jax.deploy import aot
 
     need = "libtpu" if target.startswith("tpu") else "jax_plugins.xla_cuda12"
     if importlib.util.find_spec(need) is None:
         pytest.skip(f"{need} not installed")
     mesh = aot.target_mesh(aot.parse_target(target))
     kw = dict(batch=batch, context=context)
-    base = offload.compile_step(cfg, mesh, (), parallel=False, **kw)
+    base = compile_lib.compile_step(cfg, mesh, parallel=False, **kw)
     assert base["host_argument"] == 0
     for kinds in kinds_list:
-        r = offload.compile_step(cfg, mesh, kinds, parallel=False, **kw)
-        yield kinds, base, r, offload.moved_bytes(cfg, kinds, mesh, **kw)
+        r = compile_lib.compile_step(cfg, mesh, offload=kinds, parallel=False, **kw)
+        yield kinds, base, r, offload_costs.moved_bytes(cfg, kinds, mesh, **kw)
 
 
 def test_compiler_moves_the_bytes_tiny(k3_tiny_a):
@@ -192,7 +196,7 @@ def test_compiler_moves_the_bytes_tiny(k3_tiny_a):
     for kinds, base, r, moved in _compiled("tpu:v5e:1x1", C.load(k3_tiny_a), [ALL], 4, 256):
         assert base["argument"] - r["argument"] == r["host_argument"] >= moved, kinds
         assert r["host_output"] == r["host_alias"] > 0  # the new cache entries go back to host, in place
-        assert r["h2d"] == moved  # MXFP4 experts move whole on TPU (offload.slices_from_host), the cache entries too
+        assert r["h2d"] == moved  # MXFP4 experts move whole on TPU (slices_from_host), the cache entries too
 
 
 def _float_experts(cfg):
@@ -211,7 +215,7 @@ def test_compiler_fetches_only_the_routed_experts(k3_tiny_a, target, experts):
     """Deviceless TPU (bf16 experts) and GPU (MXFP4 experts) compiles of a decode step of the tiny K3 (its first 3
     layers: 2 MoE layers of 8 experts, top-2), batch 2, experts in host memory: the device arguments drop by what the
     host arguments gain (the experts' bytes; TPU pads them to its tiles), and the scheduled program's host -> device
-    copies (:func:`offload.host_to_device_bytes`) are the 2 x 2 routed experts per layer, counted by hand: half of
+    copies (:func:`compile_lib.host_to_device_bytes`) are the 2 x 2 routed experts per layer, counted by hand: half of
     the layer."""
     cfg = C.load(k3_tiny_a).sliced(3)
     cfg = _float_experts(cfg) if experts == "bfloat16" else cfg
@@ -221,13 +225,13 @@ def test_compiler_fetches_only_the_routed_experts(k3_tiny_a, target, experts):
 
 
 def test_tpu_copies_an_8_bit_host_array_whole_to_slice_it():
-    """What :func:`offload.slices_from_host` works around: XLA:TPU slices a bf16 host array per expert as just the
+    """What :func:`kernels_pallas._dispatch.slices_from_host` works around: XLA:TPU slices a bf16 host array per expert as just the
     slices, but a uint8 one (MXFP4 codes) only after copying the whole array to the device and back (another tiling).
     Should a libtpu change this, MXFP4 experts could be fetched routed-only on TPU too."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from kimi_jax.parallel import aot
+    from kimi_jax.deploy import aot
 
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu not installed")
@@ -238,13 +242,13 @@ def test_tpu_copies_an_8_bit_host_array_whole_to_slice_it():
     def fetched(dtype):
         w = jax.ShapeDtypeStruct((64, 512, 512), dtype, sharding=NamedSharding(am, P(), memory_kind="pinned_host"))
         step = lambda w, ids: jax.tree.map(lambda a: a.astype(jnp.float32).sum((1, 2)),  # noqa: E731
-                                           offload._fetch_slots(w, ids[None])[0])
+                                           offload.fetch_slots(w, ids[None])[0])
         with jax.sharding.use_abstract_mesh(am), jax.set_mesh(mesh):
-            return offload.host_to_device_bytes(jax.jit(step).lower(w, ids).compile().as_text())
+            return compile_lib.host_to_device_bytes(jax.jit(step).lower(w, ids).compile().as_text())
 
     assert fetched(jnp.bfloat16) == 4 * 512 * 512 * 2
     assert fetched(jnp.uint8) == 64 * 512 * 512 + 4 * 512 * 512
-    assert not offload.slices_from_host([ids.update(dtype=jnp.uint8)], "tpu")
+    assert not slices_from_host([jnp.uint8], "tpu")
 
 
 @pytest.mark.slow
@@ -286,14 +290,14 @@ def test_decode_fetches_the_routed_experts_prefill_the_layer(hf_kimi_linear, mon
     run = RunConfig(dtype=jnp.float32, offload=("experts",), implementation=implementation)
     model = offload.place_model(kimi_jax.from_pretrained(path, run=run))
     moe_layers = model.cfg.ffn_types.count("moe")
-    shapes, real = [], offload._fetch_slots
+    shapes, real = [], offload.fetch_slots
 
     def fetch(w, idx, hot=None):
         out = real(w, idx, hot)
         shapes.append(out[0]["w1"].shape)
         return out
 
-    monkeypatch.setattr(offload, "_fetch_slots", fetch)
+    monkeypatch.setattr(offload, "fetch_slots", fetch)
     whole = _count(monkeypatch, "to_device")
     cache = model(jnp.ones((1, 3), jnp.int32), cache=init_cache(model.cfg, 1, 8, jnp.float32)).cache
     assert (len(shapes), len(whole)) == (0, moe_layers)
@@ -313,7 +317,7 @@ def test_routed_fetch_decode_equals_on_device(fixture, batch, request, monkeypat
     path = request.getfixturevalue(fixture)
     path = path[0] if isinstance(path, tuple) else path
     ids = jnp.asarray(np.arange(6 * batch).reshape(batch, 6) % 100 + 3, jnp.int32)
-    slots = _count(monkeypatch, "_fetch_slots")
+    slots = _count(monkeypatch, "fetch_slots")
     runs = []
     for kinds in ((), ("experts",)):
         model = offload.place_model(kimi_jax.from_pretrained(path, run=RunConfig(dtype=jnp.float32, offload=kinds)))
@@ -378,14 +382,14 @@ def test_a_converted_checkpoint_restores_the_experts_into_host_memory(k3_tiny_a,
 
 def _zero_host_experts(model):
     """Every routed-expert weight in host memory replaced by zeros: what the host path would read from now on."""
-    for experts in offload._moe_layers(model):
+    for experts in hot_experts.routed_experts(model):
         for name in ("w1", "w3", "w2"):
             var = getattr(experts, name)
             var.set_value(jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), var.get_value()))
 
 
 def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a, k3_golden, on_device):
-    """`offload.keep_hot_experts`: (1) usage counts every routed choice once (tokens x top-k per MoE layer); (2) with
+    """`hot_experts.keep_hot_experts`: (1) usage counts every routed choice once (tokens x top-k per MoE layer); (2) with
     2 of 8 experts per layer hot, generation (prefill + 5 decode steps) gives the on-device logits bit for bit; (3)
     the hot rows really come from the device copy: with every expert hot and the host weights then zeroed, a
     decode-sized call (2 tokens x top-2: the routed path) still gives the on-device logits, and without the hot set it
@@ -393,13 +397,13 @@ def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a
     ids = k3_golden["input_ids"]
     base, ref = on_device
     cfg = base.cfg
-    usage = offload.expert_usage(base, k3_golden["full_ids"])
+    usage = hot_experts.expert_usage(base, k3_golden["full_ids"])
     moe_layers = cfg.ffn_types.count("moe")
     assert len(usage) == moe_layers
     assert all(u.sum() == k3_golden["full_ids"].size * cfg.moe.top_k for u in usage)
 
     model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
-    hot = offload.keep_hot_experts(model, 2, usage)
+    hot = hot_experts.keep_hot_experts(model, 2, usage)
     assert [sorted(h) for h in hot] == [sorted(np.argsort(-u, kind="stable")[:2].tolist()) for u in usage]
     out = Generator(model, max_len=32).generate(ids, 6, stop=(), record_logits=True)
     np.testing.assert_array_equal(np.stack(out.logits), np.stack(ref.logits))
@@ -412,7 +416,7 @@ def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a
     want = np.asarray(fwd(base, step))
     for per_layer, same in ((cfg.moe.num_experts, True), (0, False)):
         m = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
-        offload.keep_hot_experts(m, per_layer, usage)
+        hot_experts.keep_hot_experts(m, per_layer, usage)
         _zero_host_experts(m)
         got = np.asarray(fwd(m, step))
         assert np.array_equal(got, want) == same, per_layer
@@ -422,14 +426,14 @@ def test_hot_experts_refusals(k3_tiny_a, on_device):
     base = on_device[0]
     usage = [np.ones(base.cfg.moe.num_experts, np.int64)] * base.cfg.ffn_types.count("moe")
     with pytest.raises(ValueError, match="not offloaded"):
-        offload.keep_hot_experts(base, 2, usage)
+        hot_experts.keep_hot_experts(base, 2, usage)
     model = kimi_jax.from_pretrained(k3_tiny_a, run=RunConfig(dtype=jnp.float32, offload=("experts",)))
     with pytest.raises(ValueError, match=r"per_layer=9 must lie in \[0, 8\]"):
-        offload.keep_hot_experts(model, 9, usage)
+        hot_experts.keep_hot_experts(model, 9, usage)
     with pytest.raises(ValueError, match="one per MoE layer"):
-        offload.keep_hot_experts(model, 2, usage[:-1])
+        hot_experts.keep_hot_experts(model, 2, usage[:-1])
     with pytest.raises(ValueError, match="must lie in"):
-        offload.expert_usage(base, np.array([[0, base.cfg.vocab_size]]))
+        hot_experts.expert_usage(base, np.array([[0, base.cfg.vocab_size]]))
 
 
 def test_plan_counts_hot_experts_on_the_device():
@@ -439,16 +443,16 @@ def test_plan_counts_hot_experts_on_the_device():
     cfg = C.preset("k3")
     sizes = {"data": 1, "expert": 1, "model": 8}
     kw = dict(batch=1, context=131072)
-    cold = offload.offload_bytes(cfg, ("experts",), sizes, **kw)
-    hot = offload.offload_bytes(cfg, ("experts",), sizes, hot=64, **kw)
+    cold = offload_costs.offload_bytes(cfg, ("experts",), sizes, **kw)
+    hot = offload_costs.offload_bytes(cfg, ("experts",), sizes, hot=64, **kw)
     hot_by_hand = 92 * 64 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32) / 8
     assert hot.hot_bytes == pytest.approx(hot_by_hand) and cold.hot_bytes == 0
     assert hot.total == cold.total and hot.device_freed == cold.total - hot.hot_bytes
     assert hot.h2d_per_step == cold.h2d_per_step
-    assert "hot experts: 64 of 896" in offload.format_offload(hot)
-    from kimi_jax.parallel import plan
+    assert "hot experts: 64 of 896" in offload_costs.format_offload(hot)
+    from kimi_jax.deploy import plan
 
-    r = offload.offload_plan(cfg, ("experts",), chip="h200", hot=64, **kw)["with"]
+    r = offload_costs.offload_plan(cfg, ("experts",), chip="h200", hot=64, **kw)["with"]
     assert r["sizes"] == sizes  # the smallest mesh that fits with the experts on host, as without a hot set
     assert r["device"] == pytest.approx(plan.make_plan(cfg, sizes, **kw).total - cold.total + hot_by_hand)
 
@@ -459,13 +463,13 @@ def test_compiler_copies_cold_experts_only_in_their_branch(k3_tiny_a):
     hand) and the slot map, the host arguments do not change, and every host -> device expert copy now sits inside a
     branch of a ``conditional`` (none runs unconditionally; with all four slots cold, the same bytes as without a hot
     set)."""
-    from kimi_jax.parallel import aot
+    from kimi_jax.deploy import aot
 
     cfg = C.load(k3_tiny_a).sliced(3)
     mesh = aot.target_mesh(aot.parse_target("gpu:h200:1x1x1"))
     kw = dict(batch=2, context=256, parallel=False)
-    cold = offload.compile_step(cfg, mesh, ("experts",), **kw)
-    hot = offload.compile_step(cfg, mesh, ("experts",), hot_experts=3, **kw)
+    cold = compile_lib.compile_step(cfg, mesh, offload=("experts",), **kw)
+    hot = compile_lib.compile_step(cfg, mesh, offload=("experts",), hot_experts=3, **kw)
     slot_map = cfg.moe.num_experts * 4
     assert hot["argument"] - cold["argument"] == 2 * (3 * _routed_expert_bytes(cfg, 2) + slot_map)
     assert hot["host_argument"] == cold["host_argument"] > 0

@@ -2,7 +2,6 @@
 replaced, the bytes loaded, logits close to float32 for the three families, generation, scanned layers, sharding
 specs of the packed fields, and bad requests refused before any weight is read."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -231,7 +230,7 @@ def test_plan_counts_packed_weights_in_their_class(fmt):
     """`kimi-jax plan --quantize`: a packed weight's fields (``mlp.up_proj.packed``, ``lm_head.scale``) are counted in
     their weight's category. The dense model's MLP was once reported as "router + latent proj" and its lm_head as
     "norms", which grew from 33 KB to 0.4 GB."""
-    from kimi_jax.parallel import plan
+    from kimi_jax.deploy import plan
 
     cfg = kimi_jax.preset("kimi-dense").sliced(2)
     one = dict(data=1, expert=1, model=1)

@@ -14,7 +14,8 @@ from kimi_jax.model import config as C
 from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes
 from kimi_jax.model.decoder import abstract_model
-from kimi_jax.parallel import plan, sharding
+from kimi_jax.deploy import plan
+from kimi_jax.parallel import sharding
 
 K3_SIZES = dict(data=1, expert=8, model=8)
 

@@ -1,5 +1,5 @@
 """Deployment planning as rows: common K3 deployments (:data:`DEPLOYMENTS`: H200 nodes, TPU v5p and v7x slices),
-one :func:`kimi_jax.parallel.plan.make_plan` per deployment as a table row (:func:`plan_rows`: bytes per chip,
+one :func:`kimi_jax.deploy.plan.make_plan` per deployment as a table row (:func:`plan_rows`: bytes per chip,
 whether it fits, roofline decode speed), and roofline decode throughput vs batch size (:func:`roofline_vs_batch`)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ GB = 1e9
 @dataclasses.dataclass(frozen=True)
 class Deployment:
     name: str  # e.g. "2 x 8 H200"
-    chip: str  # a key of kimi_jax.parallel.plan.CHIPS
+    chip: str  # a key of kimi_jax.deploy.plan.CHIPS
     sizes: tuple  # ((axis, n), ...) over data / expert / model
     layout: str = "tp_ep"
 
@@ -46,8 +46,8 @@ DEPLOYMENTS = (
 
 def plan_rows(cfg: ModelConfig, deployments: Sequence[Deployment] = DEPLOYMENTS, *, batch: int, context: int,
               dtype="bfloat16", reserve: float = 0.1) -> list[dict]:
-    """One :func:`kimi_jax.parallel.plan.make_plan` per deployment, as table rows (bytes per chip, roofline decode)."""
-    from kimi_jax.parallel import plan
+    """One :func:`kimi_jax.deploy.plan.make_plan` per deployment, as table rows (bytes per chip, roofline decode)."""
+    from kimi_jax.deploy import plan
 
     rows = []
     for d in deployments:
@@ -69,7 +69,7 @@ def roofline_vs_batch(cfg: ModelConfig, deployment: Deployment, batches: Sequenc
                       dtype="bfloat16") -> dict:
     """Roofline decode throughput of one deployment at several batch sizes: {batch, step_ms, tokens_per_s,
     total_gb, fits} arrays (memory per chip grows with the batch's caches; ``fits``: within 90% of HBM)."""
-    from kimi_jax.parallel import plan
+    from kimi_jax.deploy import plan
 
     chip = plan.CHIPS[deployment.chip]
     out = {"batch": [], "step_ms": [], "tokens_per_s": [], "total_gb": [], "fits": []}

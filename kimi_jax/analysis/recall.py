@@ -27,7 +27,6 @@ import dataclasses
 import time
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

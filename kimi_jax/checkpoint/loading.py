@@ -15,7 +15,8 @@ from kimi_jax.model import params
 from kimi_jax.model import quantize as quantize_lib
 from kimi_jax.model.decoder import KimiModel, relayout
 from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import distributed, offload
+from kimi_jax.model import offload
+from kimi_jax.parallel import distributed
 
 # The dtype a run gets when its user names none: bfloat16 on every platform. Accelerators run it natively; on the
 # CPU the native decode products stream bfloat16 weights (widened in registers, float32 sums), so it decodes the

@@ -96,7 +96,7 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
     quantize_argument(p)
     p.add_argument("--offload", default=None, metavar="KINDS",
                    help="comma list of experts,kda_state,cache kept in host memory and brought to the device per "
-                        "layer (kimi_jax.parallel.offload)")
+                        "layer (kimi_jax.model.offload)")
     _dtype_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
@@ -177,10 +177,10 @@ def _load(path, dtype, check_finite=True, quantize=None, offload=None):
     import jax.numpy as jnp
 
     import kimi_jax
-    from kimi_jax.parallel.offload import check_kinds
+    from kimi_jax.model.run import check_offload
     from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
 
-    kinds = check_kinds(offload) if offload else ()
+    kinds = check_offload(offload) if offload else ()
     dtype = _dtype(dtype)
     t0 = time.perf_counter()
     kw = dict(run=kimi_jax.RunConfig(dtype=jnp.dtype(dtype), offload=kinds)) if kinds else dict(dtype=dtype)

@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx, struct
 
 from kimi_jax.model.cache import Cache, cache_shapes, init_cache
-from kimi_jax.parallel import distributed, offload
+from kimi_jax.model import offload
+from kimi_jax.parallel import distributed
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32

@@ -24,7 +24,7 @@ from kimi_jax.model.layer_plan import LayerPlan, layer_plan
 from kimi_jax.model.layers import MLP, AttnRes, embed, linear, param, rms_norm
 from kimi_jax.model.moe import MoE
 from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import offload
+from kimi_jax.model import offload
 
 
 @struct.dataclass
@@ -166,7 +166,7 @@ class KimiModel(nnx.Module):
     repetition dimension, and runs as one ``lax.scan``; its entries of ``layers`` are None.
 
     With ``RunConfig(offload=...)`` the offloaded cache entries arrive in host memory: each layer's entry is moved to
-    device memory before the layer runs and its new entry back before the next (:mod:`kimi_jax.parallel.offload`).
+    device memory before the layer runs and its new entry back before the next (:mod:`kimi_jax.model.offload`).
     Offloaded experts that move whole (prefill) may start moving once the previous layer has started (its input is
     each layer's ``prefetch``), so one layer's copy overlaps the layer before it.
     """

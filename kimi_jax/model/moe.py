@@ -19,7 +19,8 @@ from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax.model.config import MoEConfig
 from kimi_jax.model.layers import F32, MLP, cast, glu, linear, param, rms_norm
 from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import expert_parallel, offload
+from kimi_jax.model import offload
+from kimi_jax.parallel import expert_parallel
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -47,7 +48,7 @@ class Experts(nnx.Module):
     With MXFP4 each weight is one :class:`~kernels_pallas.mxfp4.MXFP4Weight` (uint8 codes and scales), kept packed in
     device memory and decoded next to the matmul. With ``RunConfig(offload=("experts",))`` the weights live in host
     memory: a decode-sized call (the gather path) moves only the experts its tokens chose (every field), a larger one
-    its layer's whole stack (:func:`kimi_jax.parallel.offload.fetch_experts`).
+    its layer's whole stack (:func:`kimi_jax.model.offload.fetch_experts`).
     """
 
     def __init__(self, cfg: MoEConfig, *, param_dtype, rngs):
@@ -81,7 +82,7 @@ class Experts(nnx.Module):
     def fetch(self, idx_NX, run: RunConfig, after=None):
         """(the weights in device memory, the ids that index them): with experts offloaded, only the chosen ones
         when the products gather (no more pairs than experts), else the layer's whole stack once ``after`` is
-        ready (:func:`kimi_jax.parallel.offload.fetch_experts`); unchanged otherwise."""
+        ready (:func:`kimi_jax.model.offload.fetch_experts`); unchanged otherwise."""
         pairs = idx_NX.size
         routed = offload.fetches_routed(pairs, self.cfg.num_experts, self.path(pairs, run))
         hot = None if self.hot_cache is None else self.hot_cache.get_value()

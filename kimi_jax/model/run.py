@@ -7,6 +7,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+OFFLOAD_KINDS = ("kda_state", "cache", "experts")  # what RunConfig.offload may name (kimi_jax.model.offload)
+
+
+def check_offload(kinds) -> tuple[str, ...]:
+    """``kinds`` (a tuple of names, or ``"a,b"``) as a tuple in :data:`OFFLOAD_KINDS` order; a ValueError names
+    unknown ones."""
+    if isinstance(kinds, str):
+        kinds = [k.strip() for k in kinds.split(",") if k.strip()]
+    kinds = tuple(kinds or ())
+    unknown = [k for k in kinds if k not in OFFLOAD_KINDS]
+    if unknown:
+        raise ValueError(f"offload: unknown {unknown}; choose from {list(OFFLOAD_KINDS)}")
+    return tuple(k for k in OFFLOAD_KINDS if k in kinds)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -26,7 +40,7 @@ class RunConfig:
     ``scan_layers``: build the model with the parameters of its longest repeating run of layers stacked and run
     that run as one ``lax.scan`` (:mod:`kimi_jax.model.layer_plan`: compile time falls by the repetition count; the
     compilers copy each iteration's weight slice, so off by default). The model's parameter layout follows it.
-    ``offload``: what lives in host memory and moves to the device per layer (:mod:`kimi_jax.parallel.offload`):
+    ``offload``: what lives in host memory and moves to the device per layer (:mod:`kimi_jax.model.offload`):
     any of ``"kda_state"`` (KDA cache entries), ``"cache"`` (MLA / GQA cache entries), ``"experts"`` (routed experts:
     a decode step moves only the ones its tokens chose, a prefill each layer's whole stack).
     ``remat``: rematerialise each decoder layer (a scanned run: each repetition of its group) in the backward pass
@@ -43,9 +57,7 @@ class RunConfig:
     remat: bool = False
 
     def __post_init__(self):
-        from kimi_jax.parallel.offload import check_kinds
-
-        object.__setattr__(self, "offload", check_kinds(self.offload))
+        object.__setattr__(self, "offload", check_offload(self.offload))
 
     @property
     def placement(self):

@@ -1,1 +1,1 @@
-"""Many devices: sharding tables, expert parallelism, multi-process runs, deployment plans, deviceless compiles."""
+"""Many devices: the sharding tables (logical axes -> mesh axes, partition specs), meshes, multi-process runs."""

@@ -145,6 +145,18 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def check_expert_split(cfg: ModelConfig, sizes: Mapping[str, int], lay: Layout | str = "tp_ep") -> None:
+    """A mesh whose expert split cannot divide the routed experts would replicate them on every device: refused,
+    naming the axes (``--mesh``)."""
+    if cfg.moe is None:
+        return
+    axes = layout(lay).mesh_axes("expert")
+    n = math.prod(int(sizes.get(a, 1)) for a in axes)
+    if cfg.moe.num_experts % n:
+        raise ShardingError(f"--mesh: {'x'.join(f'{a}={sizes.get(a, 1)}' for a in axes)} = {n} does not divide the "
+                            f"{cfg.moe.num_experts} routed experts (they would be replicated on every chip)")
+
+
 def make_mesh(data: int = 1, expert: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Mesh:
     """A (data, expert, model) mesh over ``devices`` (default: all global devices), Auto axis types (GSPMD)."""
     n = data * expert * model

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +23,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from kernels_pallas import packed
+from kimi_jax.deploy.compile import compile_step
 from kimi_jax.model import params
 from kimi_jax.model.cache import MLACache, cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
+from kimi_jax.model.quantize import quantize as quantize_model
 from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import sharding
 
@@ -260,11 +261,7 @@ def _abstract(cfg: ModelConfig, dtype: str, quantize: str | None = None):
 
 
 def _quantized(model, quantize: str | None):
-    if quantize is None:
-        return model
-    from kimi_jax.model import quantize as quantize_lib
-
-    return quantize_lib.quantize(model, quantize)
+    return model if quantize is None else quantize_model(model, quantize)
 
 
 def _local_experts(model, specs, sizes):
@@ -387,88 +384,6 @@ def search(cfg: ModelConfig, layout, *, batch, context, dtype="bfloat16", kernel
 # -- the compiler's view -------------------------------------------------------------------------------------
 
 
-def decode_step_memory(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
-                       implementation: str | None = None) -> dict:
-    """XLA's per-device memory analysis (bytes) and compile time of one compiled decode step on ``mesh``."""
-    return compile_step(cfg, mesh, layout, batch=batch, context=context, dtype=dtype, implementation=implementation)
-
-
-def compile_step(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int = 1,
-                 dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False,
-                 quantize: str | None = None, kv_cache: str | None = None, kda_state=None) -> dict:
-    """Lower and compile one step on ``mesh`` with abstract sharded parameters and cache (nothing is allocated).
-
-    ``tokens == 1``: a decode step (``[batch, 1]`` ids after the cached prefix). ``tokens > 1``: a fresh prefill
-    chunk of ``[batch, tokens]`` ids into the static cache (``prefix=False``, last position's logits), as
-    :mod:`kimi_jax.generation.generate` runs it. ``mesh`` may hold CPU devices or a deviceless TPU / GPU topology's
-    (:mod:`kimi_jax.parallel.aot`); tracing happens under it so the kernels' automatic choice sees that platform.
-    ``scan_layers``: the model with its repeating run of layers scanned (:mod:`kimi_jax.model.layer_plan`).
-    ``quantize``: the weight-only format the parameters take (:func:`kimi_jax.model.quantize.quantize`).
-    ``kv_cache`` / ``kda_state``: the abstract cache's storage options (:func:`kimi_jax.model.cache.cache_shapes`).
-    Returns the ``argument`` / ``output`` / ``alias`` / ``temp`` / ``generated_code`` / ``peak`` bytes per device,
-    ``compile_seconds``, the Pallas kernel calls in the program and the compiler's ``bytes_accessed`` per device.
-    """
-    import time
-
-    import jax
-
-    graphdef, state, ids, cache, out_shardings = _abstract_step_inputs(
-        cfg, mesh, layout, batch, tokens, context, jnp.dtype(dtype), implementation, scan_layers, quantize,
-        dict(kv_cache=kv_cache, kda_state=kda_state))
-
-    def step(state, ids, cache):
-        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=tokens == 1, last_only=True)
-        return out.logits, out.cache
-
-    t0 = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        # keep_unused: a deployed model holds every weight (layer 0's AttnRes mix, which has no block to mix, too)
-        lowered = jax.jit(step, donate_argnums=(2,), out_shardings=out_shardings,
-                          keep_unused=True).lower(state, ids, cache)
-        compiled = lowered.compile()
-    seconds = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp", "generated_code")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    out["compile_seconds"] = seconds
-    out["pallas_calls"] = _pallas_calls(compiled.as_text())
-    cost = compiled.cost_analysis() or {}
-    out["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
-    return out
-
-
-def _pallas_calls(text: str) -> int:
-    """Compiled Pallas kernels in a program's text: Mosaic (TPU) and Triton (GPU) custom calls."""
-    return len(re.findall(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)"', text))
-
-
-def _abstract_step_inputs(cfg, mesh, layout, batch, tokens, context, dt, implementation, scan_layers=False,
-                          quantize=None, cache_options=None):
-    """(graphdef, parameters, ids [batch, tokens], cache, (logits, cache) shardings), all abstract and sharded
-    by :mod:`kimi_jax.parallel.sharding` on ``mesh``."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    lay = sharding.layout(layout)
-    run = RunConfig(dtype=dt, implementation=implementation, parallel=sharding.Parallel(mesh, lay),
-                    scan_layers=scan_layers)
-    model = _quantized(abstract_model(cfg, run), quantize)
-    graphdef, state = nnx.split(model)
-    specs = sharding.param_specs(model, mesh, lay)
-
-    leaves = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
-              for k, v in params.leaves(state).items()}
-    state = params.fill(state, leaves)
-    shapes = cache_shapes(cfg, batch, context, dt, scan=scan_layers, **(cache_options or {}))
-    cshard = sharding.cache_shardings(cfg, shapes, mesh, lay)
-    cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, cshard)
-    bspec = sharding.batch_spec((batch, tokens), mesh, lay)
-    ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=NamedSharding(mesh, bspec))
-    head = "lm_head" if "lm_head" in specs else "embed_tokens"
-    logits_sharding = NamedSharding(mesh, PartitionSpec(bspec[0], None, specs[head][0]))
-    return graphdef, state, ids, cache, (logits_sharding, cshard)
-
-
 def compare_with_compiler(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
                           model_name: str = "") -> tuple[Plan, Plan, dict]:
     """The plan (as deployed: Pallas kernels, no workspace), the plan with the jnp reference kernels' workspace
@@ -476,7 +391,7 @@ def compare_with_compiler(cfg: ModelConfig, mesh, layout="tp_ep", *, batch: int,
     kw = dict(batch=batch, context=context, dtype=dtype, model_name=model_name)
     p = make_plan(cfg, dict(mesh.shape), layout, kernels="pallas", **kw)
     r = make_plan(cfg, dict(mesh.shape), layout, kernels="reference", **kw)
-    return p, r, decode_step_memory(cfg, mesh, layout, batch=batch, context=context, dtype=dtype)
+    return p, r, compile_step(cfg, mesh, layout, batch=batch, context=context, dtype=dtype)
 
 
 def format_comparison(p: Plan, r: Plan, xla: dict) -> str:
@@ -491,135 +406,3 @@ def format_comparison(p: Plan, r: Plan, xla: dict) -> str:
         lines.append(f"{name:<42}{a / GB:>9.3f} GB{x / GB:>9.3f} GB{a / x:>9.3f}{ref}")
     lines.append(f"compile {xla['compile_seconds']:.0f} s")
     return "\n".join(lines)
-
-
-def run_cli(args) -> int:
-    """``kimi-jax plan`` (arguments from :mod:`kimi_jax.cli`). Returns the exit status: with ``--compile``, 0 only
-    when every compiled program fits the target's HBM."""
-    from kimi_jax.model import config as C
-
-    target = None
-    if args.compile:
-        from kimi_jax.parallel import aot
-
-        target = aot.parse_target(args.compile)  # before any slow work: an unknown target fails at once
-        aot.cpu_runtime()  # before the plan's first jnp call starts JAX's backends
-    cfg = C.preset(args.model) if args.model in C.PRESETS else C.load(args.model)
-    if args.layers or args.experts:
-        cfg = cfg.sliced(args.layers, args.experts)
-    chips = args.chips.split(",") if args.chips else list(CHIPS)
-    unknown = [c for c in chips if c not in CHIPS]
-    if unknown:
-        raise ValueError(f"--chips: unknown {unknown}; known: {sorted(CHIPS)}")
-    if not 0 <= args.reserve < 1:
-        raise ValueError(f"--reserve {args.reserve} must be in [0, 1)")
-    sizes = sharding.parse_mesh(args.mesh)
-    _check_mesh(cfg, sizes, args.layout)
-    if target is not None:
-        aot.target_mesh(target, **sizes)  # a mesh that does not use the target's devices fails before the plan
-    chunk = args.prefill_chunk if args.prefill_chunk is not None else (COMPILE_PREFILL_CHUNK if target else 0)
-    cache_options = dict(kv_cache=args.kv_cache, kda_state=args.kda_state)
-    p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                  kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize, **cache_options,
-                  model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
-    print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
-    if args.offload:
-        _offload_cli(cfg, p, args, chips)
-    if target is not None:
-        return _compile_cli(cfg, target, p, args, chunk)
-    if args.search:
-        print("\nsmallest fitting meshes (data=1), per chip:")
-        for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                                  kernels=args.kernels, chips=chips, reserve=args.reserve,
-                                  quantize=args.quantize, **cache_options).items():
-            if not plans:
-                print(f"  {CHIPS[name].name:<18} none up to 512 chips")
-            for q in plans:
-                t = q.step_seconds(CHIPS[name].hbm_bandwidth)
-                print(f"  {CHIPS[name].name:<18} {q.chips:4d} chips expert={q.sizes['expert']:<4d}"
-                      f"model={q.sizes['model']:<3d} {q.total / GB:7.1f} GB/chip  {t * 1e3:6.2f} ms/step")
-    return 0
-
-
-def _offload_cli(cfg, p: Plan, args, chips):
-    """``--offload``: what moves to host memory on this mesh, and with ``--search`` the smallest meshes with it."""
-    from kimi_jax.parallel import offload
-
-    kinds = offload.check_kinds(args.offload)
-    kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, quantize=args.quantize)
-    hot = getattr(args, "hot_experts", 0) or 0
-    o = offload.offload_bytes(cfg, kinds, p.sizes, args.layout, hot=hot, **kw)
-    print("\n" + offload.format_offload(o))
-    print(f"  left on each chip: {(p.total - o.device_freed) / GB:.2f} GB of the plan's {p.total / GB:.2f} GB")
-    if not args.search:
-        return
-    print(f"\nsmallest fitting meshes with {','.join(kinds)} in host memory ({args.host_memory:g} GB of it per chip; "
-          f"data=1), per chip:")
-    for name in chips:
-        rows = offload.offload_plan(cfg, kinds, args.layout, chip=name, reserve=args.reserve,
-                                    host_bytes=args.host_memory * GB, hot=hot, **kw)
-        r = rows["with"]
-        if r is None:
-            print(f"  {CHIPS[name].name:<18} none up to 512 chips")
-            continue
-        before = rows["without"]["chips"] if rows["without"] else "none"
-        whole = "" if r["h2d_whole_layers"] == r["h2d_per_step"] else \
-            f" (every local expert: {r['whole_layer_seconds'] * 1e3:.2f})"
-        print(f"  {CHIPS[name].name:<18} {r['chips']:4d} chips (without: {before}) {r['device'] / GB:7.1f} GB/chip on "
-              f"device, {r['host'] / GB:7.1f} GB/chip in host memory, {r['copy_seconds'] * 1e3:8.2f} ms/step of "
-              f"copies{whole}")
-
-
-COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typical prefill chunk
-
-
-def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
-    """Compile the decode step and a prefill chunk for ``target``; print them beside the plan; exit status."""
-    from kimi_jax.parallel import aot
-
-    implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
-    kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, prefill_chunk=chunk,
-              implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize,
-              kv_cache=args.kv_cache, kda_state=args.kda_state)
-    res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
-    devices = len(aot.target_devices(target))
-    source = "its target config" if target.platform == "gpu" else "datasheet table"
-    layers = "scanned layers" if args.scan_layers else "unrolled layers"
-    print(f"\ncompiled for {target.text}: {devices} device(s) of {aot.target_devices(target)[0].device_kind}, "
-          f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels, {layers}")
-    plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
-    titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
-              "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)"}
-    for name, r in res.items():
-        print(format_compiled(titles[name], p.param_total + p.cache_total, plan_act[name], r))
-    return 0 if all(r["fits"] for r in res.values()) else 1
-
-
-def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:
-    """One compiled program beside the plan, per device: arguments, activations, peak; time and fit."""
-    if "error" in r:
-        what = f"does NOT fit ({r['hbm'] / GB:.2f} GB HBM)" if r["oom"] else "did NOT compile"
-        return f"{title}: {what}: {r['error']}"
-    verdict = "fits" if r["fits"] else "does NOT fit"
-    lines = [f"{title}: compiled in {r['compile_seconds']:.1f} s, {r['pallas_calls']} Pallas kernel calls, "
-             f"{verdict} ({r['peak'] / GB:.3f} GB peak of {r['hbm'] / GB:.2f} GB); the compiler counts "
-             f"{r.get('bytes_accessed', 0) / GB:.2f} GB accessed per device",
-             f"  {'per device':<40}{'plan':>12}{'compiler':>12}{'plan/compiler':>15}"]
-    rows = [("arguments (parameters + cache + ids)", plan_args, r["argument"]),
-            ("activations (temp + outputs - aliased)", plan_act, r["temp"] + r["output"] - r["alias"]),
-            ("peak", plan_args + plan_act, r["peak"])]
-    for label, a, x in rows:
-        ratio = f"{a / x:>15.3f}" if x else f"{'-':>15}"
-        lines.append(f"  {label:<40}{a / GB:>9.3f} GB{x / GB:>9.3f} GB{ratio}")
-    return "\n".join(lines)
-
-
-def _check_mesh(cfg: ModelConfig, sizes: dict, layout) -> None:
-    """A mesh whose expert split cannot divide the routed experts would replicate them everywhere: refuse."""
-    if cfg.moe is None:
-        return
-    axes = sharding.layout(layout).mesh_axes("expert")
-    n = math.prod(sizes[a] for a in axes)
-    if cfg.moe.num_experts % n:
-        raise ValueError(f"--mesh: {'x'.join(f'{a}={sizes[a]}' for a in axes)} = {n} does not divide the "
-                         f"{cfg.moe.num_experts} routed experts (they would be replicated on every chip)")

@@ -1,7 +1,7 @@
 """Deviceless compile targets: the real TPU and NVIDIA GPU compilers, run on a machine that has neither.
 
 libtpu (Mosaic included) compiles for a TPU topology and XLA:GPU (Triton -> PTX -> cubin) for a GPU target config
-with no chip attached (``../shared/docs/ACCELERATOR_AOT.md``). Nothing runs; what the chip's compiler checks is
+with no chip attached. Nothing runs; what the chip's compiler checks is
 checked: Mosaic layouts and VMEM budgets, Triton shapes, SPMD partitioning, and HBM fit. The runtime stays on the
 CPU (``JAX_PLATFORMS=cpu``): otherwise JAX would initialise the TPU / CUDA runtimes and fail without a device.
 
@@ -19,6 +19,7 @@ import re
 
 import numpy as np
 
+from kimi_jax.deploy.compile import compile_step
 from kimi_jax.parallel import sharding
 
 GIB = 2**30
@@ -172,8 +173,6 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
     refuses has ``fits`` False and ``error`` (its message) instead of the bytes; ``oom`` says whether the refusal
     was the compiler's own HBM out-of-memory ("does not fit") rather than a failure to compile at all.
     """
-    from kimi_jax.parallel import plan
-
     mesh = target_mesh(target, **{a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES})
     hbm = hbm_bytes(target)
     out = {}
@@ -181,10 +180,10 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
         if not tokens:
             continue
         try:
-            r = plan.compile_step(cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype,
+            r = compile_step(cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype,
                                   implementation=implementation, scan_layers=scan_layers, quantize=quantize,
                                   kv_cache=kv_cache, kda_state=kda_state)
-        except Exception as e:  # every refusal is a result here; plan.compile_step raises for callers who want it
+        except Exception as e:  # every refusal is a result here; compile_step raises for callers who want it
             out[name] = {"fits": False, "hbm": hbm, "oom": is_hbm_oom(e), "error": _error_line(e)}
             continue
         r["hbm"], r["fits"] = hbm, r["peak"] <= hbm
