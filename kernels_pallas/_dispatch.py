@@ -218,6 +218,21 @@ def target_platform(placement: Placement | None = None) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
+def slices_from_host(dtypes, platform: str) -> bool:
+    """Whether ``platform``'s compiler copies a dynamic slice of a host-memory array of each of ``dtypes`` as just
+    the slice. XLA:TPU (libtpu 0.0.50, v5e / v5p / v6e) does not for 8-bit arrays (MXFP4 codes and scales): it
+    gives the slice another tiling than the host array's and round-trips the whole array through the device to
+    relayout it, every step; 16- and 32-bit arrays slice directly. XLA:GPU slices any dtype; XLA:CPU has one
+    memory."""
+    return platform != "tpu" or all(jnp.dtype(d).itemsize >= 2 for d in dtypes)
+
+
+def host_slices(leaves, placement: Placement | None = None) -> bool:
+    """:func:`slices_from_host` for these arrays on the current target: whether offloaded routed experts can move
+    one chosen expert at a time (``kimi_jax.model.offload.fetch_experts``) or must move whole layers."""
+    return slices_from_host([a.dtype for a in leaves], target_platform(placement))
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuImpl:
     """A CPU-only implementation of an op: a native C++ kernel (``"cpu_native"``) or an XLA form tuned for
