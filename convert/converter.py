@@ -408,16 +408,15 @@ def _validate(src: str, dtype: str, layers, experts, q: dict | None = None) -> _
     if orbax_io.looks_converted(src):
         raise ConvertError(f"SRC {src} is already a kimi-jax (Orbax) checkpoint")
     cfg_file = os.path.join(src, "config.json")
-    ct = hf.pack_quantized(src)
+    raw_cfg = config_lib.read_json(src)
+    cfg = config_lib.from_dict(raw_cfg)
+    ct = hf.pack_quantized(cfg)
     if ct is not None:
         raise ConvertError(f"SRC {src} stores its weights {ct.name()} (compressed-tensors): convert does not take "
                            "pack-quantized sources; kimi_jax.from_pretrained(SRC) reads them packed as they are")
-    cfg = config_lib.load(src)
     if experts is not None and cfg.moe is None:
         raise ConvertError(f"--experts {experts}: {cfg_file} describes a model without routed experts")
     cfg_out = cfg.sliced(layers, experts)
-    with open(cfg_file) as f:
-        raw_cfg = json.load(f)
     new_raw = sliced_config(raw_cfg, layers, experts) if (layers is not None or experts is not None) else raw_cfg
     if _used(config_lib.from_dict(new_raw)) != _used(cfg_out):
         raise ConvertError(f"{cfg_file}: could not rewrite it for --layers {layers} --experts {experts} "

@@ -263,24 +263,40 @@ class Op:
     ``"pallas_interpret"`` too) also receive ``platform=`` and ``interpret=``. ``cpu``: CPU-only implementations,
     tried in order by the automatic choice on CPU; with ``rule=None`` they run on one device only (a custom call
     that GSPMD would partition by gathering its operands, or a form tuned for one device's XLA:CPU).
-    ``plain``: an op of plain XLA products that has no Pallas kernel; a run that asks for the Pallas kernels
-    (``"pallas"`` / ``"pallas_interpret"`` apply to every op of a model) runs its reference there.
+    ``plain``: an op of plain XLA products, with a Pallas form for some operands at most; a run that asks for the
+    Pallas kernels (``"pallas"`` / ``"pallas_interpret"`` apply to every op of a model) runs its reference where
+    that form cannot run.
+    ``defaults``: ``{static argument: {platform: value}}`` for static arguments the caller leaves None, decided
+    for the target platform before the choice (``None`` as the platform key: every other platform), so the
+    implementations themselves never look at the platform.
     """
 
     def __init__(self, name: str, rule: Rule | None, impls: dict[str, Callable], cpu: tuple[CpuImpl, ...] = (),
-                 plain: bool = False):
+                 plain: bool = False, defaults: dict[str, dict] | None = None):
         self.name, self.rule, self.cpu, self.plain = name, rule, tuple(cpu), plain
+        self.defaults = dict(defaults or {})
         self.impls = dict(impls)
         if PALLAS in self.impls:
             self.impls[INTERPRET] = self.impls[PALLAS]
         self.impls.update({c.name: c.fn for c in self.cpu})
 
+    def _with_defaults(self, static: dict, placement) -> dict:
+        for key, table in self.defaults.items():
+            if static.get(key) is None:
+                static[key] = table.get(target_platform(placement), table.get(None))
+        return static
+
     def _cpu_here(self, placement) -> tuple[CpuImpl, ...]:
-        one_device = placement is None or placement.devices == 1
-        return self.cpu if (self.rule is not None or one_device) else ()
+        return self.cpu if self._placeable(placement) else ()
+
+    def _placeable(self, placement) -> bool:
+        """Whether a custom kernel of this op may run under ``placement``: one with a rule places itself; one
+        without runs on one device only (GSPMD would partition a Mosaic call not at all, a Triton or FFI call by
+        gathering its operands), and on a mesh the op is plain XLA that GSPMD partitions."""
+        return self.rule is not None or placement is None or placement.devices == 1
 
     def _automatic(self, platform, args, static, placement) -> str:
-        if platform in ("tpu", "gpu") and PALLAS in self.impls:
+        if platform in ("tpu", "gpu") and PALLAS in self.impls and self._placeable(placement):
             return PALLAS
         if platform == "cpu":
             for c in self._cpu_here(placement):
@@ -295,12 +311,15 @@ class Op:
 
     def choose(self, implementation: str | None, args=(), static=None, placement: Placement | None = None) -> str:
         """The implementation name this call runs (see the module docstring)."""
-        static = static or {}
+        static = self._with_defaults(dict(static or {}), placement)
         platform = target_platform(placement)
         if implementation is None:
             return self._automatic(platform, args, static, placement)
-        if self.plain and implementation in (PALLAS, INTERPRET):
-            return REFERENCE
+        if implementation in (PALLAS, INTERPRET):
+            runs = (implementation in self.impls and self._placeable(placement)
+                    and (implementation == INTERPRET or platform in ("tpu", "gpu")))
+            if not runs and (self.plain or not self._placeable(placement)):
+                return REFERENCE  # a model-wide "pallas" applies to every op; this one has no kernel that runs here
         if implementation not in self.impls:
             raise KernelUnavailable(f"{self.name}: implementation={implementation!r} is not available "
                                     f"(choose from {sorted(self.impls)})")
@@ -322,6 +341,7 @@ class Op:
         return implementation
 
     def __call__(self, *args, implementation: str | None = None, placement: Placement | None = None, **static):
+        static = self._with_defaults(static, placement)
         impl = self.choose(implementation, args, static, placement)
         fn = self.impls[impl]
         kw = dict(static)

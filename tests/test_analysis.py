@@ -37,7 +37,7 @@ def probed(model, k3_golden):
 def test_expert_counts_match_golden_routing(model, k3_tiny_a, k3_golden, probed):
     with open(os.path.join(k3_tiny_a, "build_report.json")) as f:
         routing = json.load(f)["routing"]  # counts over the 48 tokens of both golden prompts
-    layers = probes.moe_layers(model.cfg)
+    layers = model.cfg.moe_layers
     assert layers == k3_golden["router_layers"].tolist()
     counts = probes.expert_counts(probed, model.cfg.moe.num_experts)
     # Row 2 repeats prompt 0's first 10 tokens: causal, so its routing is the golden routing of those tokens.

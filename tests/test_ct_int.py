@@ -156,9 +156,10 @@ def _edit_config(path, edit):
 def test_variants_we_do_not_take_are_refused(tmp_path, edit, why):
     write_ct_checkpoint(tmp_path, _scheme(4, "group", 32))
     _edit_config(tmp_path, edit)
-    with pytest.raises(CheckpointError, match=why):
+    # the model config parser is the one reader of quantization_config (from_pretrained reports what it says)
+    with pytest.raises(ConfigError, match=why):
         kimi_jax.from_pretrained(tmp_path, progress=False)
-    with pytest.raises(ConfigError, match=why):  # the model config parser reads the same quantization_config
+    with pytest.raises(ConfigError, match=why):
         config.load(tmp_path)
 
 
@@ -214,3 +215,36 @@ def test_pack_quantized_routed_experts_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight_packed'?: pack-quantized routed experts are "
                                               r"not supported \(parameter layers\.\d+\.mlp\.experts\.w1\)"):
         kimi_jax.from_pretrained(tmp_path, progress=False)
+
+
+def _config_reads(monkeypatch) -> list:
+    """A list that grows by one each time any code opens a file named config.json."""
+    import builtins
+
+    opened, real = [], builtins.open
+
+    def counting(file, *args, **kw):
+        if isinstance(file, (str, os.PathLike)) and os.path.basename(os.fspath(file)) == "config.json":
+            opened.append(os.fspath(file))
+        return real(file, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    return opened
+
+
+@pytest.mark.parametrize("stored", ["float", "int4_g32"])
+def test_config_json_is_read_once_per_load(tmp_path, monkeypatch, stored):
+    """One load reads config.json once and hands the parsed config down (the weights' pack-quantized format
+    included); the counter sees every open, so a second reader anywhere fails this."""
+    if stored == "float":
+        synthetic.write_checkpoint(tmp_path, "llama", num_shards=1)
+    else:
+        write_ct_checkpoint(tmp_path, _scheme(*VARIANTS[stored]))
+    opened = _config_reads(monkeypatch)
+    model = kimi_jax.from_pretrained(tmp_path, progress=False)
+    assert opened == [os.path.join(tmp_path, "config.json")]
+    assert (model.cfg.packed_weights is None) == (stored == "float")
+    opened.clear()
+    config.load(tmp_path)
+    config.load(tmp_path)
+    assert len(opened) == 2  # the counter counts each read

@@ -146,8 +146,8 @@ def test_expert_paths_agree_with_numpy(act):
     # 8 experts on CPU: gather up to 8 pairs with the native kernel, dense up to 16, sorted beyond; the
     # reference: gather up to one pair per expert, sorted beyond (dense is an XLA:CPU form, not the oracle's)
     ref = RunConfig(dtype=jnp.float32, implementation="reference")
-    assert [ex._auto_path(p, ref) for p in (2, 5, 8, 9, 17)] == ["gather", "gather", "gather", "sorted", "sorted"]
-    assert [ex._auto_path(p, run) for p in (2, 6, 8, 9, 16, 17)] == \
+    assert [ex.path(p, ref) for p in (2, 5, 8, 9, 17)] == ["gather", "gather", "gather", "sorted", "sorted"]
+    assert [ex.path(p, run) for p in (2, 6, 8, 9, 16, 17)] == \
         ["gather", "gather", "gather", "dense", "dense", "sorted"]
 
 

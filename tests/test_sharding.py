@@ -203,7 +203,7 @@ def test_capacity_exchange_is_lossless_unless_capped():
     below the load, the pairs past it (in expert order) come back as zeros, the rest intact."""
     from jax.sharding import AxisType
 
-    from kimi_jax.parallel import expert_parallel as ep
+    from kernels_pallas.experts import expert_parallel as ep
 
     mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,))
     z = jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 3))  # token t carries value t + 1

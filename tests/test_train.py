@@ -126,7 +126,7 @@ def _grad_parity(path, hf_model, vocab, T, seed):
     loss_err = abs(float(loss) - ref.item())
     ours = params_lib.leaves(grads)
     targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params_lib.leaves(state.params).items()}
-    placements, _ = names.place(list(ref_grads), cfg, targets)  # every gradient tensor fills exactly one leaf
+    placements, _ = names.assign(list(ref_grads), cfg, targets)  # every gradient tensor fills exactly one leaf
     worst, rows = (0.0, ""), 0
     for pl in placements:
         g_ours = np.asarray(ours[pl.target])

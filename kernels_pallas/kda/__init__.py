@@ -3,17 +3,16 @@
 Shapes: q, k ``[B, T, H, K]`` (L2-normalised), v ``[B, T, H, U]``, g ``[B, T, H, K]`` (log decay, <= 0),
 beta ``[B, T, H]``, state ``[B, H, K, U]`` float32. Both functions return ``(o [B, T, H, U] float32, state)``.
 
-``chunk_size`` is the chunk of the reference's chunked form (None: 64, or the recurrence where the automatic
-choice prefers it, on CPU); the Pallas kernel tiles time with its own block
-(:func:`kernels_pallas.kda.pallas.kda_chunked`), which changes only float32 rounding.
-``implementation="recurrent"`` runs the token-by-token reference for prefill too.
+``chunk_size`` is the chunk of the plain-jnp prefill: 1 runs the token-by-token recurrence
+(``reference.kda_recurrent``), any other the chunked form. Left None it is the target's default: 1 on CPU (where
+the recurrence beats the chunked form ~20x at 512 tokens, the chunk's ``[C, C, K]`` decay tensors dominating, and
+compiles ~6x faster; training differentiates it: 3.8 s against 27.6 s for chunks of 64), else 64. The Pallas
+kernel tiles time with its own block (:func:`kernels_pallas.kda.pallas.kda_chunked`), which changes only float32
+rounding. ``implementation="recurrent"`` runs the recurrence whatever the chunk.
 
-On CPU the recurrence also has a native kernel (``native.cc``, ``implementation="cpu_native"``): the automatic
-choice for decode and for prefill with ``chunk_size`` None or 1 (the recurrence) when it builds
-(``kernels_pallas/_native.py``), else ``"xla_cpu"`` (the plain-jnp recurrence, ~20x faster than the chunked form
-on XLA:CPU); ``implementation="reference"`` runs the plain-jnp chunked form.
-
-On a mesh: sequences split over ``batch`` and heads over ``heads`` (each head's recurrence is independent).
+CPU forms of the recurrence: the native kernel (``native.cc``) and the plain-jnp recurrence (``"xla_cpu"``), the
+automatic choice for decode and for a prefill whose chunk is 1. On a mesh: sequences split over ``batch`` and heads
+over ``heads`` (each head's recurrence is independent).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from kernels_pallas._dispatch import (
     CpuImpl,
     Op,
     Rule,
-    target_platform,
 )
 from kernels_pallas.kda import native, pallas, reference
 
@@ -45,11 +43,9 @@ def _native_kernel(automatic):
 
 
 def _chunked(q, k, v, g, beta, state, *, scale, chunk_size):
-    # No chunk asked for on CPU: the recurrence, the faster form there (see _RECURRENCE); training, which runs the
-    # references, differentiates it.
-    if chunk_size is None and target_platform() == "cpu":
-        return _recurrent(q, k, v, g, beta, state, scale=scale)
-    return reference.kda_chunked(q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size or 64)
+    if chunk_size == 1:
+        return reference.kda_recurrent(q, k, v, g, beta, state, scale=scale)
+    return reference.kda_chunked(q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size)
 
 
 def _recurrent(q, k, v, g, beta, state, *, scale, chunk_size=None):
@@ -60,19 +56,12 @@ def _pallas_chunked(q, k, v, g, beta, state, *, scale, chunk_size, platform, int
     return pallas.kda_chunked(q, k, v, g, beta, state, scale=scale, platform=platform, interpret=interpret)
 
 
-# On XLA:CPU the recurrence beats the chunked form ~20x at 512 tokens (the chunk's [C, C, K] decay tensors
-# dominate) and compiles ~6x faster: with no chunk asked for (or chunk 1), CPU prefill runs the recurrence, the
-# reference's included (its gradient: 3.8 s against 27.6 s for chunks of 64, [8, 256] tokens through 8 KDA layers).
-_RECURRENCE = lambda *args, chunk_size, **_: chunk_size in (None, 1)
+_RECURRENCE = lambda *args, chunk_size, **_: chunk_size == 1
 PREFILL = Op("kda_prefill", RULE, {REFERENCE: _chunked, "recurrent": _recurrent, PALLAS: _pallas_chunked},
+             defaults={"chunk_size": {"cpu": 1, None: 64}},
              cpu=(_native_kernel(automatic=_RECURRENCE), CpuImpl(XLA_CPU, _recurrent, automatic=_RECURRENCE)))
 DECODE = Op("kda_decode", RULE, {REFERENCE: _recurrent, PALLAS: pallas.kda_recurrent},
             cpu=(_native_kernel(automatic=lambda *args, **_: True),))
-
-
-def native_ready() -> bool:
-    """Whether the automatic choice of the recurrence is the native kernel here (on CPU, built, not turned off)."""
-    return target_platform() == "cpu" and _native_ready()
 
 
 def kda_prefill(q, k, v, g, beta, state=None, *, scale, chunk_size=None, implementation=None, placement=None):

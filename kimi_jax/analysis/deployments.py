@@ -10,6 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kimi_jax.deploy import plan
 from kimi_jax.model.config import ModelConfig
 
 GB = 1e9
@@ -47,8 +48,6 @@ DEPLOYMENTS = (
 def plan_rows(cfg: ModelConfig, deployments: Sequence[Deployment] = DEPLOYMENTS, *, batch: int, context: int,
               dtype="bfloat16", reserve: float = 0.1) -> list[dict]:
     """One :func:`kimi_jax.deploy.plan.make_plan` per deployment, as table rows (bytes per chip, roofline decode)."""
-    from kimi_jax.deploy import plan
-
     rows = []
     for d in deployments:
         chip = plan.CHIPS[d.chip]
@@ -69,8 +68,6 @@ def roofline_vs_batch(cfg: ModelConfig, deployment: Deployment, batches: Sequenc
                       dtype="bfloat16") -> dict:
     """Roofline decode throughput of one deployment at several batch sizes: {batch, step_ms, tokens_per_s,
     total_gb, fits} arrays (memory per chip grows with the batch's caches; ``fits``: within 90% of HBM)."""
-    from kimi_jax.deploy import plan
-
     chip = plan.CHIPS[deployment.chip]
     out = {"batch": [], "step_ms": [], "tokens_per_s": [], "total_gb": [], "fits": []}
     for b in batches:

@@ -12,7 +12,6 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from kimi_jax.analysis.probes import moe_layers
 from kimi_jax.model import params
 from kimi_jax.model.config import ModelConfig
 
@@ -76,7 +75,7 @@ def shard_table(model, names: Sequence[str] | None = None) -> list[dict]:
     if names is None:
         attn = sorted((k for k in arrays if k.startswith("layers.0.self_attn.")),
                       key=lambda k: (not k.endswith(("q_proj", "q_a_proj")), k))[:1]
-        moe = moe_layers(model.cfg)
+        moe = model.cfg.moe_layers
         experts = [k for k in arrays if moe and k.startswith(f"layers.{moe[0]}.mlp.experts.")]
         names = ["embed_tokens", *attn, *experts]
     rows = []

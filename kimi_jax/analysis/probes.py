@@ -80,11 +80,6 @@ def probe(model, ids_BT, lengths_B=None) -> Probe:
     return Probe(router, [np.asarray(w) for w in (weights or ())], lengths)
 
 
-def moe_layers(cfg: ModelConfig) -> list[int]:
-    """Indices of the MoE layers (the order of ``ModelOutput.router``)."""
-    return [i for i, kind in enumerate(cfg.ffn_types) if kind == "moe"]
-
-
 def expert_counts(p: Probe, num_experts: int) -> np.ndarray:
     """[n_moe_layers, E] int64: how many valid tokens chose each expert, per MoE layer (each token counts top_k
     times per layer)."""

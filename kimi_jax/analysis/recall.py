@@ -31,7 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kimi_jax import training
+from kimi_jax.analysis.memory import measured_cache_bytes
 from kimi_jax.model import config as C
+from kimi_jax.model.cache import cache_bytes
+from kimi_jax.model.decoder import KimiModel, param_count
 
 PAD, QUERY = 0, 1
 NUM_KEYS, NUM_VALUES, NUM_FILLER = 128, 64, 62
@@ -138,10 +142,8 @@ def config_dict(kind: str, s: Study) -> dict:
 
 
 def build(kind: str, s: Study):
-    import kimi_jax
-
     cfg = C.from_dict(config_dict(kind, s))
-    return kimi_jax.KimiModel(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(s.seed))
+    return KimiModel(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(s.seed))
 
 
 def batch_of(rng, s: Study, length: int):
@@ -153,8 +155,6 @@ def batch_of(rng, s: Study, length: int):
 
 def train(kind: str, s: Study, log=None):
     """Train one model; returns ``(model, seconds, final loss)``. The loss counts the scored values only."""
-    from kimi_jax import training
-
     model = build(kind, s)
     training.prepare(model, dtype="float32")
     optim = training.OptimConfig(lr=s.lr, steps=s.steps, warmup=max(1, s.steps // 10), weight_decay=0.0)
@@ -194,10 +194,6 @@ def run(s: Study = Study(), models: Sequence[str] = MODELS, log=print) -> list[d
     """Train and score every model; one row per (model, length): ``model``, ``seed``, ``params``, ``length``, ``mqar``,
     ``needle`` (accuracies), ``cache_bytes`` (planned, one sequence), ``measured_bytes``, ``train_seconds``,
     ``final_loss``."""
-    from kimi_jax.analysis.memory import measured_cache_bytes
-    from kimi_jax.model.cache import cache_bytes
-    from kimi_jax.model.decoder import param_count
-
     rows = []
     for kind in models:
         model, seconds, loss = train(kind, s, log)

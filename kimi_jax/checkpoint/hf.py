@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import jax
 import numpy as np
@@ -31,8 +29,7 @@ from kernels_pallas import quant
 from kimi_jax.checkpoint import names
 from kimi_jax.checkpoint import reader as reader_lib
 from kimi_jax.checkpoint.names import WeightError
-from kimi_jax.checkpoint.safetensors import Checkpoint, CheckpointError
-from kimi_jax.model import config as config_lib
+from kimi_jax.checkpoint.safetensors import Checkpoint
 from kimi_jax.model import params
 from kimi_jax.parallel import sharding
 
@@ -43,8 +40,8 @@ LAST_LOAD = {"bytes_read": 0, "bytes_total": 0, "expert_bytes_read": 0, "expert_
 @dataclasses.dataclass(frozen=True)
 class PackQuantized:
     """A compressed-tensors ``pack-quantized`` checkpoint: ``kind`` "int4" | "int8", ``group`` input columns per
-    scale (None: one scale per row, the ``channel`` strategy). The model config parser reads the same
-    quantization_config (:func:`kimi_jax.model.config.pack_quantized_format`)."""
+    scale (None: one scale per row, the ``channel`` strategy), as the config parser read them
+    (:func:`kimi_jax.model.config.pack_quantized_format`)."""
 
     kind: str
     group: int | None
@@ -59,26 +56,10 @@ class PackQuantized:
         return f"{self.kind} pack-quantized ({'channel' if self.group is None else f'group {self.group}'})"
 
 
-def pack_quantized(path) -> PackQuantized | None:
-    """The compressed-tensors ``pack-quantized`` weight format of the checkpoint at ``path`` (config.json's
-    ``quantization_config``, top level or in ``text_config``), or None when it has another quantization_config or
-    none. What kimi-jax does not take is refused, naming the key (:func:`kimi_jax.model.config.pack_quantized_format`,
-    which the model config parser applies to the same dict)."""
-    file = os.path.join(os.fspath(path), "config.json")
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None  # the config parser reports it
-    holder = raw if isinstance(raw.get("quantization_config"), dict) else raw.get("text_config")
-    q = holder.get("quantization_config") if isinstance(holder, dict) else None
-    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors" or q.get("format") != "pack-quantized":
-        return None
-    try:
-        kind, group = config_lib.pack_quantized_format(q, f"{file}: quantization_config")
-    except config_lib.ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    return PackQuantized(kind, group)
+def pack_quantized(cfg) -> PackQuantized | None:
+    """The compressed-tensors ``pack-quantized`` weight format the config parser read from the checkpoint's
+    quantization_config (:attr:`kimi_jax.model.config.ModelConfig.packed_weights`), or None."""
+    return None if cfg.packed_weights is None else PackQuantized(*cfg.packed_weights)
 
 
 def _adopt_pack_quantized(spec: PackQuantized, ckpt: Checkpoint, cfg, state) -> None:
@@ -89,24 +70,23 @@ def _adopt_pack_quantized(spec: PackQuantized, ckpt: Checkpoint, cfg, state) -> 
         name = names.expected_tensor(leaf, cfg)
         if name is None or not name.endswith(".weight"):
             continue
-        stem = name[:-len("weight")]
-        if "{expert}" in stem:
-            if (stem + "weight_packed").format(expert=0) in ckpt.tensors:
-                raise WeightError(f"tensor {(stem + 'weight_packed').format(expert=0)!r}: pack-quantized routed "
+        packed_name, shape_name = names.ct_tensors(name)
+        if "{expert}" in packed_name:
+            if packed_name.format(expert=0) in ckpt.tensors:
+                raise WeightError(f"tensor {packed_name.format(expert=0)!r}: pack-quantized routed "
                                   f"experts are not supported (parameter {leaf})")
             continue
-        if stem + "weight_packed" not in ckpt.tensors:
+        if packed_name not in ckpt.tensors:
             continue
-        shape_name = stem + names.CT_SHAPE
         if shape_name not in ckpt.tensors:
-            raise WeightError(f"tensor {stem + 'weight_packed'!r} has no {shape_name!r} beside it")
+            raise WeightError(f"tensor {packed_name!r} has no {shape_name!r} beside it")
         stored = tuple(int(x) for x in np.asarray(ckpt.get(shape_name)).reshape(-1))
         if stored != tuple(value.shape):
             raise WeightError(f"tensor {shape_name!r} says {list(stored)}, parameter {leaf} is {list(value.shape)}")
         fmt = spec.format_for(value.shape)
         why = fmt.fits(value.shape)
         if why is not None:
-            raise WeightError(f"tensor {stem + 'weight_packed'!r}: {spec.name()} cannot fill parameter {leaf} "
+            raise WeightError(f"tensor {packed_name!r}: {spec.name()} cannot fill parameter {leaf} "
                               f"{list(value.shape)}: {why}")
         var.set_value(jax.eval_shape(functools.partial(quant.quantize, fmt=fmt.fitted(value.shape)), value))
 
@@ -117,7 +97,7 @@ def _prepare(path, cfg, model_factory):
     graphdef, state = nnx.split(abstract)
     ckpt = Checkpoint(path)
     try:
-        spec = pack_quantized(path)
+        spec = pack_quantized(cfg)
         if spec is not None:
             _adopt_pack_quantized(spec, ckpt, cfg, state)
         jobs, _ = reader_lib.jobs(ckpt, cfg, params.leaves(state))

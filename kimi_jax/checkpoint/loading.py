@@ -9,14 +9,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas import quant
+from kernels_pallas.mxfp4 import MXFP4Weight
 from kimi_jax.checkpoint import hf
+from kimi_jax.checkpoint import orbax as orbax_io
+from kimi_jax.checkpoint.reader import NonFiniteError
 from kimi_jax.model import config as config_lib
-from kimi_jax.model import params
+from kimi_jax.model import offload, params
 from kimi_jax.model import quantize as quantize_lib
 from kimi_jax.model.decoder import KimiModel, relayout
 from kimi_jax.model.run import RunConfig
-from kimi_jax.model import offload
-from kimi_jax.parallel import distributed
+from kimi_jax.parallel import distributed, sharding
 
 # The dtype a run gets when its user names none: bfloat16 on every platform. Accelerators run it natively; on the
 # CPU the native decode products stream bfloat16 weights (widened in registers, float32 sums), so it decodes the
@@ -72,7 +75,6 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
-    from kimi_jax.checkpoint import orbax as orbax_io
 
     converted = orbax_io.looks_converted(path)  # `kimi-jax convert` output (Orbax)
     stored = None
@@ -81,12 +83,12 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     if stored is not None and quantize is not None:
         _check_stored(path, stored, quantize, quantize_include)
         quantize = None  # what it asks for is what is stored
-    # compressed-tensors int4 / int8: its weights load packed (kimi_jax.checkpoint.hf); the model config is the rest
-    ct = None if converted else hf.pack_quantized(path)
+    cfg = config_lib.load(path, strict=strict)  # the one read of config.json; everything below takes cfg
+    # compressed-tensors int4 / int8: its weights load packed (kimi_jax.checkpoint.hf)
+    ct = None if converted else hf.pack_quantized(cfg)
     if ct is not None and quantize is not None:
         raise ValueError(f"{path} stores its weights {ct.name()} (compressed-tensors); they load as stored, and "
                          f"quantize={quantize!r} would requantize them: load it without quantize=")
-    cfg = config_lib.load(path, strict=strict)
     run = run or RunConfig(dtype=resolve_dtype(dtype), implementation=implementation)
     if mesh is not None and "experts" in run.offload:  # refused before anything is read
         raise ValueError("offload=('experts',) runs on one device for now: the expert-parallel dispatch "
@@ -112,8 +114,6 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
 
 def _check_stored(path: str, stored, quantize, include) -> None:
     """A converted checkpoint stores ``stored`` (format, classes): refuse a ``quantize`` request for anything else."""
-    from kernels_pallas import quant
-
     fmt, classes = stored
     asked = quant.Format.parse(quantize) if not isinstance(quantize, quant.Format) else quantize
     asked_classes = quantize_lib.DEFAULT if include is None else tuple(include)
@@ -132,13 +132,9 @@ def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progre
         host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=offload.HOST)
         place = lambda name: host if offload.is_expert_leaf(name) else None  # noqa: E731
     if converted:
-        from kimi_jax.checkpoint import orbax as orbax_io
-
         abstract = orbax_io.abstract_model(path, factory)  # quantized as the conversion quantized it
         shardings = None
         if run.parallel is not None:
-            from kimi_jax.parallel import sharding
-
             shardings = sharding.param_shardings(abstract, run.parallel.mesh, run.parallel.layout)
         elif place is not None:
             shardings = {name: place(name) for name in params.leaves(nnx.state(abstract))}
@@ -154,12 +150,6 @@ def _load(path, cfg, run: RunConfig, converted: bool, check_finite: bool, progre
 def _check_loaded(model: KimiModel, path: str) -> None:
     """NaN / Inf in the loaded float parameters of a converted checkpoint (a device-side reduction per leaf; a
     quantized weight: its float scales)."""
-    import jax
-
-    from kernels_pallas import quant
-    from kernels_pallas.mxfp4 import MXFP4Weight
-    from kimi_jax.checkpoint.reader import NonFiniteError
-
     count = jax.jit(lambda x: jnp.sum(~jnp.isfinite(x)))
     nan_scales = jax.jit(lambda s: jnp.sum(s == 255))
     for path_, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

@@ -156,7 +156,7 @@ def e8m0(x) -> tuple[int, tuple | None]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rule:
+class Row:
     pattern: str
     target: str  # format string over the pattern's named groups
     transform: Callable = identity
@@ -185,37 +185,40 @@ class Rule:
         return name if hit and self.target.format(**hit.groupdict()) == target else None
 
 
+# compressed-tensors' field names of a stored weight ``X``: ``X.weight_packed`` (codes), ``X.weight_scale``, and for
+# pack-quantized int4 / int8 weights ``X.weight_shape`` (the logical shape)
+PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
 LAYER = r"model\.layers\.(?P<layer>\d+)\."
 EXPERT = r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<w>w[123])\."
 RULES = (
-    Rule(r"model\.embed_tokens\.weight", "embed_tokens"),
-    Rule(r"model\.norm\.weight", "norm"),
-    Rule(r"lm_head\.weight", "lm_head"),
-    Rule(r"model\.output_attn_res_norm\.weight", "output_attn_res.norm"),
-    Rule(r"model\.output_attn_res_proj\.weight", "output_attn_res.proj", _row_vector),
-    Rule(LAYER + r"(?P<n>input_layernorm|post_attention_layernorm)\.weight", "layers.{layer}.{n}"),
-    Rule(LAYER + r"(?P<site>self_attention|mlp)_res_norm\.weight", "layers.{layer}.{site}_res.norm"),
-    Rule(LAYER + r"(?P<site>self_attention|mlp)_res_proj\.weight", "layers.{layer}.{site}_res.proj", _row_vector),
+    Row(r"model\.embed_tokens\.weight", "embed_tokens"),
+    Row(r"model\.norm\.weight", "norm"),
+    Row(r"lm_head\.weight", "lm_head"),
+    Row(r"model\.output_attn_res_norm\.weight", "output_attn_res.norm"),
+    Row(r"model\.output_attn_res_proj\.weight", "output_attn_res.proj", _row_vector),
+    Row(LAYER + r"(?P<n>input_layernorm|post_attention_layernorm)\.weight", "layers.{layer}.{n}"),
+    Row(LAYER + r"(?P<site>self_attention|mlp)_res_norm\.weight", "layers.{layer}.{site}_res.norm"),
+    Row(LAYER + r"(?P<site>self_attention|mlp)_res_proj\.weight", "layers.{layer}.{site}_res.proj", _row_vector),
     # Attention (KDA / MLA / GQA share the `self_attn.` prefix; the layer's kind decides what exists).
-    Rule(LAYER + r"self_attn\.(?P<n>[qkv]_conv1d)\.weight", "layers.{layer}.self_attn.{n}", _conv),
-    Rule(LAYER + r"self_attn\.A_log", "layers.{layer}.self_attn.A_log", _a_log),
-    Rule(LAYER + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
-    Rule(LAYER + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
+    Row(LAYER + r"self_attn\.(?P<n>[qkv]_conv1d)\.weight", "layers.{layer}.self_attn.{n}", _conv),
+    Row(LAYER + r"self_attn\.A_log", "layers.{layer}.self_attn.A_log", _a_log),
+    Row(LAYER + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
+    Row(LAYER + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
          "layers.{layer}.self_attn.{n}"),
     # Dense MLP (layer 0 of Kimi models; every Llama layer). HF transformers writes Kimi Linear's dense layer
     # under `block_sparse_moe.` too (its save-time rename maps every `.mlp.` back).
-    Rule(LAYER + r"(?:mlp|block_sparse_moe)\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
+    Row(LAYER + r"(?:mlp|block_sparse_moe)\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
     # MoE.
-    Rule(LAYER + r"block_sparse_moe\.gate\.weight", "layers.{layer}.mlp.gate"),
-    Rule(LAYER + r"block_sparse_moe\.gate\.e_score_correction_bias", "layers.{layer}.mlp.e_score_correction_bias"),
-    Rule(LAYER + r"block_sparse_moe\.(?P<n>routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)\.weight",
+    Row(LAYER + r"block_sparse_moe\.gate\.weight", "layers.{layer}.mlp.gate"),
+    Row(LAYER + r"block_sparse_moe\.gate\.e_score_correction_bias", "layers.{layer}.mlp.e_score_correction_bias"),
+    Row(LAYER + r"block_sparse_moe\.(?P<n>routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)\.weight",
          "layers.{layer}.mlp.{n}"),
-    Rule(LAYER + r"block_sparse_moe\.shared_experts\.(?P<n>gate_proj|up_proj|down_proj)\.weight",
+    Row(LAYER + r"block_sparse_moe\.shared_experts\.(?P<n>gate_proj|up_proj|down_proj)\.weight",
          "layers.{layer}.mlp.shared_experts.{n}"),
-    Rule(LAYER + EXPERT + r"weight", "layers.{layer}.mlp.experts.{w}", stacked=True),
+    Row(LAYER + EXPERT + r"weight", "layers.{layer}.mlp.experts.{w}", stacked=True),
     # compressed-tensors MXFP4 (kernels_pallas/mxfp4.py): the two fields of one MXFP4Weight
-    Rule(LAYER + EXPERT + r"weight_packed", "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
-    Rule(LAYER + EXPERT + r"weight_scale", "layers.{layer}.mlp.experts.{w}.scale", stacked=True, check=e8m0),
+    Row(LAYER + EXPERT + PACKED, "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
+    Row(LAYER + EXPERT + SCALE, "layers.{layer}.mlp.experts.{w}.scale", stacked=True, check=e8m0),
 )
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
@@ -225,12 +228,17 @@ IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
 # the fields go to its packed type's leaves (:class:`~kernels_pallas.quant.Int4Weight` ``packed`` /
 # :class:`~kernels_pallas.quant.Int8Weight` ``q``, ``scale``; whichever the model holds). ``weight_shape`` is no
 # parameter: the loader checks it against the parameter's shape (kimi_jax.checkpoint.hf).
-CT_FIELDS = {"weight_packed": (("packed", _ct_int4), ("q", _ct_int8)), "weight_scale": (("scale", identity),)}
-CT_SHAPE = "weight_shape"
+CT_FIELDS = {PACKED: (("packed", _ct_int4), ("q", _ct_int8)), SCALE: (("scale", identity),)}
+
+
+def ct_tensors(weight_name: str) -> tuple[str, str]:
+    """(codes, logical shape): the tensors that store the pack-quantized weight ``X.weight`` (``{expert}`` kept)."""
+    stem = weight_name[:-len("weight")]
+    return stem + PACKED, stem + SHAPE
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class Destination:
     """Where one checkpoint tensor goes: parameter leaf ``target``, at ``expert`` of its leading dimension when the
     leaf stacks experts."""
 
@@ -252,7 +260,7 @@ def canonical(name: str, cfg: ModelConfig) -> str | None:
     return name
 
 
-def _match_packed(name: str, cname: str, targets) -> Placement | None:
+def _match_packed(name: str, cname: str, targets) -> Destination | None:
     """A compressed-tensors ``pack-quantized`` field (:data:`CT_FIELDS`), placed by the row of its ``.weight``."""
     stem, _, field = cname.rpartition(".")
     if field not in CT_FIELDS:
@@ -262,13 +270,13 @@ def _match_packed(name: str, cname: str, targets) -> Placement | None:
         return None
     for leaf, transform in CT_FIELDS[field]:
         if f"{base.target}.{leaf}" in targets:
-            return Placement(name, f"{base.target}.{leaf}", None, transform, finite)
+            return Destination(name, f"{base.target}.{leaf}", None, transform, finite)
     return None
 
 
-def match(name: str, cname: str, targets) -> Placement | None:
+def match(name: str, cname: str, targets) -> Destination | None:
     """The placement of one tensor, ``name`` canonicalised to ``cname`` (:func:`canonical`), or None when no leaf of
-    ``targets`` takes it (``targets=None``: the row's target without checking that the model has it). :func:`place`
+    ``targets`` takes it (``targets=None``: the row's target without checking that the model has it). :func:`assign`
     matches a whole checkpoint and checks it is complete; the export matches the file's side alone."""
     hits = [(rule, m) for rule in RULES if (m := rule.match(cname))]
     if len(hits) > 1:
@@ -280,11 +288,11 @@ def match(name: str, cname: str, targets) -> Placement | None:
     target = rule.target.format(**groups)
     if targets is not None and target not in targets:
         return None
-    return Placement(name, target, int(groups["expert"]) if rule.stacked else None, rule.transform, rule.check)
+    return Destination(name, target, int(groups["expert"]) if rule.stacked else None, rule.transform, rule.check)
 
 
-def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
-          files=()) -> tuple[list[Placement], list[str]]:
+def assign(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
+          files=()) -> tuple[list[Destination], list[str]]:
     """Match checkpoint tensor names to parameter leaves. Returns (placements, ignored names); raises on any tensor
     that fits nothing, any leaf (or expert slot) filled twice or not at all. ``files``: the checkpoint's file names,
     for the messages about tensors that are missing."""
@@ -294,7 +302,7 @@ def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
         if cname is None:
             ignored.append(name)
             continue
-        if cname.endswith("." + CT_SHAPE):
+        if cname.endswith("." + SHAPE):
             shapes.append(name)  # consumed by its weight_packed's placement, below
             continue
         p = match(name, cname, targets)
@@ -304,7 +312,7 @@ def place(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
             placements.append(p)
     placed = {p.tensor for p in placements}
     for name in shapes:
-        (ignored if name[:-len(CT_SHAPE)] + "weight_packed" in placed else unmatched).append(name)
+        (ignored if name[:-len(SHAPE)] + PACKED in placed else unmatched).append(name)
     if unmatched:
         raise WeightError(
             f"{len(unmatched)} checkpoint tensor(s) match no parameter of this {cfg.family} model "
@@ -330,7 +338,7 @@ def _searched(files) -> str:
     return ", ".join(files) if len(files) <= 3 else f"{len(files)} files ({files[0]} ... {files[-1]})"
 
 
-def _check_complete(placements: list[Placement], targets: dict[str, jax.ShapeDtypeStruct], cfg: ModelConfig, files):
+def _check_complete(placements: list[Destination], targets: dict[str, jax.ShapeDtypeStruct], cfg: ModelConfig, files):
     seen: dict[tuple, str] = {}
     experts: dict[str, set] = {}
     for p in placements:

@@ -30,7 +30,10 @@ import shutil
 import jax
 import numpy as np
 
+from kernels_pallas import quant
 from kimi_jax.checkpoint.safetensors import CheckpointError
+from kimi_jax.model import params
+from kimi_jax.model import quantize as quantize_lib
 
 PARAMS = "params"
 PARTIAL = PARAMS + ".partial_save"  # orbax.checkpoint.experimental.v1.partial's session directory for PARAMS
@@ -100,7 +103,6 @@ def quantization(meta: dict):
     q = meta.get("quantize")
     if q is None:
         return None
-    from kernels_pallas import quant
 
     try:
         return quant.Format.parse(q["format"]), tuple(q["include"])
@@ -305,8 +307,6 @@ def abstract_model(path, model_factory):
     the weights the conversion quantized in their packed types (:func:`quantization`)."""
     from flax import nnx
 
-    from kimi_jax.model import quantize as quantize_lib
-
     abstract = nnx.eval_shape(model_factory)
     q = quantization(read_marker(path))
     if q is not None:
@@ -320,8 +320,6 @@ def load_converted(path, cfg, model_factory, *, shardings=None, abstract=None):
     --quantize fills the quantized model directly: its packed fields are read as stored, no float weight is built.
     ``abstract``: :func:`abstract_model`, when the caller has it already."""
     from flax import nnx
-
-    from kimi_jax.model import params
 
     abstract = abstract_model(path, model_factory) if abstract is None else abstract
     graphdef, state = nnx.split(abstract)

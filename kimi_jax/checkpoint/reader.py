@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from kimi_jax.checkpoint import names
-from kimi_jax.checkpoint.names import Placement, WeightError
+from kimi_jax.checkpoint.names import Destination, WeightError
 from kimi_jax.checkpoint.safetensors import (
     DTYPES,
     Checkpoint,
@@ -41,7 +41,7 @@ class Job:
 
     target: str  # leaf path, e.g. "layers.3.mlp.experts.w1.packed"
     sds: jax.ShapeDtypeStruct
-    sources: list[Placement]  # one; or one per expert (sorted) for a leaf that stacks experts
+    sources: list[Destination]  # one; or one per expert (sorted) for a leaf that stacks experts
     rows: int | None = None  # keep only the first `rows` rows of the tensor (router rows of a --experts slice)
 
     @property
@@ -59,8 +59,8 @@ def jobs(ckpt: Checkpoint, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeSt
     order, and the names of the ignored out-of-scope tensors. ``tensors``: the checkpoint tensors to use (default
     all); ``rows(target)``: rows to keep of that leaf's tensor (default all)."""
     files = {os.path.basename(i.file) for i in ckpt.tensors.values()}
-    placements, ignored = names.place(list(ckpt.tensors) if tensors is None else tensors, cfg, targets, files=files)
-    by_target: dict[str, list[Placement]] = {}
+    placements, ignored = names.assign(list(ckpt.tensors) if tensors is None else tensors, cfg, targets, files=files)
+    by_target: dict[str, list[Destination]] = {}
     for p in placements:
         by_target.setdefault(p.target, []).append(p)
     out = [Job(t, targets[t], sorted(group, key=lambda p: -1 if p.expert is None else p.expert),
@@ -76,11 +76,11 @@ def _slot(job: Job) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, job.sds.dtype)
 
 
-def _where(p: Placement, info: TensorInfo) -> str:
+def _where(p: Destination, info: TensorInfo) -> str:
     return f"tensor {p.tensor!r} in {os.path.basename(info.file)}"
 
 
-def transform(p: Placement, arr: np.ndarray, info: TensorInfo, slot: jax.ShapeDtypeStruct) -> np.ndarray:
+def transform(p: Destination, arr: np.ndarray, info: TensorInfo, slot: jax.ShapeDtypeStruct) -> np.ndarray:
     """Apply the row's transform, check shape and dtype class, cast to the parameter dtype."""
     where = _where(p, info)
     arr = p.transform(arr, where, tuple(slot.shape))
@@ -115,7 +115,7 @@ def preflight(ckpt: Checkpoint, jobs: list[Job]) -> None:
                 transform(p, _stand_in(info, job.rows), info, slot)
 
 
-def _check_values(p: Placement, info: TensorInfo, values: np.ndarray, index) -> None:
+def _check_values(p: Destination, info: TensorInfo, values: np.ndarray, index) -> None:
     n, first = p.check(values)
     if n:
         at = tuple((s.start or 0) + i for s, i in zip(index, first))  # the region's offset in the tensor
@@ -181,7 +181,7 @@ class Reader:
             self._fill(by_expert[e], _slot(job), index[1:], out[k], None)
         return out
 
-    def _fill(self, p: Placement, slot, index, out: np.ndarray, rows: int | None):
+    def _fill(self, p: Destination, slot, index, out: np.ndarray, rows: int | None):
         """Region ``index`` of source tensor ``p.tensor`` (transformed, cast) into ``out``."""
         info = self.ckpt.tensors[p.tensor]
         direct = p.transform is names.identity and rows is None and DTYPES[info.dtype] == out.dtype

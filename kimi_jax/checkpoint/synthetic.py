@@ -30,7 +30,10 @@ import ml_dtypes
 import numpy as np
 
 from kernels_pallas import mxfp4
+from kimi_jax.checkpoint import names as name_table
+from kimi_jax.checkpoint.safetensors import DTYPES
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
+from kimi_jax.model.config import tiny_k3_config_dict
 
 FAMILIES = ("k3", "kimi_linear", "llama")
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output the HF layouts reproduce
@@ -89,8 +92,6 @@ def llama_config_dict() -> dict:
 
 
 def default_config(family: str) -> dict:
-    from kimi_jax.model.config import tiny_k3_config_dict
-
     _check_family(family)
     return {"k3": tiny_k3_config_dict, "kimi_linear": kimi_linear_config_dict, "llama": llama_config_dict}[family]()
 
@@ -215,8 +216,8 @@ def k3_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
                 if quant:
                     if cols % mxfp4.GROUP:
                         raise ValueError(f"{q}: MXFP4 needs input widths divisible by 32, got {cols}")
-                    out += [Spec(q + "weight_packed", "U8", (rows, cols // 2), "mxfp4_packed", i),
-                            Spec(q + "weight_scale", "U8", (rows, cols // mxfp4.GROUP), "mxfp4_scale", i)]
+                    out += [Spec(q + name_table.PACKED, "U8", (rows, cols // 2), "mxfp4_packed", i),
+                            Spec(q + name_table.SCALE, "U8", (rows, cols // mxfp4.GROUP), "mxfp4_scale", i)]
                 else:
                     out.append(Spec(q + "weight", dt, (rows, cols), "linear", i))
     return out
@@ -299,8 +300,6 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 def draw(spec: Spec, seed: int, hidden: int) -> np.ndarray:
     """The tensor for ``spec`` (deterministic in (seed, name)), in its safetensors dtype."""
-    from kimi_jax.checkpoint.safetensors import DTYPES
-
     rng = _rng(seed, spec.name)
     shape, kind = spec.shape, spec.init
     n = lambda std, mean=0.0: mean + std * rng.standard_normal(shape, dtype=np.float32)  # noqa: E731

@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kimi_jax.deploy import aot
-from kimi_jax.deploy import offload
+from kimi_jax.deploy import aot, offload
 from kimi_jax.deploy.plan import CHIPS, GB, Plan, format_plan, make_plan, search
 from kimi_jax.model import config as C
 from kimi_jax.model.run import check_offload

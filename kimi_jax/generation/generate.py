@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax.model.cache import Cache, cache_shapes, init_cache
 from kimi_jax.model import offload
-from kimi_jax.parallel import distributed
+from kimi_jax.model.cache import Cache, cache_shapes, init_cache
+from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
@@ -333,8 +333,6 @@ class Generator:
         shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan, **self.cache_options)
         shardings = None
         if self.parallel is not None:
-            from kimi_jax.parallel import sharding
-
             shardings = sharding.cache_shardings(self.cfg, shapes, self.parallel.mesh, self.parallel.layout)
         if self.offload:  # RunConfig(offload=...): those entries are allocated in host memory, never on the device
             if shardings is None:

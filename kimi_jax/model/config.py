@@ -145,6 +145,9 @@ class ModelConfig:
     checkpoint_dtype: str = "bfloat16"
     checkpoint_prefix: str = ""  # "language_model." for the K3 release layout
     max_position_embeddings: int | None = None  # the context the model was made for (prompt + new tokens)
+    # the checkpoint's weights stored compressed-tensors pack-quantized: (kind "int4" | "int8", group or None for one
+    # scale per row); the loader reads them packed (kimi_jax.checkpoint.hf)
+    packed_weights: tuple[str, int | None] | None = None
 
     def __post_init__(self):
         if len(self.attn_types) != self.num_layers or len(self.ffn_types) != self.num_layers:
@@ -161,6 +164,11 @@ class ModelConfig:
             raise ConfigError("layer schedule uses MoE layers but no MoE config was given")
 
     # Derived helpers -------------------------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers, in the order ``ModelOutput.router`` reports them."""
+        return [i for i, kind in enumerate(self.ffn_types) if kind == "moe"]
+
     @property
     def attn_res(self) -> bool:
         return self.attn_res_block_size is not None
@@ -292,15 +300,14 @@ def pack_quantized_format(q: Mapping[str, Any], where: str) -> tuple[str, int | 
     return formats.pop()
 
 
-def _quant(q: Mapping[str, Any] | None, where: str) -> str | None:
-    """Validate a compressed-tensors quantization_config; returns "mxfp4" (the routed experts' format) or None (none,
-    or ``pack-quantized`` int4 / int8 weights, which the loader reads packed: :func:`pack_quantized_format`)."""
+def _quant(q: Mapping[str, Any] | None, where: str) -> tuple[str | None, tuple[str, int | None] | None]:
+    """Validate a compressed-tensors quantization_config; returns (the routed experts' format: "mxfp4" or None, the
+    ``pack-quantized`` int4 / int8 weights' (kind, group), which the loader reads packed, or None)."""
     if q is None:
-        return None
+        return None, None
     method, fmt = q.get("quant_method"), q.get("format")
     if method == "compressed-tensors" and fmt == "pack-quantized":
-        pack_quantized_format(q, f"{where}: quantization_config")
-        return None
+        return None, pack_quantized_format(q, f"{where}: quantization_config")
     if method != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
         raise ConfigError(
             f"{where}: unsupported quantization_config quant_method={method!r} format={fmt!r} "
@@ -320,7 +327,7 @@ def _quant(q: Mapping[str, Any] | None, where: str) -> str | None:
             raise ConfigError(f"{where}: config_groups.{name}.format={group.get('format')!r} is not mxfp4-pack-quantized")
     if q.get("kv_cache_scheme") is not None:
         raise ConfigError(f"{where}: kv_cache_scheme={q.get('kv_cache_scheme')!r} is not supported")
-    return "mxfp4"
+    return "mxfp4", None
 
 
 def _kimi_activation(r: _Reader) -> tuple[str, float, float | None]:
@@ -452,8 +459,9 @@ def _kimi_mla(r: _Reader, attn: tuple[str, ...], d: int) -> MLAConfig | None:
 
 
 def _kimi_ffn(r: _Reader, top: Mapping[str, Any], ffn: tuple[str, ...], num_experts, d: int, eps: float,
-              act: tuple[str, float, float | None]) -> tuple[MLPConfig | None, MoEConfig | None]:
-    """(dense MLP config, MoE config): each present when some layer uses it. ``act`` is :func:`_kimi_activation`'s.
+              act: tuple[str, float, float | None]) -> tuple[MLPConfig | None, MoEConfig | None, tuple | None]:
+    """(dense MLP config, MoE config, pack-quantized weights or None): the first two present when some layer uses
+    them. ``act`` is :func:`_kimi_activation`'s.
 
     The quantization config may sit in the text config or, for K3, in the wrapper (``top``); it only applies to
     routed experts, so a model without them must not carry one.
@@ -463,7 +471,7 @@ def _kimi_ffn(r: _Reader, top: Mapping[str, Any], ffn: tuple[str, ...], num_expe
         mlp = MLPConfig(d, int(r.get("intermediate_size", required=True)), *act)
     r.read.add("intermediate_size")
     moe = None
-    quant = _quant(r.get("quantization_config", top.get("quantization_config")), r.where)
+    quant, packed = _quant(r.get("quantization_config", top.get("quantization_config")), r.where)
     if "moe" in ffn:
         moe = _kimi_moe(r, num_experts, d, eps, act, quant)
     elif quant is not None:
@@ -473,7 +481,7 @@ def _kimi_ffn(r: _Reader, top: Mapping[str, Any], ffn: tuple[str, ...], num_expe
                 "routed_expert_hidden_size", "num_shared_experts", "num_experts_per_token", "num_experts", "moe_layer_freq",
                 "first_k_dense_replace", "activation_situ_beta", "activation_situ_linear_beta"):
         r.read.add(key)
-    return mlp, moe
+    return mlp, moe, packed
 
 
 def _kimi_moe(r: _Reader, num_experts, d: int, eps: float, act: tuple[str, float, float | None],
@@ -551,7 +559,7 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
     if strict:  # the schedule and KDA are the only readers of linear_attn_config
         la.finish()
     mla = _kimi_mla(r, attn, d)
-    mlp, moe = _kimi_ffn(r, top, ffn, num_experts, d, eps, act)
+    mlp, moe, packed = _kimi_ffn(r, top, ffn, num_experts, d, eps, act)
     block = _kimi_extras(r)
 
     # A K3 wrapper's own token ids and tying win over its text_config's.
@@ -579,6 +587,7 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
         checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "bfloat16"))),
         checkpoint_prefix="language_model." if k3_wrapper else "",
         max_position_embeddings=_context(r),
+        packed_weights=packed,
     )
     r.read.add("torch_dtype")
     if strict:
@@ -620,6 +629,9 @@ def _parse_dense(c: Mapping[str, Any], *, strict: bool) -> ModelConfig:
     sw = r.get("sliding_window")
     if sw is not None:
         raise ConfigError(f"config.json: sliding_window={sw!r} is not supported")
+    experts, packed = _quant(r.get("quantization_config"), "config.json")
+    if experts is not None:  # MXFP4 applies to routed experts only
+        raise ConfigError("config.json: an MXFP4 quantization_config, but a dense model has no routed experts")
     cfg = ModelConfig(
         family="dense",
         vocab_size=int(r.get("vocab_size", required=True)),
@@ -636,10 +648,8 @@ def _parse_dense(c: Mapping[str, Any], *, strict: bool) -> ModelConfig:
         pad_token_id=_first_id(r.get("pad_token_id")),
         checkpoint_dtype=str(r.get("dtype", r.get("torch_dtype", "float32"))),
         max_position_embeddings=_context(r),
+        packed_weights=packed,
     )
-    # int4 / int8 pack-quantized weights are the loader's business; MXFP4 applies to routed experts only
-    if _quant(r.get("quantization_config"), "config.json") is not None:
-        raise ConfigError("config.json: an MXFP4 quantization_config, but a dense model has no routed experts")
     r.read.add("torch_dtype")
     if strict:
         r.finish()
@@ -683,18 +693,22 @@ def from_dict(c: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
     )
 
 
-def load(path: str | os.PathLike, *, strict: bool = True) -> ModelConfig:
-    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+def read_json(path: str | os.PathLike) -> dict:
+    """The raw ``config.json`` dict of a checkpoint directory (or the file itself): the one place it is read."""
     path = os.fspath(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise FileNotFoundError(f"{file}: no config.json (is {path!r} a model directory?)")
     try:
         with open(file) as f:
-            raw = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    return from_dict(raw, strict=strict)
+
+
+def load(path: str | os.PathLike, *, strict: bool = True) -> ModelConfig:
+    """Read and parse ``config.json`` from a checkpoint directory (or the file itself)."""
+    return from_dict(read_json(path), strict=strict)
 
 
 # -- presets: full-size configs, to build abstract models without files ----------------------------------

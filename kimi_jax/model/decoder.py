@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kimi_jax.model import params
+from kimi_jax.model import offload, params
 from kimi_jax.model.attention import GQA, KDA, MLA, Step
 from kimi_jax.model.cache import Cache
 from kimi_jax.model.config import ModelConfig
@@ -24,7 +24,6 @@ from kimi_jax.model.layer_plan import LayerPlan, layer_plan
 from kimi_jax.model.layers import MLP, AttnRes, embed, linear, param, rms_norm
 from kimi_jax.model.moe import MoE
 from kimi_jax.model.run import RunConfig
-from kimi_jax.model import offload
 
 
 @struct.dataclass

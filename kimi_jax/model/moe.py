@@ -12,15 +12,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import kernels_pallas.moe_gmm as gmm_kernels
-from kernels_pallas import matvec
+import kernels_pallas.experts as expert_ops
 from kernels_pallas import packed as packed_types
 from kernels_pallas.mxfp4 import MXFP4Weight
-from kimi_jax.model.config import MoEConfig
-from kimi_jax.model.layers import F32, MLP, cast, glu, linear, param, rms_norm
-from kimi_jax.model.run import RunConfig
 from kimi_jax.model import offload
-from kimi_jax.parallel import expert_parallel
+from kimi_jax.model.config import MoEConfig
+from kimi_jax.model.layers import F32, MLP, glu, linear, param, rms_norm
+from kimi_jax.model.run import RunConfig
 
 
 def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
@@ -60,7 +58,7 @@ class Experts(nnx.Module):
         packed = MXFP4Weight if cfg.quant == "mxfp4" else None
         for name, (shape, axes) in shapes.items():
             setattr(self, name, param(rngs, shape, axes, param_dtype, packed=packed))
-        self.hot_cache = nnx.data(None)  # offload.HotExperts: experts kept on the device too (offload.keep_hot_experts)
+        self.hot_cache = nnx.data(None)  # offload.HotExperts: experts kept on the device too (hot_experts.py)
 
     def weight(self, name):
         """A float array or a packed weight (:mod:`kernels_pallas.packed`)."""
@@ -71,13 +69,11 @@ class Experts(nnx.Module):
         """The expert weights are a packed type (MXFP4), not float arrays."""
         return packed_types.is_packed(self.weight("w1"))
 
-    def _auto_path(self, pairs: int, run: RunConfig) -> str:
-        float32 = not self.packed and jnp.dtype(run.dtype) == F32
-        return gmm_kernels.expert_path(pairs, self.cfg.num_experts, float32=float32, implementation=run.implementation,
-                                       placement=run.placement)
-
     def path(self, pairs: int, run: RunConfig) -> str:
-        return run.moe_path if run.moe_path != "auto" else self._auto_path(pairs, run)
+        """How ``pairs`` (token, expert) pairs run (:func:`kernels_pallas.experts.choose_path`)."""
+        float32 = not self.packed and jnp.dtype(run.dtype) == F32
+        return expert_ops.choose_path(pairs, self.cfg.num_experts, float32=float32, implementation=run.implementation,
+                                      placement=run.placement, requested=run.moe_path)
 
     def fetch(self, idx_NX, run: RunConfig, after=None):
         """(the weights in device memory, the ids that index them): with experts offloaded, only the chosen ones
@@ -97,40 +93,27 @@ class Experts(nnx.Module):
         return {name: self.weight(name) for name in ("w1", "w3", "w2")}
 
     def __call__(self, z_NL, idx_NX, run: RunConfig):
-        """Each token's chosen experts applied to it: returns ``[N, X, L]`` in the run dtype."""
-        w, ids = self.fetch(idx_NX, run, after=z_NL)
-        return self.apply(w, z_NL, ids, run)
+        """Each token's chosen experts applied to it: ``[N, X, L]`` in the run dtype (on a mesh: the expert-parallel
+        exchange)."""
+        return self.with_shared(z_NL, idx_NX, run)[0]
 
-    def apply(self, w, z_NL, idx_NX, run: RunConfig):
-        """:meth:`__call__` with the weights given (``w`` as :meth:`weights` returns them, or the compact stack of
-        :meth:`fetch` with its ids; expert parallelism passes each device's replica)."""
-        c = self.cfg
-        N, X = idx_NX.shape
-        path = self.path(N * X, run)
-        act = lambda a, b: self.act(a, b, run)
-        kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
-        if path == "dense":
-            if self.packed:
-                raise ValueError("moe_path='dense' needs float expert weights (MXFP4 experts use 'gather' or 'sorted')")
-            # every expert on every token, each expert read once
-            y = gmm_kernels.dense_experts(z_NL.astype(run.dtype), w["w1"], w["w3"], w["w2"], act=act,
-                                          compute_dtype=run.dtype, precision=run.precision,
-                                          implementation=run.implementation)  # [E, N, L]
-            return y[idx_NX, jnp.arange(N)[:, None]].astype(run.dtype)  # [N, X, L]
-        if path == "gather":
-            zx = jnp.broadcast_to(z_NL[:, None], (N, X, z_NL.shape[-1]))
-            h = act(gmm_kernels.gather_matmul(zx, w["w1"], idx_NX, **kw),
-                    gmm_kernels.gather_matmul(zx, w["w3"], idx_NX, **kw))
-            return gmm_kernels.gather_matmul(h, w["w2"], idx_NX, **kw).astype(run.dtype)
-        if path != "sorted":
-            raise ValueError(f"unknown moe_path {run.moe_path!r}")
-        flat = idx_NX.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-        xs = z_NL[order // X]  # [M, L] rows sorted by expert
-        h = act(gmm_kernels.gmm(xs, w["w1"], sizes, **kw), gmm_kernels.gmm(xs, w["w3"], sizes, **kw))
-        ys = gmm_kernels.gmm(h, w["w2"], sizes, **kw).astype(run.dtype)
-        return jnp.zeros_like(ys).at[order].set(ys).reshape(N, X, -1)
+    def with_shared(self, z_NL, idx_NX, run: RunConfig, shared=None, after=None):
+        """:meth:`__call__`, and the shared experts' output ``[N, D]`` when the path ran them beside the routed ones
+        (else None): :func:`kernels_pallas.experts.routed_experts` (``shared``: a
+        :class:`kernels_pallas.experts.Shared`). ``after``: what a whole-layer copy of offloaded weights waits for
+        (default ``z_NL``)."""
+        if run.parallel is not None and "experts" in run.offload:
+            raise ValueError("offload='experts' runs on one device for now: the expert-parallel dispatch "
+                             "(kernels_pallas/experts/expert_parallel.py) reads the weights where they live")
+        w, ids = self.fetch(idx_NX, run, after=z_NL if after is None else after)
+        exchange = None
+        if run.parallel is not None:
+            par = run.parallel
+            exchange = expert_ops.Exchange(par.param_value_specs(self), par.dispatch, par.capacity_factor)
+        return expert_ops.routed_experts(z_NL, w, ids, act=lambda a, b: self.act(a, b, run), compute_dtype=run.dtype,
+                                         precision=run.precision, implementation=run.implementation,
+                                         path=run.moe_path, placement=run.placement, exchange=exchange,
+                                         shared=shared)
 
 
 class MoE(nnx.Module):
@@ -157,58 +140,25 @@ class MoE(nnx.Module):
         x = x_BTD.reshape(B * T, D)
         idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
         shared = None
-        if run.parallel is not None:  # experts sharded over a mesh: token dispatch (kimi_jax/parallel/expert_parallel.py)
-            if "experts" in run.offload:
-                raise ValueError("offload='experts' runs on one device for now: the expert-parallel dispatch "
-                                 "(kimi_jax/parallel/expert_parallel.py) reads the weights where they live")
-            z = self._latent(x, run)
-            out = expert_parallel.routed_experts(self.experts, z, idx, run)
-        else:
-            # Offloaded experts start moving here (the routed ones once the router has chosen); the latent
-            # projection and the shared experts need none of them and run while they move.
-            ew, ids = self.experts.fetch(idx, run, after=x if after is None else after)
-            z = self._latent(x, run)
-            out, shared = self._grouped_decode(x, z, ids, ew, run) or (self.experts.apply(ew, z, ids, run), None)
+        if c.num_shared:
+            sh = self.shared_experts
+            act = lambda a, b: glu(a, b, sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)  # noqa: E731
+            shared = expert_ops.Shared(x, sh.gate_proj[...], sh.up_proj[...], sh.down_proj[...], act)
+        # Offloaded experts start moving in Experts (the routed ones once the router has chosen); the latent
+        # projection and the shared experts need none of them and run while they move.
+        out, shared_out = self.experts.with_shared(self._latent(x, run), idx, run, shared=shared,
+                                                   after=x if after is None else after)
         u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
         if c.latent is not None:
             if c.latent_norm:
                 u = rms_norm(u, self.routed_expert_norm[...], c.norm_eps, run)
             u = linear(u, self.routed_expert_up_proj[...], run)
         if c.num_shared:
-            shared = self.shared_experts(x, run) if shared is None else shared
-            u = (u + shared).astype(run.dtype)
+            shared_out = self.shared_experts(x, run) if shared_out is None else shared_out
+            u = (u + shared_out).astype(run.dtype)
         return u.reshape(B, T, D), (idx.reshape(B, T, -1), w.reshape(B, T, -1))
 
     def _latent(self, x_ND, run: RunConfig):
         """The routed experts' input ``[N, L]``: K3's latent down projection, else ``x`` in the run dtype."""
         c = self.cfg
         return linear(x_ND, self.routed_expert_down_proj[...], run) if c.latent is not None else x_ND.astype(run.dtype)
-
-    def _grouped_decode(self, x_ND, z_NL, idx_NX, w, run: RunConfig):
-        """Gathered float experts whose products the grouped-product op runs as one native call (decode on CPU):
-        the chosen experts and the shared experts as two such calls, up projections then down projections
-        (:mod:`kernels_pallas.matvec`); ``w``: the routed experts' weights in device memory (``idx_NX`` indexes
-        them: the compact stack of :meth:`Experts.fetch` and its ids, when they were offloaded). Returns (routed
-        ``[N, X, L]``, shared ``[N, D]`` or None), or None when the op would not run them that way (then each part
-        runs on its own)."""
-        N, X = idx_NX.shape
-        ex, sh = self.experts, (self.shared_experts if self.cfg.num_shared else None)
-        if isinstance(ex.weight("w1"), MXFP4Weight) or ex.path(N * X, run) != "gather":
-            return None
-        dt, ids = run.dtype, idx_NX.reshape(N * X)
-        zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
-        items = [(zx, cast(w["w1"], dt), ids), (zx, cast(w["w3"], dt), ids)]
-        if sh is not None:
-            xs = x_ND.astype(dt)
-            items += [(xs, cast(sh.gate_proj[...], dt), None), (xs, cast(sh.up_proj[...], dt), None)]
-        kw = dict(implementation=run.implementation, placement=run.placement)
-        if not matvec.fuses(items, **kw):
-            return None
-        up = matvec.group(items, **kw)
-        items = [(ex.act(up[0], up[1], run).astype(dt), cast(w["w2"], dt), ids)]
-        if sh is not None:
-            hs = glu(up[2], up[3], sh.cfg.act, sh.cfg.situ_beta, sh.cfg.situ_linear_beta, run)
-            items.append((hs.astype(dt), cast(sh.down_proj[...], dt), None))
-        down = matvec.group(items, **kw)
-        routed = down[0].reshape(N, X, -1).astype(dt)
-        return routed, (down[1].astype(dt) if sh is not None else None)

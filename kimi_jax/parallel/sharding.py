@@ -125,6 +125,11 @@ class Parallel:
     def sizes(self) -> dict[str, int]:
         return dict(self.mesh.shape)
 
+    def param_value_specs(self, module) -> dict:
+        """The partition specs of ``module``'s own parameters on this mesh, shaped like their values
+        (:func:`param_value_specs`): what an op that places itself needs of the weights it is given."""
+        return param_value_specs(module, self.sizes, self.layout)
+
     @property
     def placement(self) -> Placement:
         """What the kernel ops need to place themselves on this mesh: the mesh and this layout's table."""

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.layer_plan import LayerPlan
 
 BIAS = "e_score_correction_bias"
@@ -29,11 +28,6 @@ def expert_load(idx_BTX, mask_BT, num_experts: int):
 def bias_step(bias_E, load_E, rate: float):
     """``bias + rate * sign(mean(load) - load)`` (float32)."""
     return (bias_E.astype(jnp.float32) + rate * jnp.sign(jnp.mean(load_E) - load_E)).astype(bias_E.dtype)
-
-
-def moe_layers(cfg: ModelConfig) -> list[int]:
-    """Layer indices of the MoE layers, in the order ``ModelOutput.router`` reports them."""
-    return [i for i, kind in enumerate(cfg.ffn_types) if kind == "moe"]
 
 
 def update_biases(bias_state, loads: dict, rate: float, plan: LayerPlan):

@@ -25,9 +25,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kernels_pallas import packed
+from kernels_pallas import mxfp4, packed
 from kimi_jax.model.decoder import KimiModel
 from kimi_jax.model.run import RunConfig
+from kimi_jax.parallel import distributed, sharding
 from kimi_jax.training import balance
 from kimi_jax.training import lora as lora_lib
 from kimi_jax.training.loss import causal_lm_loss
@@ -97,8 +98,6 @@ def training_run(run: RunConfig) -> RunConfig:
 def prepare(model: KimiModel, dtype=None) -> KimiModel:
     """The model ready to train (in place): float parameters as float32 masters, MXFP4 experts decoded to float32,
     the run switched to :func:`training_run` (its ``dtype``: the compute dtype, or ``dtype`` when given)."""
-    from kernels_pallas import mxfp4
-
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = var.get_value()
         if isinstance(v, mxfp4.MXFP4Weight):
@@ -117,8 +116,6 @@ def init(model: KimiModel, config: TrainConfig = TrainConfig(), mesh=None,
     """A :class:`Trainer` and the first :class:`TrainState` of ``model`` (call :func:`prepare` first). With ``mesh``,
     the model runs on it (``RunConfig.parallel``) and the state is placed in the inference layout."""
     if mesh is not None:
-        from kimi_jax.parallel import distributed
-
         model.run = distributed.with_parallel(model.run, mesh, layout)
     graphdef, bias, params, rest = nnx.split(model, nnx.PathContains(balance.BIAS), nnx.Param, ...)
     frozen = None
@@ -153,8 +150,6 @@ def _dotted(path) -> str:
 def param_tree_shardings(model, tree, mesh, layout="tp_ep"):
     """NamedShardings for a tree of model parameters (an ``nnx.State`` or the LoRA adapters dict): a model leaf
     takes its inference spec; anything else (adapters) is replicated."""
-    from kimi_jax.parallel import sharding
-
     specs = sharding.param_specs(model, mesh, layout)
     rep = PartitionSpec()
     return jax.tree_util.tree_map_with_path(
@@ -168,8 +163,6 @@ def state_shardings(model, state: TrainState, mesh, layout="tp_ep"):
 
 
 def batch_sharding(shape, mesh, layout="tp_ep") -> NamedSharding:
-    from kimi_jax.parallel import sharding
-
     return NamedSharding(mesh, sharding.batch_spec(shape, mesh, layout))
 
 
@@ -248,7 +241,7 @@ def train_step(trainer: Trainer, state: TrainState, batch: Batch) -> tuple[Train
     bias = state.bias
     if router and trainer.config.balance_rate:
         loads = {layer: balance.expert_load(idx, batch.mask, cfg.moe.num_experts)
-                 for layer, (idx, _) in zip(balance.moe_layers(cfg), router)}
+                 for layer, (idx, _) in zip(cfg.moe_layers, router)}
         bias = balance.update_biases(state.bias, loads, trainer.config.balance_rate, trainer.plan)
     metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads),
                "lr": schedule(trainer.config.optim)(state.step),

@@ -1,25 +1,22 @@
-"""Expert parallelism: routed experts sharded over mesh axes, (token, expert) pairs sent to the chip that owns
-the expert and the results sent back.
+"""Expert parallelism: routed experts sharded over mesh axes, (token, expert) pairs sent to the device that owns the
+expert and the results sent back.
 
-Inside one ``shard_map`` over the whole mesh, each chip holds ``E_loc`` experts (the ``ep`` axes split the
-expert dimension) and, with ``tp`` axes, a slice of every local expert's hidden width. Tokens arrive split over
-the batch and ``ep`` axes (replicated over ``tp``). Per chip:
+Inside one ``shard_map`` over the whole mesh, each device holds ``E_loc`` experts (the ``ep`` axes split the expert
+dimension) and, with ``tp`` axes, a slice of every local expert's hidden width. Tokens arrive split over the batch
+and ``ep`` axes (replicated over ``tp``). Per device:
 
-1. sort its (token, expert) pairs by global expert id: pairs for one destination chip become contiguous;
-2. exchange them over the ``ep`` axes -- ``ragged_all_to_all`` (TPU/GPU: exactly the rows needed) or, on
-   CPU where XLA has no ragged all-to-all, a fixed-capacity ``all_to_all`` of ``[chips, cap, L]`` buffers;
-3. run the local experts as one grouped matmul over the received rows (rows sorted by local expert);
-   with ``tp`` the down projection's partial sums are ``psum``-ed in float32 before the one rounding, as the
-   single-device path rounds once after its float32 accumulation;
-4. send the rows back the way they came and unsort to ``[N, X, L]``, what :class:`~kimi_jax.model.moe.Experts`
-   returns, so the router weighting and everything after it are the single-device code.
+1. sort its (token, expert) pairs by global expert id: pairs for one destination become contiguous;
+2. exchange them over the ``ep`` axes -- ``ragged_all_to_all`` (TPU/GPU: exactly the rows needed) or a
+   fixed-capacity ``all_to_all`` of ``[devices, cap, L]`` buffers (CPU, where XLA has no ragged all-to-all);
+3. run the local experts as one grouped matmul over the received rows (rows sorted by local expert); with ``tp``
+   the down projection's partial sums are ``psum``-ed in float32 before the one rounding, as the single-device
+   path rounds once after its float32 accumulation;
+4. send the rows back the way they came and unsort to ``[N, X, L]``.
 
 All of it differentiates (training runs it, with the reference grouped matmul ``lax.ragged_dot``): each exchange
-transposes into the reverse exchange.
-
-Padded token rows (``N`` rounded up to the number of token shards) never leave their chip. Experts that the mesh
-does not split (too few to divide) still run inside the map, on each device's tokens with the single-device math
-(:meth:`~kimi_jax.model.moe.Experts.apply`): the kernels then run on local shards there too.
+transposes into the reverse exchange. Padded token rows (``N`` rounded up to the number of token shards) never
+leave their device. Experts that the mesh does not split (too few to divide) still run inside the map, on each
+device's tokens with the single-device paths.
 """
 
 from __future__ import annotations
@@ -30,11 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-import kernels_pallas.moe_gmm as gmm_kernels
-from kernels_pallas._dispatch import target_platform
-from kimi_jax.model.layers import glu
-from kimi_jax.model.run import RunConfig
-from kimi_jax.parallel import sharding
+from kernels_pallas import moe_gmm
 
 _WEIGHTS = ("w1", "w3", "w2")
 
@@ -43,21 +36,16 @@ def _axes(part) -> tuple[str, ...]:
     return () if part is None else ((part,) if isinstance(part, str) else tuple(part))
 
 
-def plan_axes(experts, par: sharding.Parallel):
-    """(ep axes, tp axes, weight specs shaped like the weights) of an :class:`~kimi_jax.model.moe.Experts` module
-    under ``par``."""
-    specs = sharding.param_value_specs(experts, par.sizes, par.layout)
-    first = jax.tree.leaves(specs["w1"], is_leaf=lambda x: isinstance(x, P))[0]  # every field splits E and F alike
-    return _axes(first[0]), _axes(first[1]), specs
-
-
-def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
-    """``experts(z, idx, run)`` on a mesh: returns ``[N, X, L]`` in the run dtype."""
-    par: sharding.Parallel = run.parallel
-    cfg = experts.cfg
-    ep, tp, specs = plan_axes(experts, par)
-    sizes = par.sizes
-    batch = tuple(a for a in par.layout.mesh_axes("batch") if sizes[a] > 1)
+def routed(z_NL, w, idx_NX, exchange, placement, local, *, ragged: str, act, compute_dtype, precision=None,
+           implementation=None):
+    """``[N, X, L]`` in ``compute_dtype`` on the placement's mesh. ``exchange``:
+    :class:`kernels_pallas.experts.Exchange`; ``ragged``: its dispatch decided for the target; ``local(z, w, idx)``:
+    the single-device paths, for experts the mesh leaves whole."""
+    mesh = placement.mesh
+    first = jax.tree.leaves(exchange.weight_specs["w1"], is_leaf=lambda x: isinstance(x, P))[0]
+    ep, tp = _axes(first[0]), _axes(first[1])  # every field splits E and F alike
+    sizes = dict(mesh.shape)
+    batch = tuple(a for a in placement.mesh_axes("batch") if sizes[a] > 1)
     tok_axes = batch + tuple(a for a in ep if a not in batch)
     shards = math.prod(sizes[a] for a in tok_axes)
     N, X = idx_NX.shape
@@ -65,54 +53,50 @@ def routed_experts(experts, z_NL, idx_NX, run: RunConfig):
     z = jnp.pad(z_NL, ((0, Np - N), (0, 0)))
     idx = jnp.pad(idx_NX, ((0, Np - N), (0, 0)))
     valid = jnp.arange(Np) < N
-    weights = {n: experts.weight(n) for n in _WEIGHTS}
+    weights = {n: w[n] for n in _WEIGHTS}
     tok = P(tok_axes or None)
-    dispatch = par.dispatch
-    # Training takes the same choice: both exchanges differentiate (all_to_all's transpose is an all_to_all,
-    # ragged_all_to_all's a ragged_all_to_all with the offsets swapped).
-    if dispatch == "auto":
-        dispatch = "ragged" if target_platform(par.placement) in ("tpu", "gpu") else "capacity"
+    kw = dict(act=act, compute_dtype=compute_dtype, implementation=implementation)
 
     def body(z, idx, valid, w):
         n_loc = idx.shape[0]
         e_loc = w["w1"].shape[0]
-        local = lambda x, ids: _local_experts(x, ids, w, e_loc, cfg, run, tp)
+        run_local = lambda x, ids: _local_experts(x, ids, w, e_loc, tp, **kw)  # noqa: E731
         e = idx.reshape(-1)
         v = jnp.repeat(valid, X)
-        if not ep and not tp:  # experts replicated: the single-device math on each device's tokens
-            return experts.apply(w, z, idx, run)  # padded rows route to expert 0, dropped by out[:N]
+        if not ep and not tp:  # experts replicated: the single-device paths on each device's tokens
+            return local(z, w, idx)  # padded rows route to expert 0, dropped by out[:N]
         if not ep:
-            rows = local(jnp.repeat(z, X, axis=0), jnp.where(v, e, e_loc))
+            rows = run_local(jnp.repeat(z, X, axis=0), jnp.where(v, e, e_loc))
         else:
             n = math.prod(sizes[a] for a in ep)
-            cap = n_loc * min(X, e_loc)  # lossless: every pair of this chip to one destination
-            if par.capacity_factor is not None and dispatch == "capacity":  # ragged buffers stay lossless
-                cap = max(1, min(cap, math.ceil(par.capacity_factor * n_loc * X / n)))
-            fn = _capacity_dispatch if dispatch == "capacity" else _ragged_dispatch
-            rows = fn(z, e, v, X, e_loc, n, ep, cap, local, emulated=dispatch == "ragged_emulated")
+            cap = n_loc * min(X, e_loc)  # lossless: every pair of this device to one destination
+            if exchange.capacity_factor is not None and ragged == "capacity":  # ragged buffers stay lossless
+                cap = max(1, min(cap, math.ceil(exchange.capacity_factor * n_loc * X / n)))
+            fn = _capacity_dispatch if ragged == "capacity" else _ragged_dispatch
+            rows = fn(z, e, v, X, e_loc, n, ep, cap, run_local, emulated=ragged == "ragged_emulated")
         return rows.reshape(n_loc, X, -1)
 
-    in_specs = (P(tok_axes or None, None), P(tok_axes or None, None), tok, {n: specs[n] for n in _WEIGHTS})
-    out = jax.shard_map(body, mesh=par.mesh, in_specs=in_specs, out_specs=P(tok_axes or None, None, None),
+    in_specs = (P(tok_axes or None, None), P(tok_axes or None, None), tok,
+                {n: exchange.weight_specs[n] for n in _WEIGHTS})
+    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(tok_axes or None, None, None),
                         check_vma=False)(z, idx, valid, weights)
     return out[:N]
 
 
-def _local_experts(x_ML, ids_M, w, e_loc, cfg, run: RunConfig, tp):
-    """Rows ``x`` through local expert ``ids`` (``e_loc`` = empty row, output 0): ``[M, L]`` run dtype, in order."""
+def _local_experts(x_ML, ids_M, w, e_loc, tp, *, act, compute_dtype, implementation):
+    """Rows ``x`` through local expert ``ids`` (``e_loc`` = empty row, output 0): ``[M, L]`` compute dtype, in
+    order."""
     order = jnp.argsort(ids_M, stable=True)
     group = jnp.zeros((e_loc,), jnp.int32).at[ids_M].add(1, mode="drop")
     # Weights do not depend on the tokens, so XLA may schedule every layer's expert decode (the jnp reference
     # dequantises all local experts) at the start of the step, all live at once. Tie them to this layer's rows.
     xs, w = jax.lax.optimization_barrier((x_ML[order], w))
-    kw = dict(compute_dtype=run.dtype, implementation=run.implementation)
-    h = glu(gmm_kernels.gmm(xs, w["w1"], group, **kw).astype(run.dtype),
-            gmm_kernels.gmm(xs, w["w3"], group, **kw).astype(run.dtype), cfg.act, cfg.situ_beta,
-            cfg.situ_linear_beta, run)
-    ys = gmm_kernels.gmm(h, w["w2"], group, **kw)  # float32; partial over the tp slice of the hidden width
+    kw = dict(compute_dtype=compute_dtype, implementation=implementation)
+    h = act(moe_gmm.gmm(xs, w["w1"], group, **kw), moe_gmm.gmm(xs, w["w3"], group, **kw))
+    ys = moe_gmm.gmm(h, w["w2"], group, **kw)  # float32; partial over the tp slice of the hidden width
     if tp:
         ys = jax.lax.psum(ys, tp)
-    ys = ys.astype(run.dtype)
+    ys = ys.astype(compute_dtype)
     return jnp.zeros_like(ys).at[order].set(ys)
 
 
