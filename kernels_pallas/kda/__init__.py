@@ -18,7 +18,6 @@ On a mesh: sequences split over ``batch`` and heads over ``heads`` (each head's 
 
 from __future__ import annotations
 
-from kernels_pallas import _native
 from kernels_pallas._dispatch import (
     NATIVE,
     PALLAS,
@@ -35,13 +34,9 @@ RULE = Rule(args=("BTHK", "BTHK", "BTHU", "BTHK", "BTH", "BHKU"), out=("BTHU", "
             split=(("B", "batch"), ("H", "heads")))
 
 
-def _native_ready() -> bool:
-    return _native.try_target(native.SOURCE, native.SYMBOL) is not None
-
-
 def _native_kernel(automatic):
     fn = lambda q, k, v, g, beta, state, *, scale, **_: native.kda_recurrent(q, k, v, g, beta, state, scale=scale)
-    return CpuImpl(NATIVE, fn, ready=_native_ready, automatic=automatic)
+    return CpuImpl(NATIVE, fn, ready=native.KERNEL.ready, automatic=automatic)
 
 
 def _chunked(q, k, v, g, beta, state, *, scale, chunk_size):
@@ -68,11 +63,6 @@ PREFILL = Op("kda_prefill", RULE, {REFERENCE: _chunked, "recurrent": _recurrent,
              cpu=(_native_kernel(automatic=_RECURRENCE), CpuImpl(XLA_CPU, _recurrent, automatic=_RECURRENCE)))
 DECODE = Op("kda_decode", RULE, {REFERENCE: _recurrent, PALLAS: pallas.kda_recurrent},
             cpu=(_native_kernel(automatic=lambda *args, **_: True),))
-
-
-def native_ready() -> bool:
-    """Whether the automatic choice of the recurrence is the native kernel here (on CPU, built, not turned off)."""
-    return target_platform() == "cpu" and _native_ready()
 
 
 def kda_prefill(q, k, v, g, beta, state=None, *, scale, chunk_size=None, implementation=None, placement=None):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import _native, packed, qmatmul, quant
+from kernels_pallas import packed, qmatmul, quant
 from kernels_pallas._dispatch import (
     INTERPRET,
     PALLAS,
@@ -56,14 +56,9 @@ _F32 = jnp.float32
 PACKED_ROWS = 16
 
 
-def native_built() -> bool:
-    """Whether the native kernel is built and turned on (builds it on first use)."""
-    return _native.try_target(native.SOURCE, native.SYMBOL) is not None
-
-
 def native_ready() -> bool:
-    """Whether the automatic choice for float32 items is the native kernel here (on CPU, built, not turned off)."""
-    return target_platform() == "cpu" and native_built()
+    """Whether the automatic choice for float32 items is the native kernel here (on CPU, and it builds)."""
+    return target_platform() == "cpu" and native.KERNEL.ready()
 
 
 def _float32(items) -> str | None:
@@ -90,7 +85,7 @@ def _native_automatic(items, **_) -> bool:
 # TPU / GPU: the float items run the reference (XLA's products); plain packed items go to the Pallas matmul that
 # decodes integer weights per tile (kernels_pallas/qmatmul), see group().
 GROUP = Op("matvec", None, {REFERENCE: reference.group}, plain=True, cpu=(
-    CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native_built,
+    CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native.KERNEL.ready,
             unsupported=lambda items, **_: native.unsupported(items), automatic=_native_automatic),
     CpuImpl(XLA_CPU, xla_cpu.group, unsupported=lambda items, **_: _float32(items),
             automatic=lambda items, **_: any(ids is None and xla_cpu.skinny(x.shape[0]) for x, _, ids in items)),

@@ -68,7 +68,7 @@ def _native_gather(x, w, idx, *, compute_dtype=None):
 GMM = Op("moe_gmm", GMM_RULE, {REFERENCE: reference.gmm, PALLAS: pallas.gmm},
          cpu=(CpuImpl(XLA_CPU, xla_cpu.gmm),))
 GATHER = Op("moe_gather_matmul", GATHER_RULE, {REFERENCE: reference.gather_matmul, PALLAS: pallas.gather_matmul},
-            cpu=(CpuImpl(NATIVE, _native_gather, ready=matvec.native_built, unsupported=_native_gather_unsupported),))
+            cpu=(CpuImpl(NATIVE, _native_gather, ready=native.KERNEL.ready, unsupported=_native_gather_unsupported),))
 
 
 def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None, placement=None):
@@ -77,7 +77,7 @@ def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None, placement
 
 def native_gather_ready() -> bool:
     """Whether the automatic choice of :func:`gather_matmul` for float32 operands is the native kernel here (on
-    CPU, built, not turned off). Builds it on first use."""
+    CPU, and it builds). Builds it on first use."""
     return matvec.native_ready()
 
 
