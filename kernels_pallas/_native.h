@@ -1,9 +1,9 @@
 // What the native XLA:CPU kernels (kernels_pallas/<op>/native.cc) share: vectors of kLanes floats, their loads
 // (float32, and bfloat16 widened exactly), stores and broadcasts, the shuffle macro, the pairwise tree that sums a
-// vector's lanes (the summation order every kernel's results are tested for), the check of a buffer's shape, and
-// the loop that shares a call's parts among the threads of XLA's pool. Its names live in an unnamed namespace that
-// each kernel's own reopens (one translation unit per kernel library). kernels_pallas/_native.py builds every
-// kernel with it and keys the build cache on it too.
+// vector's lanes (one order on every instruction set: an AVX2 build gives an AVX-512 build's bits), the check of a
+// buffer's shape, and the loop that shares a call's parts among the threads of XLA's pool. Its names live in an
+// unnamed namespace that each kernel's own reopens (one translation unit per kernel library).
+// kernels_pallas/_native.py builds every kernel with it and keys the build cache on it too.
 
 #pragma once
 
