@@ -82,6 +82,13 @@ inline float TreeSum(const float* v) {
   }
 }
 
+// The tree sum of one vector's lanes.
+inline float TreeSum(Lanes v) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof lanes);
+  return TreeSum<kLanes>(lanes);
+}
+
 // TreeSum of eight accumulators at once (kLanes == 16): the same additions, lane i + lane i + 8, then + 4, + 2,
 // + 1, done on vectors that hold two, four, then eight rows' partial sums.
 inline void TreeSum8(const Lanes* a, float* y) {
@@ -109,7 +116,7 @@ inline void TreeSums(const Lanes* acc, float* y) {
   if constexpr (RowCount == 8 && kLanes == 16) {
     TreeSum8(acc, y);
   } else {
-    for (int r = 0; r < RowCount; ++r) {
+    for (int r = 0; r < RowCount; ++r) {  // not TreeSum(acc[r]): that changed the products' register allocation
       float lanes[kLanes];
       std::memcpy(lanes, &acc[r], sizeof lanes);
       y[r] = TreeSum<kLanes>(lanes);
