@@ -30,8 +30,8 @@ def cases():
     import jax.numpy as jnp
     import numpy as np
 
-    import kernels_pallas.kda as kda
-    import kernels_pallas.mla_decode as mla
+    from kernels_pallas import kda
+    from kernels_pallas import mla_decode as mla
 
     rng = np.random.default_rng(0)
     H, R, O = 8, 512, 64
@@ -45,7 +45,7 @@ def cases():
                for impl in ("cpu_native", "xla_cpu")}
         yield f"mla bf16 cache, {S} slots", fns, ops
     K = V = 128
-    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
     ops = tuple(jnp.asarray(a, jnp.float32) for a in (
         unit(rng.standard_normal((1, 1, H, K))), unit(rng.standard_normal((1, 1, H, K))),
         rng.standard_normal((1, 1, H, V)), -rng.uniform(0, 1, (1, 1, H, K)), rng.uniform(0, 1, (1, 1, H)),

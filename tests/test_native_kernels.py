@@ -374,10 +374,10 @@ def test_a_header_change_rebuilds(tmp_path, monkeypatch):
     """The build cache is keyed on the headers a source includes as well as on the source: every kernel's key covers
     ``_native.h``, and a changed header gives a new library that is built and loaded (a small source: the test
     compiles in about a second)."""
+    from pathlib import Path
+
     from kernels_pallas.kda import native as kda_native
     from kernels_pallas.mla_decode import native as mla_native
-
-    from pathlib import Path
 
     header = Path(ROOT, "kernels_pallas", "_native.h").resolve()
     for kernel in (native.KERNEL, kda_native.KERNEL, mla_native.KERNEL):
