@@ -1,7 +1,7 @@
 """Decode-shaped products on XLA:CPU: the native kernel (``kernels_pallas/matvec/native.cc``) against XLA's own
 product, on the shared benchmark model's shapes, in one process.
 
-    python benchmarks/native_products.py [--dtype bfloat16|float32|int8|int4:g32] [--repeats 60]
+    python benchmarks/native_products.py [--dtype bfloat16|float32|int8|int4:g32] [--repeats 60] [--json OUT]
 
 One jitted chain per implementation: the projections of 12 layers (a fused 3072 x 1024, a 1024 x 1024 and a
 1536 x 1024 product each) and a 32000 x 1024 head, every product feeding the next through a normalisation, as a
@@ -15,6 +15,7 @@ for 2 MB pages on a weight's second read (the warm-up runs make both).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16, float32, or a packed format (int8, int4:g32, ...)")
     ap.add_argument("--repeats", type=int, default=60, help="native runs (XLA's: a tenth)")
+    ap.add_argument("--json", default=None, help="also write the times (seconds) to this file")
     args = ap.parse_args(argv)
 
     import jax
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
         med, best = statistics.median(ts), min(ts)
         print(f"| {name} | {med * 1e3:.2f} | {best * 1e3:.2f} | {nbytes / med / 1e9:.1f} | {nbytes / best / 1e9:.1f} |")
     print(f"XLA / native (median): {statistics.median(times['xla']) / statistics.median(times['native']):.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dtype": args.dtype, "weight_bytes": nbytes, "seconds": times}, f, indent=1)
     return 0
 
 

@@ -6,22 +6,25 @@ stacked ``[E, J, I]`` array. A few lines of C++ stream several products as one p
 experts where they lie (``kernels_pallas/matvec``). The sources sit next to their op (``<op>/native.cc``, with what
 they share in ``_native.h``), written against XLA's FFI headers, which ship with jaxlib (``jax.ffi.include_dir()``);
 they are compiled with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) for this CPU, once
-per source, header, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native``
-(``~/.cache/kimi-jax/native``), and loaded from there afterwards.
+per source, header, compiler, jaxlib and CPU, into ``$XDG_CACHE_HOME/kimi-jax/native`` (``~/.cache/kimi-jax/native``),
+and loaded from there afterwards.
 
-``KIMI_JAX_NATIVE=off`` turns them off: the automatic choice is then the plain-jnp reference, and asking for a
-native kernel explicitly raises. When the build fails (no compiler, say), the automatic choice logs why once and
-uses the reference; an explicit request raises :class:`NativeUnavailable` with the compiler's message.
+Each source is one :class:`Kernel` (its op's ``native.KERNEL``): the automatic choice asks ``ready()``, which logs
+once why a kernel that does not build (no compiler, say) is passed over for the reference; a call asks
+``target(symbol)``, which raises :class:`NativeUnavailable` with the compiler's message.
+``implementation="reference"`` runs an op without its native kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -35,18 +38,13 @@ from kernels_pallas._dispatch import KernelUnavailable
 
 log = logging.getLogger(__name__)
 
-ENV = "KIMI_JAX_NATIVE"  # "off" / "0" / "false" disables the native kernels
-HEADER = Path(__file__).with_name("_native.h")  # what every kernel includes: vectors, loads, the parts loop
 _registered: set[str] = set()
 _lock = threading.Lock()
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 class NativeUnavailable(KernelUnavailable):
     """A native kernel cannot be built or loaded here; the message says why."""
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
 
 
 def cache_dir() -> Path:
@@ -80,6 +78,22 @@ def _cpu_id() -> bytes:
     return "\n".join(sorted(set(keep))).encode()
 
 
+def headers(source: Path) -> list[Path]:
+    """The files ``source`` includes by a quoted path that exists relative to the including file (``_native.h``),
+    and theirs: with the source, what the build cache is keyed on. XLA's headers resolve only under jaxlib's
+    include directory; jaxlib's version keys them."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        including = todo.pop(0)
+        for name in _INCLUDE.findall(including.read_bytes()):
+            path = (including.parent / name.decode()).resolve()
+            if path.is_file() and path not in found:
+                found.append(path)
+                todo.append(path)
+    return found
+
+
 def _build(source: Path) -> Path:
     cxx = _compiler()
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", *_arch_flags(), "-I", jax.ffi.include_dir()]
@@ -88,7 +102,7 @@ def _build(source: Path) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"cannot run the C++ compiler {cxx!r}: {e}") from e
     key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), HEADER.read_bytes(), version.encode(), " ".join(flags).encode(),
+        source.read_bytes(), *(h.read_bytes() for h in headers(source)), version.encode(), " ".join(flags).encode(),
         jaxlib.__version__.encode(), _cpu_id(),
     ])).hexdigest()[:20]
     out = cache_dir() / f"{source.stem}-{key}.so"
@@ -109,49 +123,63 @@ def _build(source: Path) -> Path:
     return out
 
 
-_libraries: dict[str, ctypes.CDLL | NativeUnavailable] = {}
-
-
-def _library(source: Path) -> ctypes.CDLL:
-    """The built library, loaded; a failed build is remembered, not retried at every trace."""
-    if str(source) not in _libraries:
-        try:
-            _libraries[str(source)] = ctypes.CDLL(str(_build(source)))
-        except OSError as e:
-            _libraries[str(source)] = NativeUnavailable(f"cannot load the native kernel {source.name}: {e}")
-        except NativeUnavailable as e:
-            _libraries[str(source)] = e
-    lib = _libraries[str(source)]
-    if isinstance(lib, NativeUnavailable):
-        raise lib
-    return lib
-
-
-def target(source: Path, symbol: str) -> str:
-    """Build ``source`` if needed and register its FFI handler ``symbol`` for the CPU; returns the target name.
-    Raises :class:`NativeUnavailable` when native kernels are off or cannot be built."""
-    if not enabled():
-        raise NativeUnavailable(f"native CPU kernels are turned off (${ENV}={os.environ.get(ENV)!r})")
-    name = f"kimi_jax_{symbol}"
-    with _lock:
-        if name not in _registered:
-            handler = getattr(_library(source), symbol)
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
-            _registered.add(name)
-    return name
-
-
 @functools.cache
 def _warn_once(message: str) -> None:
     log.warning("%s; using the plain-jnp reference instead", message)
 
 
-def try_target(source: Path, symbol: str) -> str | None:
-    """:func:`target` for the automatic choice: None (after logging why, once) when the kernel is unavailable;
-    silent when the user turned native kernels off."""
-    try:
-        return target(source, symbol)
-    except NativeUnavailable as e:
-        if enabled():
+class Kernel:
+    """One native kernel source (``<op>/native.cc``), built and loaded on first use; a failed build is
+    remembered, not retried at every trace."""
+
+    def __init__(self, source: Path):
+        self.source = Path(source)
+        self._library: ctypes.CDLL | NativeUnavailable | None = None
+        self._unavailable: NativeUnavailable | None = None
+
+    def library(self) -> ctypes.CDLL:
+        """The built library, loaded; raises :class:`NativeUnavailable` when it cannot be built or loaded."""
+        if self._unavailable is not None:
+            raise self._unavailable
+        with _lock:
+            if self._library is None:
+                try:
+                    self._library = ctypes.CDLL(str(_build(self.source)))
+                except OSError as e:
+                    self._library = NativeUnavailable(f"cannot load the native kernel {self.source.name}: {e}")
+                except NativeUnavailable as e:
+                    self._library = e
+        if isinstance(self._library, NativeUnavailable):
+            raise self._library
+        return self._library
+
+    def ready(self) -> bool:
+        """Whether the kernel builds and loads here (built on first use): the automatic choice's probe. When it
+        does not, says why once."""
+        try:
+            self.library()
+        except NativeUnavailable as e:
             _warn_once(str(e))
-        return None
+            return False
+        return True
+
+    def target(self, symbol: str) -> str:
+        """Registers the FFI handler ``symbol`` for the CPU (building the kernel if needed); returns the target
+        name. Raises :class:`NativeUnavailable` when the kernel cannot be built or loaded."""
+        handler = getattr(self.library(), symbol)
+        name = f"kimi_jax_{symbol}"
+        with _lock:
+            if name not in _registered:
+                jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+                _registered.add(name)
+        return name
+
+    @contextlib.contextmanager
+    def unavailable(self, why: str):
+        """Within the block the kernel is one that did not build (``why``: the message), built or not: how tests
+        see the choices an op makes without it."""
+        self._unavailable = NativeUnavailable(why)
+        try:
+            yield self
+        finally:
+            self._unavailable = None

@@ -1,6 +1,6 @@
-"""The native CPU kernel (``kernels_pallas/matvec/native.cc``) against float64 numpy, the automatic choices that
-pick it (expert gather, grouped decode products in the model), and what happens when it cannot run: turned off,
-unsupported operands, a compiler that fails."""
+"""The native CPU kernels (``kernels_pallas/{matvec,kda,mla_decode}/native.cc``) against float64 numpy, the
+automatic choices that pick them (expert gather, grouped decode products in the model), what happens when one cannot
+run (not built, unsupported operands, a compiler that fails), and their build (the cache key covers the header)."""
 
 import os
 import subprocess
@@ -73,13 +73,15 @@ def test_automatic_choice_on_cpu():
             jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c, implementation="cpu_native")).trace(x, w, idx)
 
 
-def test_turned_off(monkeypatch):
+def test_unavailable_kernel_is_passed_over():
+    """A kernel that did not build: the automatic choice takes the reference, an explicit request raises."""
     rng = np.random.default_rng(1)
     x, w, idx = _case(rng, 1, 2, 64, 32, 4)
-    monkeypatch.setenv(_native.ENV, "off")
-    assert TARGET not in _lowered(x, w, idx)
-    with pytest.raises(KernelUnavailable, match="turned off"):
-        _lowered(x, w, idx, implementation="cpu_native")
+    with native.KERNEL.unavailable("turned off by this test"):
+        assert TARGET not in _lowered(x, w, idx)
+        with pytest.raises(KernelUnavailable, match="turned off"):
+            _lowered(x, w, idx, implementation="cpu_native")
+    assert TARGET in _lowered(x, w, idx)  # and back after the block
 
 
 def test_expert_id_out_of_range_is_an_error():
@@ -117,7 +119,6 @@ def test_failed_build_falls_back_with_a_warning_and_raises_when_asked(tmp_path):
             print("NOT RAISED")
     """)
     env = dict(os.environ, CXX="false", XDG_CACHE_HOME=str(tmp_path), JAX_PLATFORMS="cpu")
-    env.pop(_native.ENV, None)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -299,11 +300,12 @@ def test_kda_recurrence_matches_numpy(B, T, H, K, V):
     np.testing.assert_allclose(np.asarray(s0_out), want_s0, atol=2e-5, rtol=0)
 
 
-def test_kda_automatic_choice(monkeypatch):
+def test_kda_automatic_choice():
     """On CPU the recurrence is native for decode and for prefill with chunk_size=1; the chunked form, the
-    reference, native kernels turned off and lowering for a TPU keep the plain-jnp forms; asking for the native
-    kernel off CPU raises."""
+    reference, a native kernel that did not build and lowering for a TPU keep the plain-jnp forms; asking for the
+    native kernel off CPU raises."""
     import kernels_pallas.kda as kda
+    from kernels_pallas.kda import native as kda_native
 
     args = _kda_case(1, 4, 2, 16, 16)
     target = "kimi_jax_KimiKdaRecurrentF32"
@@ -312,8 +314,7 @@ def test_kda_automatic_choice(monkeypatch):
     assert target in lower(kda.kda_prefill, chunk_size=1)
     assert target not in lower(kda.kda_prefill, chunk_size=64)
     assert target not in lower(kda.kda_decode, implementation="reference")
-    with monkeypatch.context() as m:
-        m.setenv(_native.ENV, "off")
+    with kda_native.KERNEL.unavailable("turned off by this test"):
         assert target not in lower(kda.kda_decode)
         with pytest.raises(KernelUnavailable, match="turned off"):
             lower(kda.kda_decode, implementation="cpu_native")
@@ -369,6 +370,31 @@ def test_every_native_source_ships_with_the_package():
         assert any(fnmatch.fnmatch(name, pat) for pat in data.get(package, [])), f"{rel} is not in package-data"
 
 
+def test_a_header_change_rebuilds(tmp_path, monkeypatch):
+    """The build cache is keyed on the headers a source includes as well as on the source: every kernel's key covers
+    ``_native.h``, and a changed header gives a new library that is built and loaded (a small source: the test
+    compiles in about a second)."""
+    from pathlib import Path
+
+    from kernels_pallas.kda import native as kda_native
+    from kernels_pallas.mla_decode import native as mla_native
+
+    header = Path(ROOT, "kernels_pallas", "_native.h").resolve()
+    for kernel in (native.KERNEL, kda_native.KERNEL, mla_native.KERNEL):
+        assert _native.headers(kernel.source) == [header], kernel.source
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "op").mkdir()
+    source = tmp_path / "op" / "native.cc"
+    # XLA's header is not beside the source: jaxlib's version keys it, not its text
+    source.write_text('#include "../shared.h"\n#include "xla/ffi/api/ffi.h"\n'
+                      'extern "C" int Answer() { return kAnswer; }\n')
+    for answer in (41, 42):
+        (tmp_path / "shared.h").write_text(f"constexpr int kAnswer = {answer};\n")
+        assert _native.headers(source) == [(tmp_path / "shared.h").resolve()]
+        assert _native.Kernel(source).library().Answer() == answer  # the old library would answer 41
+    assert len(list((tmp_path / "cache").glob("kimi-jax/native/native-*.so"))) == 2
+
+
 def _has_avx512() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -399,7 +425,6 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
         np.save(sys.argv[2], np.concatenate([np.asarray(o).ravel() for o in outs]))
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop(_native.ENV, None)
     got = {}
     for build in ("native", "avx2"):
         out = str(tmp_path / f"{build}.npy")
@@ -496,12 +521,13 @@ def test_mla_decode_matches_numpy(B, T, H, R, O, S, dtype):
     assert np.isneginf(np.asarray(lse)[0, 0]).all() and (np.asarray(u)[0, 0] == 0).all()
 
 
-def test_mla_decode_automatic_choice(monkeypatch):
+def test_mla_decode_automatic_choice():
     """On CPU a decode step (few query rows) over a bfloat16 cache runs the native kernel; a float32 cache (where
     it was not faster), a prefill chunk of many rows, an int8 cache and mixed cache dtypes keep XLA's, and so does a
-    run with native kernels turned off; asking for the native kernel with an int8 cache raises, naming it."""
+    run where the native kernel did not build; asking for the native kernel with an int8 cache raises, naming it."""
     import kernels_pallas.mla_decode as mla
     from kernels_pallas import cache_quant
+    from kernels_pallas.mla_decode import native as mla_native
 
     rng = np.random.default_rng(0)
     q = lambda T: (jnp.asarray(rng.standard_normal((1, T, 4, 32)), jnp.float32),  # noqa: E731
@@ -519,6 +545,5 @@ def test_mla_decode_automatic_choice(monkeypatch):
     assert target not in lower(1, c8, k8)
     with pytest.raises(KernelUnavailable, match="int8 cache"):
         lower(1, c8, k8, implementation="cpu_native")
-    with monkeypatch.context() as m:
-        m.setenv(_native.ENV, "off")
+    with mla_native.KERNEL.unavailable("turned off by this test"):
         assert target not in lower(1, c, kpe.astype(jnp.bfloat16))

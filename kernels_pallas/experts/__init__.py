@@ -71,7 +71,7 @@ def choose_path(pairs: int, num_experts: int, *, float32: bool, implementation=N
     E = num_experts
     one_device = placement is None or placement.devices == 1
     if implementation is None and float32 and one_device and target_platform(placement) == "cpu":
-        gather = pairs <= E if matvec.native_built() else 4 * pairs < 3 * E
+        gather = pairs <= E if matvec.native.KERNEL.ready() else 4 * pairs < 3 * E
         return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
     return "gather" if pairs <= E else "sorted"
 

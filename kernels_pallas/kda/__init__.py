@@ -17,7 +17,6 @@ over ``heads`` (each head's recurrence is independent).
 
 from __future__ import annotations
 
-from kernels_pallas import _native
 from kernels_pallas._dispatch import (
     NATIVE,
     PALLAS,
@@ -33,13 +32,9 @@ RULE = Rule(args=("BTHK", "BTHK", "BTHU", "BTHK", "BTH", "BHKU"), out=("BTHU", "
             split=(("B", "batch"), ("H", "heads")))
 
 
-def _native_ready() -> bool:
-    return _native.try_target(native.SOURCE, native.SYMBOL) is not None
-
-
 def _native_kernel(automatic):
     fn = lambda q, k, v, g, beta, state, *, scale, **_: native.kda_recurrent(q, k, v, g, beta, state, scale=scale)
-    return CpuImpl(NATIVE, fn, ready=_native_ready, automatic=automatic)
+    return CpuImpl(NATIVE, fn, ready=native.KERNEL.ready, automatic=automatic)
 
 
 def _chunked(q, k, v, g, beta, state, *, scale, chunk_size):

@@ -20,10 +20,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "../_native.h"  // Lanes, Load, Store, ShareParts
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "../_native.h"  // Lanes, Load, Store, HasDims, ShareParts
 
 namespace {
 
@@ -166,12 +163,10 @@ ffi::Error KdaRecurrent(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, F32x4 a
                         F32x4 state, float scale, ffi::Result<F32x4> o, ffi::Result<F32x4> state_out) {
   const auto qd = q.dimensions(), vd = v.dimensions();
   const int64_t B = qd[0], T = qd[1], H = qd[2], K = qd[3], U = vd[3];
-  auto is = [](auto dims, std::initializer_list<int64_t> want) {
-    return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
-  };
-  if (!is(k.dimensions(), {B, T, H, K}) || !is(a.dimensions(), {B, T, H, K}) || !is(vd, {B, T, H, U}) ||
-      !is(beta.dimensions(), {B, T, H}) || !is(kq.dimensions(), {B, T, H}) || !is(state.dimensions(), {B, H, K, U}) ||
-      !is(o->dimensions(), {B, T, H, U}) || !is(state_out->dimensions(), {B, H, K, U})) {
+  if (!HasDims(k.dimensions(), {B, T, H, K}) || !HasDims(a.dimensions(), {B, T, H, K}) || !HasDims(vd, {B, T, H, U}) ||
+      !HasDims(beta.dimensions(), {B, T, H}) || !HasDims(kq.dimensions(), {B, T, H}) ||
+      !HasDims(state.dimensions(), {B, H, K, U}) || !HasDims(o->dimensions(), {B, T, H, U}) ||
+      !HasDims(state_out->dimensions(), {B, H, K, U})) {
     return ffi::Error::InvalidArgument("kda recurrent: shapes must be q, k, a [B, T, H, K], v [B, T, H, U], "
                                        "beta, kq [B, T, H], state [B, H, K, U]");
   }

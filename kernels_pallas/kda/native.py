@@ -13,7 +13,7 @@ import numpy as np
 from kernels_pallas import _native
 from kernels_pallas.kda.reference import _zeros_state
 
-SOURCE = Path(__file__).with_name("native.cc")
+KERNEL = _native.Kernel(Path(__file__).with_name("native.cc"))
 SYMBOL = "KimiKdaRecurrentF32"
 _F32 = jnp.float32
 
@@ -21,7 +21,7 @@ _F32 = jnp.float32
 def kda_recurrent(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU=None, *, scale):
     """Returns (o_BTHU float32, final state_BHKU float32); the state is updated in place when XLA can alias it.
     Raises :class:`~kernels_pallas._native.NativeUnavailable` when the kernel cannot be built."""
-    target = _native.target(SOURCE, SYMBOL)
+    target = KERNEL.target(SYMBOL)
     q, k, v, g, beta = (x.astype(_F32) for x in (q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH))
     state = _zeros_state(q, v) if state_BHKU is None else state_BHKU.astype(_F32)
     # the decay and the k.q products as the reference's kda_step computes them (XLA vectorises the exp)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import _native, packed, qmatmul, quant
+from kernels_pallas import packed, qmatmul, quant
 from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, REFERENCE, XLA_CPU, CpuImpl, Op
 from kernels_pallas.matvec import native, reference, xla_cpu
 
@@ -28,11 +28,6 @@ _F32 = jnp.float32
 # the reference decodes the whole weight once and then multiplies. Measured at [4096, 1024] (int8, int4 g32, nf4 g64):
 # native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows.
 PACKED_ROWS = 16
-
-
-def native_built() -> bool:
-    """Whether the native kernel is built and turned on (builds it on first use)."""
-    return _native.try_target(native.SOURCE, native.SYMBOL) is not None
 
 
 def _float32(items) -> str | None:
@@ -68,7 +63,7 @@ def _group_pallas(items, *, precision=None, platform=None, interpret=False):
 
 
 GROUP = Op("matvec", None, {REFERENCE: reference.group, PALLAS: _group_pallas}, plain=True, cpu=(
-    CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native_built,
+    CpuImpl(NATIVE, lambda items, *, precision=None: native.group(items), ready=native.KERNEL.ready,
             unsupported=lambda items, **_: native.unsupported(items), automatic=_native_automatic),
     CpuImpl(XLA_CPU, xla_cpu.group, unsupported=lambda items, **_: _float32(items),
             automatic=lambda items, **_: any(ids is None and xla_cpu.skinny(x.shape[0]) for x, _, ids in items)),

@@ -56,10 +56,7 @@
 #include <immintrin.h>
 #endif
 
-#include "../_native.h"  // Lanes, Load, Widen, ShareParts
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "../_native.h"  // Lanes, Ints, Load, Widen, Splat, TreeSums, ShareParts
 
 namespace {
 
@@ -73,8 +70,6 @@ constexpr int kRows = 8;  // 8 accumulators + x + loads fit the 32 zmm registers
 #else
 constexpr int kRows = 4;
 #endif
-
-inline Lanes Splat(float v) { return Lanes{} + v; }  // a scalar operand is broadcast
 
 // kLanes int8 codes as float32 (exact): sign-extended and converted.
 typedef int8_t Codes __attribute__((vector_size(kLanes)));
@@ -91,66 +86,6 @@ inline Lanes Load(const int8_t* p) {
 }
 
 inline float Widen(int8_t v) { return float(v); }
-
-// The sum of the lanes as a pairwise tree: the two halves added, then the halves of that, ... (a few vector adds;
-// adding the lanes one by one took about a tenth of the time of a product over rows of 128-256 floats).
-template <int Count>
-inline float TreeSum(const float* v) {
-  if constexpr (Count == 1) {
-    return v[0];
-  } else {
-    typedef float Part __attribute__((vector_size(Count / 2 * sizeof(float))));
-    Part lo, hi;
-    std::memcpy(&lo, v, sizeof lo);
-    std::memcpy(&hi, v + Count / 2, sizeof hi);
-    const Part s = lo + hi;
-    float out[Count / 2];
-    std::memcpy(out, &s, sizeof s);
-    return TreeSum<Count / 2>(out);
-  }
-}
-
-#if defined(__clang__)
-#define KIMI_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define KIMI_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, Ints{__VA_ARGS__})
-#endif
-typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// TreeSum of eight accumulators at once (kLanes == 16): the same additions, lane i + lane i + 8, then + 4, + 2,
-// + 1, done on vectors that hold two, four, then eight rows' partial sums.
-inline void TreeSum8(const Lanes* a, float* y) {
-  Lanes u[4], v[2];
-  for (int p = 0; p < 4; ++p) {
-    const Lanes x = a[2 * p], z = a[2 * p + 1];
-    u[p] = KIMI_SHUFFLE(x, z, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           KIMI_SHUFFLE(x, z, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int p = 0; p < 2; ++p) {
-    const Lanes x = u[2 * p], z = u[2 * p + 1];
-    v[p] = KIMI_SHUFFLE(x, z, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           KIMI_SHUFFLE(x, z, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  const Lanes w = KIMI_SHUFFLE(v[0], v[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-                  KIMI_SHUFFLE(v[0], v[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  const Lanes t = KIMI_SHUFFLE(w, w, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
-                  KIMI_SHUFFLE(w, w, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-  std::memcpy(y, &t, 8 * sizeof(float));
-}
-
-// y[r] = the tree sum of acc[r]'s lanes, r < RowCount.
-template <int RowCount>
-inline void TreeSums(const Lanes* acc, float* y) {
-  if constexpr (RowCount == 8 && kLanes == 16) {
-    TreeSum8(acc, y);
-  } else {
-    for (int r = 0; r < RowCount; ++r) {
-      float lanes[kLanes];
-      std::memcpy(lanes, &acc[r], sizeof lanes);
-      y[r] = TreeSum<kLanes>(lanes);
-    }
-  }
-}
 
 // Software prefetch of the block of rows after the current one, a stretch of bytes per step of the inner loop. A
 // block of narrow rows is kRows short streams (8 rows of 1 KB for int8 at I = 1024), too short for the hardware

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from kernels_pallas import _native, packed, quant
 from kernels_pallas.mxfp4 import MXFP4Weight
 
-SOURCE = Path(__file__).with_name("native.cc")
+KERNEL = _native.Kernel(Path(__file__).with_name("native.cc"))
 SYMBOL = "KimiMatvecGroupF32"
 SYMBOLS = {jnp.dtype(jnp.float32): SYMBOL, jnp.dtype(jnp.bfloat16): "KimiMatvecGroupBF16"}  # by weight dtype
 PACKED_SYMBOLS = {  # by packed weight type
@@ -97,7 +97,7 @@ def group(items):
     why = unsupported(items)
     if why is not None:
         raise _native.NativeUnavailable(f"matvec: {why}")
-    target = _native.target(SOURCE, symbol(items[0][1]))
+    target = KERNEL.target(symbol(items[0][1]))
     operands, shapes = [], []
     for x, w, ids in items:
         M = x.shape[0]

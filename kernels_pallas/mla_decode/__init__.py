@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import _native
 from kernels_pallas._dispatch import NATIVE, PALLAS, REFERENCE, XLA_CPU, CpuImpl, Op, Rule
 from kernels_pallas.mla_decode import native, pallas, reference, xla_cpu
 
@@ -32,12 +31,8 @@ RULE = Rule(args=("BTHR", "BTHO", "BSR", "BSO", "BT"), out="BTHR",
             split=(("B", "batch"), ("S", "mla_seq"), ("H", "heads")), merge="S", positions=4)
 
 
-def _native_ready() -> bool:
-    return _native.try_target(native.SOURCE, native.SYMBOL) is not None
-
-
 OP = Op("mla_attention", RULE, {REFERENCE: reference.mla_attention, PALLAS: pallas.mla_attention},
-        cpu=(CpuImpl(NATIVE, native.mla_attention, unsupported=native.unsupported, ready=_native_ready,
+        cpu=(CpuImpl(NATIVE, native.mla_attention, unsupported=native.unsupported, ready=native.KERNEL.ready,
                      automatic=lambda q_lat, q_pe, c, *_, **__: (q_lat.shape[0] * q_lat.shape[1] <= NATIVE_ROWS
                                                                  and getattr(c, "dtype", None) == jnp.bfloat16)),
              CpuImpl(XLA_CPU, xla_cpu.mla_attention)))

@@ -24,10 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../_native.h"  // Lanes, Load, Store, Widen, ShareParts
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "../_native.h"  // Lanes, Load, Store, Widen, Splat, TreeSum, HasDims, ShareParts
 
 namespace {
 
@@ -36,15 +33,6 @@ using F32x4 = ffi::Buffer<ffi::F32, 4>;
 using Positions = ffi::Buffer<ffi::S32, 2>;
 template <ffi::DataType CT>
 using Cache = ffi::Buffer<CT, 3>;
-
-inline float Sum(Lanes v) {  // a tree: halves added until one lane is left
-  typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-  typedef float Quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
-  const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
 
 // Adds q[g * ld ..] . row over n values into acc[g] for G heads: each load of the row serves G independent sums.
 template <int G, typename C>
@@ -63,7 +51,9 @@ inline void Scores(const float* ql, int64_t R, const C* crow, const float* qp, i
   Lanes acc[G] = {};
   const int64_t i = Dots<G>(ql, R, crow, R, acc), k = Dots<G>(qp, O, krow, O, acc);
   for (int g = 0; g < G; ++g) {
-    float sum = Sum(acc[g]);
+    // one tree per head, the simpler form: TreeSums' eight-head form gives the same sums and measured within 2% of
+    // it (4096 slots, 8 heads: faster over a bfloat16 cache, slower over a float32 one)
+    float sum = TreeSum(acc[g]);
     for (int64_t t = i; t < R; ++t) sum += ql[g * R + t] * Widen(crow[t]);
     for (int64_t t = k; t < O; ++t) sum += qp[g * O + t] * Widen(krow[t]);
     out[g] = sum;
@@ -80,7 +70,7 @@ inline void Weighted(const float* p, int64_t ld, const C* rows, int64_t n, int64
     for (int g = 0; g < G; ++g) sum[g] = Load(acc + g * R + i);
     for (int64_t j = 0; j < n; ++j) {
       const Lanes r = Load(rows + j * R + i);
-      for (int g = 0; g < G; ++g) sum[g] += (Lanes{} + p[g * ld + j]) * r;
+      for (int g = 0; g < G; ++g) sum[g] += Splat(p[g * ld + j]) * r;
     }
     for (int g = 0; g < G; ++g) Store(acc + g * R + i, sum[g]);
   }
@@ -103,7 +93,7 @@ inline void ByGroups(int64_t H, F f) {
 // out += p * row over n values.
 template <typename C>
 inline void Axpy(float p, const C* row, float* out, int64_t n) {
-  const Lanes pv = Lanes{} + p;
+  const Lanes pv = Splat(p);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) Store(out + i, Load(out + i) + pv * Load(row + i));
   for (; i < n; ++i) out[i] += p * Widen(row[i]);
@@ -192,11 +182,9 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, F32x4 q_lat, F32x4 q_pe, Cache<CT> c,
                      float scale, ffi::Result<F32x4> u, ffi::Result<F32x3> lse) {
   const auto qd = q_lat.dimensions(), cd = c.dimensions();
   const int64_t B = qd[0], T = qd[1], H = qd[2], R = qd[3], S = cd[1], O = q_pe.dimensions()[3];
-  auto is = [](auto dims, std::initializer_list<int64_t> want) {
-    return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
-  };
-  if (!is(q_pe.dimensions(), {B, T, H, O}) || !is(cd, {B, S, R}) || !is(kpe.dimensions(), {B, S, O}) ||
-      !is(q_pos.dimensions(), {B, T}) || !is(u->dimensions(), {B, T, H, R}) || !is(lse->dimensions(), {B, T, H})) {
+  if (!HasDims(q_pe.dimensions(), {B, T, H, O}) || !HasDims(cd, {B, S, R}) || !HasDims(kpe.dimensions(), {B, S, O}) ||
+      !HasDims(q_pos.dimensions(), {B, T}) || !HasDims(u->dimensions(), {B, T, H, R}) ||
+      !HasDims(lse->dimensions(), {B, T, H})) {
     return ffi::Error::InvalidArgument("mla decode: shapes must be q_lat [B, T, H, R], q_pe [B, T, H, O], "
                                        "c [B, S, R], kpe [B, S, O], q_pos [B, T] -> u [B, T, H, R], lse [B, T, H]");
   }

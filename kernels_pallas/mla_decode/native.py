@@ -13,9 +13,8 @@ import numpy as np
 from kernels_pallas import _native
 from kernels_pallas.cache_quant import is_int8
 
-SOURCE = Path(__file__).with_name("native.cc")
+KERNEL = _native.Kernel(Path(__file__).with_name("native.cc"))
 SYMBOLS = {jnp.dtype(jnp.float32): "KimiMlaDecodeF32", jnp.dtype(jnp.bfloat16): "KimiMlaDecodeBF16"}
-SYMBOL = SYMBOLS[jnp.dtype(jnp.float32)]
 _F32 = jnp.float32
 
 
@@ -35,7 +34,7 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, wit
     why = unsupported(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT)
     if why is not None:
         raise _native.NativeUnavailable(f"mla_attention: {why}")
-    target = _native.target(SOURCE, SYMBOLS[jnp.dtype(c_BSR.dtype)])
+    target = KERNEL.target(SYMBOLS[jnp.dtype(c_BSR.dtype)])
     B, T, H, _ = q_lat_BTHR.shape
     out = (jax.ShapeDtypeStruct(q_lat_BTHR.shape, _F32), jax.ShapeDtypeStruct((B, T, H), _F32))
     u, lse = jax.ffi.ffi_call(target, out)(q_lat_BTHR.astype(_F32), q_pe_BTHO.astype(_F32), c_BSR, kpe_BSO,

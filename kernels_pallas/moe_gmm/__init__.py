@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import matvec
+from kernels_pallas import packed
 from kernels_pallas._dispatch import (
     NATIVE,
     PALLAS,
@@ -27,7 +27,6 @@ from kernels_pallas._dispatch import (
 )
 from kernels_pallas.matvec import native
 from kernels_pallas.moe_gmm import pallas, reference, xla_cpu
-from kernels_pallas import packed
 
 GMM_RULE = Rule(args=("MI", "EJI", "E"), out="MJ")
 GATHER_RULE = Rule(args=("NXI", "EJI", "NX"), out="NXJ", split=(("N", "batch"),))
@@ -57,7 +56,7 @@ def _native_gather(x, w, idx, *, compute_dtype=None):
 GMM = Op("moe_gmm", GMM_RULE, {REFERENCE: reference.gmm, PALLAS: pallas.gmm},
          cpu=(CpuImpl(XLA_CPU, xla_cpu.gmm),))
 GATHER = Op("moe_gather_matmul", GATHER_RULE, {REFERENCE: reference.gather_matmul, PALLAS: pallas.gather_matmul},
-            cpu=(CpuImpl(NATIVE, _native_gather, ready=matvec.native_built, unsupported=_native_gather_unsupported),))
+            cpu=(CpuImpl(NATIVE, _native_gather, ready=native.KERNEL.ready, unsupported=_native_gather_unsupported),))
 
 
 def gmm(x, w, group_sizes, *, compute_dtype=None, implementation=None, placement=None):

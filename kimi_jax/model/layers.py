@@ -8,9 +8,6 @@ gating run in float32. In a float32 model every rounding point is a no-op.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -62,28 +59,13 @@ def linear(x, w, run: RunConfig):
     return linear_group([(x, w)], run)[0]
 
 
-_TAP = contextvars.ContextVar("kimi_jax_linear_tap", default=None)
-
-
-@contextlib.contextmanager
-def tap_linear_inputs(fn):
-    """Within the block, every :func:`linear_group` call first calls ``fn(x, w)`` for each of its pairs, with the
-    weight as the module holds it (the same array, or tracer, as its ``nnx.Param``'s value). Calibration reads the
-    inputs each weight multiplies this way (:func:`kimi_jax.model.quantize.hessians`)."""
-    token = _TAP.set(fn)
-    try:
-        yield
-    finally:
-        _TAP.reset(token)
-
-
 def linear_group(pairs, run: RunConfig) -> list:
     """``[linear(x, w, run) for x, w in pairs]`` as one call of the grouped-product op
-    (:func:`kernels_pallas.matvec.group`), which may stream them together (decode on CPU)."""
-    tap = _TAP.get()
-    if tap is not None:
+    (:func:`kernels_pallas.matvec.group`), which may stream them together (decode on CPU). A calibration run
+    (``run.linear_inputs``) is shown each pair first."""
+    if run.linear_inputs is not None:
         for x, w in pairs:
-            tap(x, w)
+            run.linear_inputs(x, w)
     items = [(x.reshape(-1, x.shape[-1]).astype(run.dtype), cast(w, run.dtype), None) for x, w in pairs]
     outs = matvec.group(items, implementation=run.implementation, precision=run.precision, placement=run.placement)
     return [y.reshape(*x.shape[:-1], -1).astype(run.dtype) for y, (x, _) in zip(outs, pairs)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,9 @@ class RunConfig:
     a decode step moves only the ones its tokens chose, a prefill each layer's whole stack).
     ``remat``: rematerialise each decoder layer (a scanned run: each repetition of its group) in the backward pass
     (``jax.checkpoint``): training keeps one residual stream per layer instead of every activation.
+    ``linear_inputs``: called as ``linear_inputs(x, w)`` with the input and the weight (as the module holds it) of
+    every linear product before it runs (:func:`kimi_jax.model.layers.linear_group`); the calibration pass reads
+    what each weight multiplies this way (:func:`kimi_jax.model.quantize.hessians`). None in every other run.
     """
 
     dtype: jnp.dtype = jnp.bfloat16
@@ -55,6 +59,7 @@ class RunConfig:
     scan_layers: bool = False
     offload: tuple[str, ...] = ()  # of "kda_state", "cache", "experts"
     remat: bool = False
+    linear_inputs: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "offload", check_offload(self.offload))
