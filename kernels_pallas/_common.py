@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plt
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -86,12 +88,8 @@ def compiler_params(platform: str, interpret: bool, *, num_warps=None, num_stage
     if interpret:
         return None
     if platform == "gpu":
-        from jax.experimental.pallas import triton as plt
-
         return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if platform == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
         return pltpu.CompilerParams(dimension_semantics=semantics)
     raise ValueError(f"no Pallas compiler for platform {platform!r}")
 

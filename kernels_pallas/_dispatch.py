@@ -349,13 +349,3 @@ class Op:
             kw.update(platform="gpu" if impl == INTERPRET else target_platform(placement),
                       interpret=impl == INTERPRET)
         return place(lambda *a, **extra: fn(*a, **kw, **extra), self.rule, placement, *args)
-
-
-def resolve(op: str, implementation: str | None, available: dict, *, accelerated: tuple[str, ...] = ()) -> str:
-    """The implementation name for an op given as a bare ``{name: callable}`` table: automatic = the first of
-    ``accelerated`` on TPU/GPU, else the reference; explicit names checked as in :meth:`Op.choose`."""
-    if implementation is None:
-        if target_platform() in ("tpu", "gpu"):
-            return next((n for n in accelerated if n in available), REFERENCE)
-        return REFERENCE
-    return Op(op, None, available).choose(implementation)

@@ -27,6 +27,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
+from qwix._src.core import qarray
+from qwix.contrib import gptq_core
 
 _F32 = jnp.float32
 
@@ -232,8 +235,6 @@ def quantize(w, fmt: Format, hessian=None, damp: float = 0.01):
 
     ``hessian``: ``[I, I]``, the sum of ``x x^T`` over the inputs ``x`` this (2-d) weight multiplies: the codes are
     then chosen by GPTQ (:func:`gptq`) instead of rounding each weight to its nearest code."""
-    import qwix
-
     why = fmt.fits(w.shape)
     if why is not None:
         raise ValueError(f"cannot quantize to {fmt.name()}: {why}")
@@ -273,8 +274,6 @@ def gptq(w_JI, hessian_II, fmt: Format, *, damp: float = 0.01, block: int = 128)
     ``tests/test_quant.py`` checks bit for bit. qwix unrolls its loop over every column in Python, which compiles
     for minutes per weight shape (and runs one compile per column eagerly); here the columns of a block are one
     ``fori_loop``, so a weight compiles in seconds."""
-    from qwix.contrib import gptq_core
-
     if w_JI.ndim != 2:
         raise ValueError(f"GPTQ quantizes one [out, in] matrix at a time, not {tuple(w_JI.shape)}")
     J, I = w_JI.shape
@@ -283,7 +282,6 @@ def gptq(w_JI, hessian_II, fmt: Format, *, damp: float = 0.01, block: int = 128)
     fmt = fmt.fitted(w_JI.shape)
     g = I if fmt.kind == "int8" else fmt.group
     qtype = _qtype(fmt)
-    from qwix._src.core import qarray  # the HowToQuantize that gptq_core's helpers take
 
     how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(0,), tiled_axes={1: g},
                                calibration_method=_calibration(fmt))

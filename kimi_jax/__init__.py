@@ -6,9 +6,10 @@
     small = kimi_jax.from_pretrained("path/to/checkpoint", quantize="int8")  # or "int4", "int4:g128:zero", "nf4"
     out = kimi_jax.generate(model, "The capital of France is", max_new_tokens=16, tokenizer="path/to/checkpoint")
 
-The packages, bottom up (ARCHITECTURE.md): ``model`` (config, layers, cache, the decoder), ``checkpoint`` (reading and
-writing checkpoints, loading), ``parallel`` (meshes, expert parallelism, plans, deviceless compiles), ``generation``,
-``text`` (tokenizer, chat), ``analysis`` and ``cli``.
+The packages, bottom up (ARCHITECTURE.md): ``text`` (tokenizer, chat), ``model`` (config, layers, cache, offload,
+the decoder), ``parallel`` (sharding tables, meshes, processes), ``checkpoint`` (reading and writing checkpoints,
+loading), ``generation``, ``serving`` and ``training``, ``deploy`` (plans, deviceless compiles), ``analysis`` and
+``cli``. This module is the public facade; nothing inside the package imports it.
 """
 
 from kimi_jax.checkpoint.loading import from_pretrained  # noqa: F401

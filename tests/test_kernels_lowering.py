@@ -18,7 +18,8 @@ import kernels_pallas.kda as kda_api
 import kernels_pallas.mla_decode as mla_api
 import kernels_pallas.moe_gmm as moe_api
 import kernels_pallas.paged_attention as paged_api
-from kernels_pallas import KernelUnavailable, resolve
+from kernels_pallas import KernelUnavailable
+from kernels_pallas._dispatch import Op
 from kernels_pallas._dispatch import target_platform
 from kernels_pallas.mxfp4 import MXFP4Weight
 
@@ -109,18 +110,18 @@ def test_whole_k3_model_lowers_with_kernels(target):
 
 def test_automatic_choice_and_explicit_requests():
     assert target_platform() == "cpu"
-    impls = {"reference": None, "pallas": None, "pallas_interpret": None}
-    assert resolve("op", None, impls, accelerated=("pallas",)) == "reference"  # CPU: the oracle
-    assert resolve("op", "pallas_interpret", impls) == "pallas_interpret"
+    op = Op("op", None, {"reference": None, "pallas": None})  # "pallas_interpret" comes with "pallas"
+    assert op.choose(None) == "reference"  # CPU: the oracle
+    assert op.choose("pallas_interpret") == "pallas_interpret"
     with pytest.raises(KernelUnavailable, match="pallas_interpret"):
-        resolve("op", "pallas", impls)  # never a silent fallback
+        op.choose("pallas")  # never a silent fallback
     with pytest.raises(KernelUnavailable, match="choose from"):
-        resolve("op", "triton", impls)
+        op.choose("triton")
     for target, platform in [("tpu", "tpu"), ("cuda", "gpu")]:
         with _mesh(DEVICES[target][0]):
             assert target_platform() == platform
-            assert resolve("op", None, impls, accelerated=("pallas",)) == "pallas"
-            assert resolve("op", "reference", impls) == "reference"
+            assert op.choose(None) == "pallas"
+            assert op.choose("reference") == "reference"
 
 
 def test_package_apis_refuse_compiled_pallas_on_cpu():

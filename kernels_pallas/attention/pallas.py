@@ -33,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._common import (
     F32,
@@ -346,8 +347,6 @@ def _flash_tpu(q, k, v, qpos, qpe, kpe, kpos, scales, *, bq, bk, Up, interpret, 
     """TPU launch: grid (B, G, row blocks, key blocks), kv-major [B, Gk, S, K] blocks of ``bk`` keys, and the
     number of key blocks each row block needs scalar-prefetched into SMEM. Returns o ``[B, G, Ap, Up]`` and, with
     ``with_lse``, each row's max score and softmax sum ``[B, G, Ap]`` (else None, None)."""
-    from jax.experimental.pallas import tpu as pltpu
-
     B, G, Ap, Kp = q.shape
     Sp, Gk = k.shape[1], k.shape[2]
     nq, nk = Ap // bq, Sp // bk

@@ -29,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._common import (
     F32,
@@ -153,8 +154,6 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU=None, *, sc
         s0 = pad_axis(pad_axis(state_BHKU.astype(F32), 2, Kp), 3, Up)
 
     if platform == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
         tile = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))
         state = pl.BlockSpec((None, None, Kp, Up), lambda b, h, c: (b, h, 0, 0))
         o, s = pl.pallas_call(

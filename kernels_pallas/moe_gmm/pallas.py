@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import quant
 from kernels_pallas._common import (
@@ -35,8 +36,8 @@ from kernels_pallas._common import (
     compiler_params,
     dot_nt,
     next_pow2,
-    pow2_divisor,
     pad_axis,
+    pow2_divisor,
     round_up,
 )
 from kernels_pallas._dispatch import KernelUnavailable
@@ -257,8 +258,6 @@ def _gmm_call(xs, warrs, tile_e, active, *, E, J, bm, bn, bk, quant, dt, platfor
                              semantics=("parallel", "parallel"))
     grid = (n_tiles, Jp // bn)
     if platform == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
         w_specs = [pl.BlockSpec((None, bn, s[1]), lambda i, j, ids, act: (ids[i], j, 0)) for s in wshapes]
         return pl.pallas_call(
             kernel, out_shape=out_shape, interpret=interpret, compiler_params=params, name="moe_gmm",
@@ -338,8 +337,6 @@ def gather_matmul(x_NXI, w_EJI, idx_NX, *, compute_dtype=None, platform="gpu", i
                              semantics=("parallel", "parallel"))
     grid = (M, Jp // bn)
     if platform == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
         w_specs = [pl.BlockSpec((None, bn, s[1]), lambda p, j, ids: (ids[p], j, 0)) for s in wshapes]
         out = pl.pallas_call(
             kernel, out_shape=out_shape, interpret=interpret, compiler_params=params, name="moe_gather_matmul",

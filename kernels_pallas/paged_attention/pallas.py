@@ -42,6 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._common import (
     F32,
@@ -230,8 +231,6 @@ def _paged_tpu(q, qpe, qpos, k_pool, kpe_pool, v_pool, pt, scales, *, bq, pages_
     """TPU launch over the operands of :func:`_paged_gpu`: grid (sequence, row block, page step), every kv head
     in one block (Mosaic takes no block of one head out of ``[ps, G, K]``; the kernel reads each head with a
     strided load). Returns ``[B, G, Ap, U]`` float32."""
-    from jax.experimental.pallas import tpu as pltpu
-
     B, G, Ap, K = q.shape
     n, ps = k_pool.shape[:2]
     U = K if v_is_k else v_pool.shape[-1]

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import quant
 from kernels_pallas._common import (
@@ -222,8 +223,6 @@ def _tpu_kernel(*refs, kind, n_k, per, dt, precision):
 
 
 def _tpu_call(f: Fields, xargs, warrs, b: Blocks, Mp, Jp, Ip, dt, interpret, cost):
-    from jax.experimental.pallas import tpu as pltpu
-
     bm, bn, bk = b
     grid = (Mp // bm, Jp // bn, Ip // bk)
     if f.kind == "int8":

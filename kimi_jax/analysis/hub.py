@@ -35,7 +35,7 @@ def hub_download_layers(repo_id: str, local_dir, layers: int, *, revision: str |
     """Download from the Hugging Face Hub only the shards :func:`layer_subset` needs for the first ``layers`` layers,
     plus config and tokenizer files, and write an index listing only those shards (so the checkpoint validates and
     converts with ``--layers``). Needs ``huggingface_hub`` and network access. Returns the shard names."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download  # optional (the notebooks extra): downloads only
 
     local_dir = os.fspath(local_dir)
     with open(hf_hub_download(repo_id, INDEX, revision=revision, local_dir=local_dir)) as f:

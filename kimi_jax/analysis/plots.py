@@ -19,7 +19,7 @@ def _tokens(n: int) -> str:
 
 def _plt():
     try:
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional (the notebooks extra): figures only
     except ImportError as e:  # pragma: no cover - the notebooks extra installs it
         raise ImportError("the plot_* helpers need matplotlib: pip install 'kimi-jax[notebooks]'") from e
     return plt

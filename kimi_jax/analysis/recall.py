@@ -236,7 +236,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict]):
     """Accuracy vs context length and vs cache bytes per sequence, one line per model (and seed) and task."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the notebooks extra): figures only
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     several = len(_seeds(rows)) > 1

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from tqdm import tqdm
 
 from kernels_pallas import quant
 from kimi_jax.checkpoint import names
@@ -110,8 +111,6 @@ def _prepare(path, cfg, model_factory):
 
 def _bar(jobs, progress: bool):
     """A byte counter on stderr for loads that last: shown only after 2 s (tiny models never see it)."""
-    from tqdm import tqdm
-
     return tqdm(total=sum(j.nbytes for j in jobs), unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                 delay=2.0, disable=not progress, dynamic_ncols=True, leave=False)
 

@@ -29,6 +29,7 @@ import shutil
 
 import jax
 import numpy as np
+from flax import nnx
 
 from kernels_pallas import quant
 from kimi_jax.checkpoint.safetensors import CheckpointError
@@ -49,7 +50,7 @@ class IncompleteCheckpointError(CheckpointError):
 
 
 def ocp():
-    import orbax.checkpoint.experimental.v1 as v1
+    import orbax.checkpoint.experimental.v1 as v1  # 0.3-0.6 s to import; converted checkpoints only
 
     return v1
 
@@ -133,7 +134,7 @@ def _unsynced_writes():
     so the defaults are patched for the block and restored after it. Where that module is not as expected (another
     Orbax version), the saves stay synced: slower, never less durable."""
     try:
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu  # 0.3-0.6 s to import; converted checkpoints only
 
         defaults = [tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT]
     except (ImportError, AttributeError):
@@ -305,8 +306,6 @@ def restore(path, target: dict, *, check_complete: bool = True) -> dict:
 def abstract_model(path, model_factory):
     """The abstract model (shapes, no memory) the converted checkpoint at ``path`` fills: ``model_factory``'s, with
     the weights the conversion quantized in their packed types (:func:`quantization`)."""
-    from flax import nnx
-
     abstract = nnx.eval_shape(model_factory)
     q = quantization(read_marker(path))
     if q is not None:
@@ -319,8 +318,6 @@ def load_converted(path, cfg, model_factory, *, shardings=None, abstract=None):
     {param path: Sharding}, e.g. ``kimi_jax.parallel.sharding.param_shardings(...)``). A checkpoint converted with
     --quantize fills the quantized model directly: its packed fields are read as stored, no float weight is built.
     ``abstract``: :func:`abstract_model`, when the caller has it already."""
-    from flax import nnx
-
     abstract = abstract_model(path, model_factory) if abstract is None else abstract
     graphdef, state = nnx.split(abstract)
     targets = params.leaves(state)

@@ -17,7 +17,10 @@ import importlib.util
 import os
 import re
 
+import jax
 import numpy as np
+from jax._src import xla_bridge
+from jax.experimental import topologies
 
 from kimi_jax.deploy.compile import compile_step
 from kimi_jax.parallel import sharding
@@ -83,9 +86,6 @@ def _require(module: str, what: str) -> None:
 def cpu_runtime() -> None:
     """Keep JAX's runtime on the CPU unless the user chose platforms: the TPU / CUDA runtimes cannot start here,
     but their compilers still run. Only effective before the first backend is initialised."""
-    import jax
-    from jax._src import xla_bridge
-
     if not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
 
@@ -113,7 +113,6 @@ def gpu_target_config(chip: str) -> str:
 def target_devices(target: Target) -> tuple:
     """The target's (deviceless) devices, in topology order."""
     cpu_runtime()
-    from jax.experimental import topologies
 
     if target.platform == "tpu":
         _require("libtpu", "the TPU compiler (libtpu)")

@@ -10,6 +10,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from kimi_jax.parallel import sharding
 
@@ -41,6 +42,5 @@ def process_allgather(x) -> np.ndarray:
     """The full value of a (possibly multi-process) sharded array on every process, as numpy."""
     if jax.process_count() == 1:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -27,6 +27,7 @@ from typing import Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from kernels_pallas import packed
@@ -174,7 +175,6 @@ def make_mesh(data: int = 1, expert: int = 1, model: int = 1, *, devices=None) -
     except NotImplementedError:
         # A TPU torus whose sides the mesh axes cannot be built from (model=8 on a v5p 4x4x4): let an axis span
         # parts of two physical axes (``allow_split_physical_axes``) instead of refusing the mesh.
-        from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_device_mesh((data, expert, model), devices, allow_split_physical_axes=True)
         return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)

@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
@@ -315,8 +316,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_server(app, *, log_level: str = "info"):
-    import uvicorn
-
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=5))
 
 

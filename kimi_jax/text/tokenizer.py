@@ -21,6 +21,11 @@ import json
 import os
 from typing import Iterator, Sequence
 
+import regex
+import tiktoken
+from tokenizers import Regex, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTok
+
 # The K3 split pattern (identical to K2's). `&&` is a character-class intersection: Rust fancy-regex
 # (tiktoken), Oniguruma (HF tokenizers) and Python `regex` in V1 mode understand it.
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
@@ -162,8 +167,6 @@ class KimiTokenizer(Tokenizer):
     """tiktoken BPE with the K3 split pattern and 256 reserved special ids above the base vocabulary."""
 
     def __init__(self, tiktoken_path, config: dict | None = None, *, config_path: str | None = None):
-        import tiktoken
-
         ranks = read_tiktoken_model(tiktoken_path)
         self.num_base = len(ranks)
         self.vocab_size = self.num_base + NUM_RESERVED_SPECIAL
@@ -241,10 +244,8 @@ class HFTokenizer(Tokenizer):
     """
 
     def __init__(self, path, config: dict | None = None):
-        from tokenizers import Tokenizer as _HF
-
         try:
-            self._tok = _HF.from_file(os.fspath(path))
+            self._tok = HFTok.from_file(os.fspath(path))
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise TokenizerError(f"{path}: cannot read tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -344,8 +345,6 @@ def train_bpe(text: str, num_base: int, pat_str: str = KIMI_PAT_STR) -> dict[byt
     Ties between equally frequent pairs go to the lexicographically smallest (left, right) bytes, so the
     result is deterministic.
     """
-    import regex
-
     if num_base < 256:
         raise ValueError(f"num_base {num_base} < 256: byte-level BPE needs every single byte")
     ranks = {bytes([b]): b for b in range(256)}
@@ -405,8 +404,6 @@ def learn_bpe(texts: Sequence[str], num_base: int, pat_str: str = KIMI_PAT_STR):
     Ranks in merge order make tiktoken's lowest-rank-first merging reproduce the trained BPE, so a
     :class:`KimiTokenizer` over ``ranks`` and ``hf_tokenizer`` give the same ids (the demo recipe checks it on its
     whole corpus)."""
-    from tokenizers import Regex, Tokenizer as HFTok, models, pre_tokenizers, trainers
-
     if num_base < 256:
         raise ValueError(f"num_base {num_base} < 256: byte-level BPE needs every single byte")
     tok = HFTok(models.BPE())
