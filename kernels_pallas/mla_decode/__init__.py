@@ -4,10 +4,8 @@ Shapes: q_lat ``[B, T, H, R]``, q_pe ``[B, T, H, O]``, c ``[B, S, R]``, kpe ``[B
 Returns u ``[B, T, H, R]`` float32 (still in latent space). On CPU the automatic choice is ``"cpu_native"``
 (``native.cc``: the cache read in place, each query row's slots split over the threads) for a bfloat16 cache and
 up to :data:`NATIVE_ROWS` query rows, else ``"xla_cpu"`` (``xla_cpu.py``: the reference's math with the cache
-product oriented for XLA:CPU), which also takes what the native kernel does not (int8 caches).
-Measured on one query row, 8 heads, R = 512, O = 64, two cores (2026-12-04): a bfloat16 cache of 576 slots 116 us
-native against 303 us, of 4096 slots 1.13 ms against 1.57 ms; a float32 cache 164 us against 203 us at 576 slots
-but 1.43 ms against 1.02 ms at 4096, so float32 caches stay with XLA's form until the kernel is faster there.
+product oriented for XLA:CPU), which also takes what the native kernel does not (int8 caches). Over a float32
+cache XLA's form is the faster at long contexts, so it keeps those (``benchmarks/native_attention.py`` measures both).
 
 On a mesh: sequences split over ``batch``; the cache positions over ``mla_seq`` where the layout has it (the
 latent cache has no head axis: this is how it is split over the tensor-parallel axis), each device attending over
