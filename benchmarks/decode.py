@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--weights DIR] [--repeats 3] [--skip-hf] [--dtype bfloat16]
 
-Builds ``../shared/bench/kimi-linear-bench.config.json`` with transformers after ``torch.manual_seed(0)`` in
+Builds ``benchmarks/configs/kimi-linear-bench.config.json`` with transformers after ``torch.manual_seed(0)`` in
 float32 and ``save_pretrained`` (once, into --weights), then measures in one run, as medians of --repeats (each
 repeat runs ours and HF back to back on the same batch, after a bandwidth sample, so all see the same machine):
 
@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # run as a script, this folder would shadow top-level packages (benchmarks/convert.py vs the convert package)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
-BENCH_CONFIG = os.path.join(HERE, "..", "..", "shared", "bench", "kimi-linear-bench.config.json")
+BENCH_CONFIG = os.path.join(HERE, "configs", "kimi-linear-bench.config.json")
 PROMPT, NEW = 512, 64
 
 

@@ -13,7 +13,7 @@ Sections (each in its own try/except; one failure is reported and the rest still
 * ``offload``: ``Generator.generate`` of the fixture (prefill + 5 decode steps, recorded logits) with the KDA state,
   the cache and the routed experts in ``pinned_host`` memory against the same on the device: equal bit for bit or
   not, and where the offloaded arrays are after the run; the same with 2 of 8 experts per layer kept hot on the device.
-* ``speed``: the shared benchmark model's config (``../shared/bench/kimi-linear-bench.config.json``: Kimi Linear,
+* ``speed``: the shared benchmark model's config (``benchmarks/configs/kimi-linear-bench.config.json``: Kimi Linear,
   12 layers, hidden 1024, 16 experts) with random weights in bfloat16: decode tokens/s (64 new after a 512-token
   prompt, 63 decode steps) and prefill tokens/s at batch 1 and 8, with the kernels (the automatic choice on a GPU:
   Pallas) and with the reference path (XLA), and with int8 / int4 weights; medians of --repeats after a compiling
@@ -35,7 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
-SHARED = os.path.join(HERE, "..", "..", "shared")
+
 PROMPT, NEW, STEPS = 512, 64, 4
 
 
@@ -179,8 +179,8 @@ def speed(config_path: str, repeats: int, budget_s: float) -> list[dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixture", default=os.path.join(SHARED, "fixtures", "k3-tiny-a"))
-    ap.add_argument("--config", default=os.path.join(SHARED, "bench", "kimi-linear-bench.config.json"))
+    ap.add_argument("--fixture", default=os.path.join(HERE, "..", "tests", "fixtures", "k3-tiny-a"))
+    ap.add_argument("--config", default=os.path.join(HERE, "configs", "kimi-linear-bench.config.json"))
     ap.add_argument("--only", default="fixture,offload,speed")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--speed-budget-s", type=float, default=240.0, help="start no new speed variant after this")

@@ -16,7 +16,7 @@ case "${1:-}" in
 prepare)
   mkdir -p .gpu/whl
   grep -qx "/.gpu/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/.gpu/" >> "$(git rev-parse --git-dir)/info/exclude"
-  cp -r ../shared/fixtures/k3-tiny-a .gpu/ && cp ../shared/bench/kimi-linear-bench.config.json .gpu/ || exit 1
+  cp -r tests/fixtures/k3-tiny-a .gpu/ && cp benchmarks/configs/kimi-linear-bench.config.json .gpu/ || exit 1
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu/whl \
     "flax==0.12.12" "qwix==0.1.8" || exit 1

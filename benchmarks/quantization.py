@@ -24,7 +24,7 @@ first 16 windows of 256 tokens of the held-out text (teacher-forced; printed as 
 ``--sensitivity`` quantizes one part of the demo model at a time to int4:g32 (round to nearest): each module class,
 then each projection of the attention layers by mixer (KDA, MLA), and prints the same KL measure per part.
 
-The benchmark model's weights are built as benchmarks/decode.py builds them (../shared/bench/README.md).
+The benchmark model's weights are built as benchmarks/decode.py builds them (benchmarks/configs/kimi-linear-bench.md).
 """
 
 from __future__ import annotations

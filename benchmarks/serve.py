@@ -3,7 +3,7 @@ official ``openai`` client) on loopback, next to static-batch ``generate`` on th
 
     python benchmarks/serve.py [--weights DIR] [--clients 32] [--requests 64] [--slots 16] [--dtype float32]
 
-The shared Kimi Linear benchmark model (``../shared/bench``; token ids only, it has no tokenizer). Reports:
+The shared Kimi Linear benchmark model (``benchmarks/configs``; token ids only, it has no tokenizer). Reports:
 
 * **load**: ``--requests`` requests with mixed prompt lengths (32-1024 tokens) and budgets (16-64 new tokens), sent by
   ``--clients`` streaming clients at once: wall time, output tokens/s, time to first token and time per output token

@@ -14,14 +14,14 @@ import pytest  # noqa: E402
 # process-wide cache setting untouched); tests/test_generate_cli.py exercises the cache in subprocesses.
 os.environ["KIMI_JAX_COMPILE_CACHE"] = "off"
 
-SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
-K3_TINY_A = os.path.join(SHARED, "fixtures", "k3-tiny-a")
+# Golden outputs of a reference K3 implementation (float32), kept in the repository: tests/fixtures/k3-tiny-a/README.md.
+K3_TINY_A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "k3-tiny-a")
 
 
 @pytest.fixture(scope="session")
 def k3_tiny_a():
     if not os.path.isdir(K3_TINY_A):
-        pytest.fail(f"shared fixture missing: {K3_TINY_A} (tests read ../shared from the repository root)")
+        pytest.fail(f"fixture missing: {K3_TINY_A}")
     return K3_TINY_A
 
 

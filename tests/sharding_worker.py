@@ -58,7 +58,7 @@ def scanned(case) -> bool:
 B, T, CACHE = 8, 24, 48
 LENGTHS = [T, T, T, 17, 9, T, 5, 20]  # right padding; rows 0-1 are the K3 fixture's golden prompts
 STEPS = {"k3": 16, "kimi_linear": 8, "llama": 8}
-K3_FIXTURE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "k3-tiny-a"))
+K3_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "k3-tiny-a")
 
 
 def write_hf_models(workdir):

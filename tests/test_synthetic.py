@@ -53,7 +53,7 @@ def test_stream_writer_bytes_equal_safetensors(tmp_path):
 
 
 def test_k3_layout_equals_fixture(k3_tiny_a, tmp_path):
-    """Same config as ../shared/fixtures/k3-tiny-a -> the same files: shard names, every header byte (names, dtypes,
+    """Same config as tests/fixtures/k3-tiny-a -> the same files: shard names, every header byte (names, dtypes,
     shapes, offsets, order), the index JSON, config.json -- only the random values differ."""
     with open(os.path.join(k3_tiny_a, "config.json")) as f:
         cfg = json.load(f)

@@ -10,7 +10,7 @@ name table, which it is meant to test). Every tensor gets its own random stream 
 values do not depend on sharding or write order, and shards are written one tensor at a time (bounded memory for
 multi-gigabyte benchmark checkpoints).
 
-Value scales follow ../shared/fixtures/k3-tiny-a/README.md so logits are O(1-5) and routing is non-degenerate:
+Value scales follow tests/fixtures/k3-tiny-a/README.md so logits are O(1-5) and routing is non-degenerate:
 linear N(0, clamp(1/sqrt(fan_in), 0.02, 0.1)); embeddings N(0, 0.3); lm_head N(0, 0.1 * sqrt(128/D)) (0.1 at the
 fixture's width); norm weights 1 + N(0, 0.1); AttnRes projections N(0, 0.1); conv N(0, 0.3); exp(A_log) ~ U(1, 3);
 dt_bias N(-1.5, 0.5); router correction bias N(0, 0.1). MXFP4 experts: the linear init with each 32-column group
