@@ -1,0 +1,69 @@
+"""Every kernel op in Pallas interpret mode against its reference, at the awkward shapes of tests/kernel_shapes.py
+(latent ranks and head dims of 24, 40, 72; 1, 3 and 5 heads; KDA head dims 32 and 48; 3, 5 and 6 experts): values,
+not only compiles. The kernels pad such dims to their blocks and must slice the padding back off.
+
+``pallas_interpret`` runs the kernels with the GPU (Triton) block rules, which pad head dims to powers of two; the
+TPU (Mosaic) block rules, which take whole dims instead, run in interpret mode through each op's Pallas entry with
+``platform="tpu"``. Operands are float32, so the tolerance is the float32 one of tests/parity.py. The default set is
+the covering set ``FAST`` with the GPU rules and a few cases with the TPU rules; the cross product is ``-m slow``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels_pallas.attention as attn_api
+import kernels_pallas.kda as kda_api
+import kernels_pallas.mla_decode as mla_api
+import kernels_pallas.moe_gmm as moe_api
+import kernels_pallas.paged_attention as paged_api
+import kernels_pallas.qmatmul as qmatmul_api
+from kernels_pallas._dispatch import INTERPRET
+from tests import kernel_shapes as ks
+from tests.parity import TOL, assert_close
+
+OPS = [attn_api.OP, mla_api.OP, paged_api.MLA_OP, paged_api.GQA_OP, kda_api.PREFILL, kda_api.DECODE, moe_api.GMM,
+       moe_api.GATHER, qmatmul_api.OP]
+# With the TPU rules, one case of each op (the GPU rules' padding is where the bugs were; these keep the Mosaic
+# paths' whole-dim blocks honest at the same sizes).
+TPU_FAST = {"gqa-prefill-H3-G1-K40-T19-S19", "mla-prefill-H1-K16-O8-U24-T19", "mla_decode-H3-R24-O8-T1-S100",
+            "paged_mla-H3-R24-O8-T1", "paged_gqa-H5-G5-K24-T2", "kda_prefill-H5-D48-T37", "kda_decode-H3-D32-T1",
+            "gmm-mxfp4-E5-J40-I96-M40", "gather-float-E6-X3-J24-I96-N2", "qmatmul-int4-g32-M5-J40-I96"}
+
+
+def _params(rules):
+    for case in ks.FAST + ks.SLOW:
+        slow = case not in ks.FAST or (rules == "tpu" and case.name not in TPU_FAST)
+        yield pytest.param(case, id=case.name, marks=pytest.mark.slow if slow else ())
+
+
+@pytest.fixture
+def tpu_rules(monkeypatch):
+    """``pallas_interpret`` with the TPU block rules: each op's interpret entry called with ``platform="tpu"``."""
+    for op in OPS:
+        pallas = op.impls[INTERPRET]
+        monkeypatch.setitem(op.impls, INTERPRET,
+                            lambda *a, _fn=pallas, platform, **kw: _fn(*a, platform="tpu", **kw))
+
+
+def _check(case):
+    args = ks.operands(case, jnp.float32)
+    got = jax.jit(functools.partial(case.run, implementation="pallas_interpret"))(*args)
+    want = jax.jit(functools.partial(case.run, implementation="reference"))(*args)
+    got, want = ks.leaves(got), ks.leaves(want)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"{case.name}: result {i} has shape {g.shape}, the reference {w.shape}"
+        assert_close(g, w, TOL["float32"], f"{case.name} result {i}")
+
+
+@pytest.mark.parametrize("case", list(_params("gpu")))
+def test_interpret_matches_reference(case):
+    _check(case)
+
+
+@pytest.mark.parametrize("case", list(_params("tpu")))
+def test_interpret_tpu_rules_match_reference(case, tpu_rules):
+    _check(case)
