@@ -31,6 +31,7 @@ import kernels_pallas.moe_gmm as moe_api
 import kernels_pallas.paged_attention as paged_api
 import kernels_pallas.qmatmul as qmatmul_api
 from kernels_pallas import cache_quant, mxfp4, quant
+from kernels_pallas.paged_attention import pallas as paged_pallas
 
 F32, BF = jnp.float32, jnp.bfloat16
 B = 2  # sequences in every attention / KDA case
@@ -49,6 +50,7 @@ class Case:
     name: str  # readable parametrize id: "mla_decode-H3-R24-O8"
     make: Callable
     run: Callable
+    gpu: bool = True  # whether the GPU (Triton) kernel takes these shapes; else it must refuse them by name
 
 
 def _normal(rng, shape, dt, scale=1.0):
@@ -113,31 +115,40 @@ def mla_decode(H, R, O, T, S, int8=False):
 
 # -- paged cache ------------------------------------------------------------------------------------------------
 
-N_PAGES, TABLE = 9, 3  # a pool of 9 pages; 3 pages (48 tokens) per sequence
+N_PAGES, TABLE = 9, 3  # a pool of 9 pages; 3 pages per sequence
 
 
 def _page_table(rng):
     return jnp.asarray(rng.permutation(N_PAGES)[: B * TABLE].reshape(B, TABLE), jnp.int32)
 
 
-def paged_mla(H, R, O, T):
+def _page_name(page):
+    return "" if page == PAGE else f"-page{page}"
+
+
+def paged_mla(H, R, O, T, page=PAGE):
+    """Absorbed MLA over a paged latent cache; a ``page`` that is not a power of two >= 16 is one the GPU kernel
+    refuses (the automatic choice runs the reference there)."""
+
     def make(rng, dt):
         return (_normal(rng, (B, T, H, R), F32, 0.3), _normal(rng, (B, T, H, O), dt),
-                _normal(rng, (N_PAGES, PAGE, R), dt), _normal(rng, (N_PAGES, PAGE, O), dt), _page_table(rng),
-                _positions(T, TABLE * PAGE))
+                _normal(rng, (N_PAGES, page, R), dt), _normal(rng, (N_PAGES, page, O), dt), _page_table(rng),
+                _positions(T, TABLE * page))
 
     run = lambda ql, qpe, c, kpe, pt, pos, **kw: paged_api.paged_mla_attention(ql, qpe, c, kpe, pt, pos,
                                                                                scale=(R + O)**-0.5, **kw)
-    return Case("paged_attention", f"paged_mla-H{H}-R{R}-O{O}-T{T}", make, run)
+    return Case("paged_attention", f"paged_mla-H{H}-R{R}-O{O}-T{T}{_page_name(page)}", make, run,
+                gpu=paged_pallas.unsupported("gpu", (N_PAGES, page)) is None)
 
 
-def paged_gqa(H, G, K, T):
+def paged_gqa(H, G, K, T, page=PAGE):
     def make(rng, dt):
-        return (_normal(rng, (B, T, H, K), dt), _normal(rng, (N_PAGES, PAGE, G, K), dt),
-                _normal(rng, (N_PAGES, PAGE, G, K), dt), _page_table(rng), _positions(T, TABLE * PAGE))
+        return (_normal(rng, (B, T, H, K), dt), _normal(rng, (N_PAGES, page, G, K), dt),
+                _normal(rng, (N_PAGES, page, G, K), dt), _page_table(rng), _positions(T, TABLE * page))
 
     run = lambda q, k, v, pt, pos, **kw: paged_api.paged_attention(q, k, v, pt, pos, scale=K**-0.5, **kw)
-    return Case("paged_attention", f"paged_gqa-H{H}-G{G}-K{K}-T{T}", make, run)
+    return Case("paged_attention", f"paged_gqa-H{H}-G{G}-K{K}-T{T}{_page_name(page)}", make, run,
+                gpu=paged_pallas.unsupported("gpu", (N_PAGES, page)) is None)
 
 
 # -- KDA ------------------------------------------------------------------------------------------------------
@@ -223,7 +234,9 @@ def qmatmul(M, J, I, fmt):  # noqa: E741
         return _normal(rng, (M, I), dt), _qweight(rng, J, I, fmt)
 
     run = lambda x, w, **kw: qmatmul_api.matmul(x, w, **kw)
-    return Case("qmatmul", f"qmatmul-{fmt.replace(':', '-')}-M{M}-J{J}-I{I}", make, run)
+    group = quant.Format.parse(fmt).group
+    return Case("qmatmul", f"qmatmul-{fmt.replace(':', '-')}-M{M}-J{J}-I{I}", make, run,
+                gpu=fmt == "int8" or group & (group - 1) == 0)
 
 
 # -- the table --------------------------------------------------------------------------------------------------
@@ -242,6 +255,8 @@ FAST = [
     gather(6, 3, 24, 96, 2), gather(5, 3, 40, 160, 2, "mxfp4"),
     qmatmul(1, 24, 96, "int8"), qmatmul(37, 72, 40, "int8"), qmatmul(5, 40, 96, "int4:g32"),
     qmatmul(3, 24, 192, "nf4:g64"),
+    # sizes the GPU kernels refuse by name (the automatic choice runs the reference there); the TPU ones take them
+    paged_gqa(3, 1, 40, 1, page=8), qmatmul(5, 24, 96, "int4:g48"),
 ]
 
 
@@ -253,7 +268,8 @@ def _slow():
         cases += [gqa(H, 1, K, 19, 19), gqa(H, H, K, 19, 19), gqa(H, 1, K, 1, 100), gqa(H, H, K, 2, 100),
                   mla_prefill(H, 16, 8, K, 19), mla_prefill(H, K, 24, K, 19),
                   mla_decode(H, K, 8, 1, 100), mla_decode(H, K, 24, 2, 100), mla_decode(H, K, 8, 1, 100, int8=True),
-                  paged_mla(H, K, 8, 1), paged_gqa(H, 1, K, 1), paged_gqa(H, H, K, 2)]
+                  paged_mla(H, K, 8, 1), paged_gqa(H, 1, K, 1), paged_gqa(H, H, K, 2), paged_mla(H, K, 8, 2, page=24),
+                  paged_gqa(H, H, K, 1, page=8)]
     for H, D in itertools.product(heads, (32, 48)):
         cases += [kda(H, D, 37), kda(H, D, 1)]
     for E, (J, I) in itertools.product((3, 5, 6), ((24, 96), (72, 40), (40, 72))):  # noqa: E741
@@ -263,7 +279,7 @@ def _slow():
     for M, (J, I) in itertools.product((1, 37), ((24, 96), (72, 40), (40, 72))):  # noqa: E741
         cases.append(qmatmul(M, J, I, "int8"))
     for M, (J, I), fmt in itertools.product((1, 37), ((24, 96), (40, 192)), ("int4:g32", "int4:g32:zero",  # noqa: E741
-                                                                             "nf4:g64")):
+                                                                             "nf4:g64", "int4:g48", "nf4:g96")):
         if I % int(fmt.split(":")[1][1:]) == 0:
             cases.append(qmatmul(M, J, I, fmt))
     fast = {c.name for c in FAST}
