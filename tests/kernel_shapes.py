@@ -7,7 +7,9 @@ kernels pad what their backend's block rules refuse (Triton: power-of-two blocks
 dims) and must slice it back, so the table takes sizes that no such rule likes: latent ranks and head dims of 24, 40
 and 72 (not multiples of 16, 32 or 128; 24 and 40 not of 16 either), odd head counts (1, 3, 5), KDA head dims 32
 and 48, expert counts 3, 5 and 6 (never a power of two), value dims that differ from key dims, and lengths that fill
-no block. Each case is a few sequences long: enough to cross a block boundary, cheap to run in interpret mode.
+no block. Each case is a few sequences long: enough to cross a block boundary, cheap to run in interpret mode. A few
+sizes come from run options rather than the config (a page of 8 or 24 tokens, int4 / NF4 groups of 48 or 96
+columns): the GPU kernels cannot block those and refuse them by name (``Case.gpu`` False), the TPU ones take them.
 
 ``FAST`` cases cover every value of every dimension at least once (a covering set, not the cross product, which is
 ``SLOW``). A case builds its own operands from a seed (numpy draws: no per-shape compiles in the setup); the
