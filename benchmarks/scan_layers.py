@@ -1,4 +1,4 @@
-"""Scanned vs unrolled layers, as the real TPU / GPU compilers see them (deviceless, kimi_jax/parallel/aot.py).
+"""Scanned vs unrolled layers, as the real TPU / GPU compilers see them (deviceless, kimi_jax/deploy/aot.py).
 
 For one model and target, compiles the decode step and a prefill chunk twice -- layers unrolled, and the repeating
 run of layers as one ``lax.scan`` over stacked weights (kimi_jax/model/layer_plan.py) -- and prints, per program:

@@ -20,7 +20,9 @@ when its native CPU kernel applies); calling the op is its public entry. A call 
    * op-specific extras (``kda_prefill`` also takes ``"recurrent"``).
 
    An explicitly requested implementation that cannot run raises :class:`KernelUnavailable`: never a silent
-   fallback.
+   fallback. That includes operands a Pallas kernel cannot take on the target (``Op(pallas_unsupported=...)``:
+   shape limits of a backend's block rules, e.g. a GPU page size that is not a power of two); the automatic
+   choice passes over the kernel for them, runs the reference and logs why (once per op and reason).
 
 2. **Places the op on the mesh** (:func:`place`). With a :class:`Placement` of more than one device (the model
    passes one for every sharded run, on CPU as on TPU/GPU) the chosen implementation runs inside
@@ -250,10 +252,10 @@ class CpuImpl:
 _logged: set[tuple[str, str]] = set()
 
 
-def _passed_over(op: str, why: str) -> None:
+def _passed_over(op: str, why: str, kernel: str = "CPU") -> None:
     if (op, why) not in _logged:
         _logged.add((op, why))
-        log.info("%s: automatic choice passes over its CPU kernel: %s", op, why)
+        log.info("%s: automatic choice passes over its %s kernel: %s", op, kernel, why)
 
 
 class Op:
@@ -269,12 +271,16 @@ class Op:
     ``defaults``: ``{static argument: {platform: value}}`` for static arguments the caller leaves None, decided
     for the target platform before the choice (``None`` as the platform key: every other platform), so the
     implementations themselves never look at the platform.
+    ``pallas_unsupported(platform, *args, **static)``: why the Pallas kernel cannot take these operands when
+    compiled for ``platform`` (``"gpu"`` for ``"pallas_interpret"``, which runs the GPU block rules), or None.
     """
 
     def __init__(self, name: str, rule: Rule | None, impls: dict[str, Callable], cpu: tuple[CpuImpl, ...] = (),
-                 plain: bool = False, defaults: dict[str, dict] | None = None):
+                 plain: bool = False, defaults: dict[str, dict] | None = None,
+                 pallas_unsupported: Callable = lambda platform, *args, **static: None):
         self.name, self.rule, self.cpu, self.plain = name, rule, tuple(cpu), plain
         self.defaults = dict(defaults or {})
+        self.pallas_unsupported = pallas_unsupported
         self.impls = dict(impls)
         if PALLAS in self.impls:
             self.impls[INTERPRET] = self.impls[PALLAS]
@@ -297,7 +303,10 @@ class Op:
 
     def _automatic(self, platform, args, static, placement) -> str:
         if platform in ("tpu", "gpu") and PALLAS in self.impls and self._placeable(placement):
-            return PALLAS
+            why = self.pallas_unsupported(platform, *args, **static)
+            if why is None:
+                return PALLAS
+            _passed_over(self.name, f"{why}; runs the reference", kernel="Pallas")
         if platform == "cpu":
             for c in self._cpu_here(placement):
                 if not c.automatic(*args, **static):
@@ -327,6 +336,10 @@ class Op:
             raise KernelUnavailable(
                 f"{self.name}: implementation='pallas' needs a TPU or GPU, but the target platform is {platform!r}; "
                 f"use implementation='{INTERPRET}' to run the Pallas kernel in interpret mode on CPU")
+        if implementation in (PALLAS, INTERPRET):
+            why = self.pallas_unsupported("gpu" if implementation == INTERPRET else platform, *args, **static)
+            if why is not None:
+                raise KernelUnavailable(f"{self.name}: implementation={implementation!r} cannot run here: {why}")
         cpu = {c.name: c for c in self.cpu}
         if implementation in cpu:
             if platform != "cpu":

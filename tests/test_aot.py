@@ -1,4 +1,4 @@
-"""The real TPU and NVIDIA GPU compilers, run deviceless on this CPU machine (kimi_jax/parallel/aot.py).
+"""The real TPU and NVIDIA GPU compilers, run deviceless on this CPU machine (kimi_jax/deploy/aot.py).
 
 Each kernel is *compiled* (libtpu: Mosaic layout passes and VMEM budget; XLA:GPU: Triton -> PTX -> cubin) at full
 K3, Kimi-Linear and dense-GQA shapes with the automatic choice, and the compiled text must hold the Pallas custom

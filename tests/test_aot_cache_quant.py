@@ -1,4 +1,4 @@
-"""int8 caches through the real TPU and GPU compilers, deviceless (kimi_jax/parallel/aot.py).
+"""int8 caches through the real TPU and GPU compilers, deviceless (kimi_jax/deploy/aot.py).
 
 * every attention kernel over int8 rows at K3's head sizes (latent 512 + rope 64; GQA head dim 128) compiles for a
   TPU v6e and an H200, and the compiled program holds the Pallas custom call (the kernel, not the reference);

@@ -1,4 +1,4 @@
-"""The paged attention kernels compiled by the real TPU and NVIDIA GPU compilers, deviceless (kimi_jax/parallel/aot.py).
+"""The paged attention kernels compiled by the real TPU and NVIDIA GPU compilers, deviceless (kimi_jax/deploy/aot.py).
 
 K3's absorbed MLA decode (64 heads, latent 512 + 64, pages of 64 tokens, bf16) and a dense-GQA decode (32 query
 on 8 kv heads of 128) over a pool of a few hundred pages at batch 8, and one chunked-prefill step over the pool.

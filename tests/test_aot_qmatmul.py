@@ -1,5 +1,5 @@
 """The integer-weight matmul kernels (kernels_pallas/qmatmul) compiled by the real TPU and NVIDIA GPU compilers,
-deviceless (kimi_jax/parallel/aot.py): libtpu's Mosaic for the TPU kernel, XLA:GPU's Triton -> PTX -> cubin for the
+deviceless (kimi_jax/deploy/aot.py): libtpu's Mosaic for the TPU kernel, XLA:GPU's Triton -> PTX -> cubin for the
 GPU kernel, with the automatic choice under the target's mesh.
 
 Shapes are K3's: the shared experts' fused gate / up projection (``[6144, 7168]``, in every MoE layer) and the dense

@@ -1,7 +1,7 @@
 """The tiny K3, Kimi Linear and dense GQA models, sharded, compiled by the real TPU and GPU compilers.
 
 Each case compiles a prefill or a decode step (abstract sharded weights and cache, bf16) for a deviceless TPU v5e
-2x2 or four H100s (``kimi_jax/parallel/aot.py``), with the default kernels, and asserts:
+2x2 or four H100s (``kimi_jax/deploy/aot.py``), with the default kernels, and asserts:
 
 * it compiles (Mosaic refuses a kernel that GSPMD would have to partition: every kernel runs in ``shard_map``);
 * the automatic choice put a Pallas kernel at every KDA / attention layer and each of the three expert matmuls of

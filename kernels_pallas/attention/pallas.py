@@ -238,7 +238,8 @@ def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, S
     dims to powers of two (zero columns add nothing to a dot). Returns q ``[B, G, Ap, Kp]``, k ``[B, Sp, Gk, Kp]``,
     v ``[B, Sp, Gk, Up]`` (as given when ``v_is_k``), qpos ``[B, Ap, 1]`` int32, q_pe ``[B, G, Ap, Op]`` and k_pe
     ``[B, Sp, Op]`` (or None), k_pos ``[B, 1, Sp]`` int32 (or None; padded keys at int32 max) and U, the value width
-    to return (Kp when ``v_is_k``)."""
+    to return: v's, or when ``v_is_k`` the keys' own width K, not the padded Kp (the padded columns of a latent
+    that serves as values are zeros, and must not reach the caller)."""
 
     def heads(x, axis):
         return pad_axis(x, axis, next_pow2(x.shape[axis])) if platform == "gpu" else x
@@ -254,7 +255,7 @@ def _pad_operands(q_BGAK, k, v, qpos_BA, q_pe_BGAO, k_pe_BSO, k_pos_BS, *, Ap, S
     Kp = q.shape[-1]
     if k.shape[-1] != Kp:
         raise ValueError(f"flash: q head dim {K} and k head dim {k.shape[-1]} differ")
-    U = k.shape[-1] if v_is_k else v.shape[-1]
+    U = K if v_is_k else v.shape[-1]
     if not v_is_k:
         v = heads(pad_axis(v, 1, Sp), 3)
     qpe = heads(pad_axis(q_pe_BGAO, 2, Ap), 3) if has_pe else None

@@ -24,10 +24,14 @@ from kernels_pallas.paged_attention import pallas, reference, xla_cpu
 MLA_RULE = Rule(args=("BTHR", "BTHO", "SSR", "SSO", "BS", "BT"), out="BTHR", split=(("H", "heads"),))
 GQA_RULE = Rule(args=("BTHK", "SSGK", "SSGU", "BS", "BT"), out="BTHU", split=(("H", "heads"), ("G", "heads")))
 
+# page sizes the GPU kernel cannot tile: the automatic choice runs the reference there, an explicit request raises
 MLA_OP = Op("paged_mla_attention", MLA_RULE,
             {REFERENCE: reference.paged_mla_attention, PALLAS: pallas.paged_mla_attention},
-            cpu=(CpuImpl(XLA_CPU, xla_cpu.paged_mla_attention),))
-GQA_OP = Op("paged_attention", GQA_RULE, {REFERENCE: reference.paged_attention, PALLAS: pallas.paged_attention})
+            cpu=(CpuImpl(XLA_CPU, xla_cpu.paged_mla_attention),),
+            pallas_unsupported=lambda platform, q_lat, q_pe, c_pages, *_, **__: pallas.unsupported(platform,
+                                                                                                   c_pages.shape))
+GQA_OP = Op("paged_attention", GQA_RULE, {REFERENCE: reference.paged_attention, PALLAS: pallas.paged_attention},
+            pallas_unsupported=lambda platform, q, k_pages, *_, **__: pallas.unsupported(platform, k_pages.shape))
 
 
 def paged_mla_attention(q_lat, q_pe, c_pages, kpe_pages, page_table, q_pos, *, scale, implementation=None,

@@ -278,6 +278,16 @@ def _paged_tpu(q, qpe, qpos, k_pool, kpe_pool, v_pool, pt, scales, *, bq, pages_
 # -- entries -----------------------------------------------------------------------------------------------
 
 
+def unsupported(platform: str, pool_shape) -> str | None:
+    """Why the kernel compiled for ``platform`` cannot read a pool of this shape (``[n, page_size, ...]``), or None.
+    On GPU a page is a Triton tile: a power of two of >= 16 rows (``jnp.dot`` wants each side >= 16)."""
+    ps = pool_shape[1]
+    if platform == "gpu" and (ps < 16 or ps != next_pow2(ps)):
+        return (f"a pool of pages {tuple(pool_shape)}: the GPU kernel needs a page size that is a power of two "
+                f">= 16 (Triton dot tiles), not {ps}")
+    return None
+
+
 def paged_rows(q_BGAK, qpos_BA, k_pages, v_pages, page_table, *, scale, q_pe_BGAO=None, kpe_pages=None,
                v_is_k=False, platform="gpu", interpret=False, block_q, pages_per_step=None, num_splits=1,
                num_warps=None, num_stages=None, dtype=None):
@@ -314,8 +324,9 @@ def paged_rows(q_BGAK, qpos_BA, k_pages, v_pages, page_table, *, scale, q_pe_BGA
         out = _paged_tpu(q, qpe, qpos, k_pages, kpe_pages, v_pages, pt, (ks, kpes, vs), bq=block_q,
                          pages_per_step=pages_per_step or max(1, min(16, 512 // ps)), interpret=interpret, **kw)
         return out[:, :, :A]
-    if ps < 16 or ps != next_pow2(ps):
-        raise ValueError(f"paged attention on GPU: page size {ps} must be a power of two >= 16 (Triton dot tiles)")
+    why = unsupported("gpu", k_pages.shape)
+    if why is not None:
+        raise ValueError(f"paged attention: {why}")
     U = K if v_is_k else v_pages.shape[-1]
     # Triton wants power-of-two head dims: zero columns add nothing to a dot (a copy of the pool if they are not)
     pow2 = lambda x, axis: pad_axis(x, axis, next_pow2(x.shape[axis]))

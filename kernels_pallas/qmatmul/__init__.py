@@ -20,7 +20,10 @@ from __future__ import annotations
 from kernels_pallas._dispatch import PALLAS, REFERENCE, Op
 from kernels_pallas.qmatmul import pallas, reference
 
-OP = Op("qmatmul", None, {REFERENCE: reference.matmul, PALLAS: pallas.matmul})
+# groups the GPU kernel cannot block (not a power of two): the automatic choice runs the reference, an explicit
+# request raises
+OP = Op("qmatmul", None, {REFERENCE: reference.matmul, PALLAS: pallas.matmul},
+        pallas_unsupported=lambda platform, x, w, **_: pallas.unsupported(platform, w))
 
 
 def matmul(x, w, *, implementation=None, placement=None):

@@ -89,6 +89,17 @@ def fields(w) -> Fields:
     return Fields(kinds[type(w)], J, 2 * ih, 2 * ih // scale.shape[1], (packed, scale.astype(F32), *zero))
 
 
+def unsupported(platform: str, w) -> str | None:
+    """Why the kernel compiled for ``platform`` cannot take weight ``w``, or None: on GPU a group-wise weight's
+    group must be a power of two (a Triton block holds whole groups, and its sizes are powers of two)."""
+    if platform == "gpu" and isinstance(w, quant.TYPES) and not isinstance(w, quant.Int8Weight):
+        g = w.group
+        if g & (g - 1):
+            return (f"{type(w).__name__} {tuple(w.shape)} in groups of {g} columns: the GPU kernel needs a "
+                    f"power-of-two group (Triton blocks are powers of two)")
+    return None
+
+
 # -- block sizes ----------------------------------------------------------------------------------------------
 
 
