@@ -113,7 +113,8 @@ def _category(path: str) -> str:
         return "routed experts"
     if ".self_attn." in path:
         return "attention"
-    if ".shared_experts." in path or (".mlp." in path and path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")):
+    if ".shared_experts." in path or (".mlp." in path
+                                      and path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")):
         return "dense + shared MLP"
     if ".mlp." in path:
         return "router + latent proj"
@@ -157,7 +158,8 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
         read["routed experts (used)"] = int(sum(tot * p_used for tot in expert_local.values()))
     read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
     read["MLA / KV cache"] = cache["mla"] + cache["kv"]
-    prefill = _prefill_activations(cfg, sizes, lay, specs, model, b_loc, prefill_chunk, dt) if prefill_chunk else {}
+    prefill = (_prefill_activations(cfg, sizes, lay, specs, model, batch, b_loc, prefill_chunk, dt) if prefill_chunk
+               else {})
     state = jnp.dtype(jnp.float32 if kda_state is None else kda_state).name
     e_loc = _local_experts(model, specs, sizes)[1] if expert_local else 0
     e_dtypes = tuple(dict.fromkeys(a.dtype for m in table for n, a in m.arrays.items()
@@ -272,13 +274,15 @@ def _local_experts(model, specs, sizes):
     return w1, e_loc, f_loc
 
 
-def _exchange_rows(cfg, w1_spec, e_loc, sizes, lay, batch):
-    """Rows a chip receives in one decode step's expert exchange (lossless buffers)."""
+def _exchange_rows(cfg, w1_spec, e_loc, sizes, lay, tokens, with_pairs=False):
+    """Rows a chip receives in one expert exchange of ``tokens`` tokens in all (lossless buffers: every sender's
+    worst case); ``with_pairs``: and the (token, expert) pairs of the chip's own token shard."""
     ep = _spec_axes(w1_spec[0])
     n_ep = math.prod(sizes[a] for a in ep)
     tok_axes = [a for a in lay.mesh_axes("batch") if sizes[a] > 1] + [a for a in ep if a not in lay.mesh_axes("batch")]
-    n_loc = -(-batch // math.prod(sizes[a] for a in tok_axes))
-    return n_ep * n_loc * min(cfg.moe.top_k, e_loc) if n_ep > 1 else n_loc * cfg.moe.top_k
+    n_loc = -(-tokens // math.prod(sizes[a] for a in tok_axes))
+    rows = n_ep * n_loc * min(cfg.moe.top_k, e_loc) if n_ep > 1 else n_loc * cfg.moe.top_k
+    return (rows, n_loc * cfg.moe.top_k) if with_pairs else rows
 
 
 def _allowed_heads(h, sizes, lay):
@@ -289,23 +293,32 @@ def _leaf_shape(model, path):
     return params.leaves(nnx.state(model))[path].shape
 
 
-def _prefill_activations(cfg, sizes, lay, specs, model, b_loc, T, dt):
-    """Rough largest temporaries of a prefill chunk of ``T`` tokens per local sequence (not compiler-checked)."""
-    D, N = cfg.hidden_size, b_loc * T
-    out = {"hidden + AttnRes blocks": N * D * dt.itemsize * (2 + (cfg.num_layers // cfg.attn_res_block_size + 1
-                                                                   if cfg.attn_res else 0))}
+def _prefill_activations(cfg, sizes, lay, specs, model, batch, b_loc, T, dt):
+    """The largest temporaries of a fresh prefill chunk of ``T`` tokens for each of ``batch`` sequences (``b_loc``
+    on this chip): the residual stream and the AttnRes blocks, which live across the step, and on top of them the
+    largest workspace of one layer. For an MoE layer that is the lossless expert exchange: every received row's
+    input, its expert-sorted copy and its float32 down projection, the two float32 up projections and the
+    activation over the local hidden width, and the chip's own pairs' send buffer (``rows`` grows with the
+    tokens of every sequence the chip's token shard holds, not with ``b_loc``); for KDA the chunk's decay tensor.
+    Checked against the compilers' memory analysis (``benchmarks/plan_vs_compiler.py --prefill``)."""
+    D, N, s = cfg.hidden_size, b_loc * T, dt.itemsize
+    blocks = cfg.num_layers // cfg.attn_res_block_size + 1 if cfg.attn_res else 0
+    out = {"hidden + AttnRes blocks": N * D * s * (2 + blocks)}
+    work = {}
     if cfg.moe is not None:
         moe = cfg.moe
         w1, e_loc, f_loc = _local_experts(model, specs, sizes)
-        ep = math.prod(sizes[a] for a in _spec_axes(specs[w1][0]))
-        n_loc = -(-N // max(1, ep))
-        rows = ep * n_loc * min(moe.top_k, e_loc)  # lossless receive buffer
-        out["MoE dispatch rows (lossless)"] = rows * (moe.expert_in * dt.itemsize * 2 + f_loc * dt.itemsize * 2)
+        rows, pairs = _exchange_rows(cfg, specs[w1], e_loc, sizes, lay, batch * T, with_pairs=True)
+        L = moe.expert_in
+        work["MoE expert exchange (lossless)"] = rows * ((2 * s + 4) * L + (8 + s) * f_loc) + pairs * s * L
     if cfg.kda is not None:
         k = cfg.kda
         h_loc = k.num_heads // max(1, math.prod(sizes[a] for a in _spec_axes(_allowed_heads(k.num_heads, sizes, lay))))
         C = min(64, T)
-        out["KDA chunk decay tensor"] = b_loc * h_loc * C * C * k.head_dim * 4
+        work["KDA chunk decay tensor"] = b_loc * h_loc * C * C * k.head_dim * 4
+    if work:
+        name = max(work, key=work.get)
+        out[name] = work[name]  # the largest; the others are of other layers
     return out
 
 
