@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from kimi_jax.cli import common
+
 
 def add_train_arguments(p):
     p.add_argument("--model", required=True, help="model directory (HF layout or converted) or 'tiny-k3' (random)")
@@ -46,6 +48,7 @@ def add_train_arguments(p):
                    help="stop after this step as if interrupted, leaving a checkpoint (rerun to resume)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    common.parallel_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -141,11 +144,19 @@ def _host(metrics) -> dict:
 
 
 def run(args):
+    common.setup_processes(args)
+    import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
     from kimi_jax import training
     from kimi_jax.training import checkpoint as ckpt
+    if jax.process_count() > 1:  # refused before anything loads
+        raise ValueError("train runs in one process for now (its checkpoints, metrics and export are written by "
+                         "one host): --mesh over this host's devices works; drop --coordinator")
+    if args.mesh == "auto":
+        raise ValueError("train --mesh auto: the plan sizes serving, not training; give --mesh data=D,expert=E,model=M")
+    mesh = common.make_mesh(args, "", batch=args.batch, context=args.seq, dtype=args.dtype)
     model, raw, tok, tok_dir = _load(args)
     train_ids, eval_ids = _data(args, tok, model.cfg.vocab_size)
     h1 = unigram_entropy(train_ids)
@@ -160,7 +171,7 @@ def run(args):
         lora = training.LoraConfig(rank=args.lora, alpha=2.0 * args.lora if args.lora_alpha is None
                                    else args.lora_alpha)
     config = training.TrainConfig(optim=optim, lora=lora, balance_rate=args.balance_rate, seed=args.seed)
-    trainer, state = training.init(model, config)
+    trainer, state = training.init(model, config, mesh=mesh, layout=args.layout)  # mesh None: one device
     step_fn, eval_fn = training.compile_steps(trainer)
 
     os.makedirs(args.out, exist_ok=True)
