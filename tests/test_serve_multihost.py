@@ -12,7 +12,8 @@ by the official ``openai`` client, with the exact command line of a multi-host d
 * a tiny Kimi Linear (``--mesh data=2,expert=1,model=4``: the data axis spans the processes): the single-process
   engine's tokens, and SIGTERM to process 0 drains the stream in flight, then both processes exit 0.
 
-One server pair per model serves every assertion about it (each pair compiles the engine's programs on 8 devices).
+One server pair per model serves every assertion about it (each pair compiles the engine's programs on 8 devices;
+on this 2-core machine, shared: the K3 pair ~100-120 s to come up, the module ~4 min).
 """
 
 import concurrent.futures
@@ -35,9 +36,10 @@ import kimi_jax
 from kimi_jax.serving.engine import Engine
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-# small static shapes: one prefill bucket (16), decode rows 1 and 4 x table widths 1 and 4 pages
-SHAPES = dict(slots=4, max_len=64, page_size=16, prefill_chunk=16)
-FLAGS = ["--slots", "4", "--max-len", "64", "--page-size", "16", "--prefill-chunk", "16", "--log-level", "warning",
+# small static shapes, few programs to compile on 8 devices: one prefill bucket (64 tokens, fresh and continued),
+# decode rows 1 and 4 over a table of one 64-token page
+SHAPES = dict(slots=4, max_len=64, page_size=64, prefill_chunk=64)
+FLAGS = ["--slots", "4", "--max-len", "64", "--page-size", "64", "--prefill-chunk", "64", "--log-level", "warning",
          "--no-compile-cache"]
 
 
@@ -155,8 +157,8 @@ def test_k3_on_two_processes(k3_pair, k3_dir, k3_golden):
     pair, golden = k3_pair, k3_golden
     prompts = golden["input_ids"].tolist()
     rng = np.random.default_rng(0)
-    prompts += [rng.integers(3, 512, 40).tolist(), rng.integers(3, 512, 5).tolist()]  # 3 chunks, and 1
-    hit = prompts[0] + [7, 8, 9]  # the first prompt is stored (its end): a prefix hit
+    prompts += [rng.integers(3, 512, 40).tolist(), rng.integers(3, 512, 5).tolist()]
+    hit = prompts[0] + [7, 8, 9]  # the first prompt is stored (its end): a hit inside a page, copied on write
     replies = _in_flight(pair, prompts, 16)
     followup = _ids(pair, hit, 16)
     from kimi_jax.text.tokenizer import load_tokenizer
@@ -212,7 +214,6 @@ def kimi_linear_dir(tmp_path_factory):
     return str(write_checkpoint(tmp_path_factory.mktemp("kimi_linear"), "kimi_linear", dtype="float32"))
 
 
-@pytest.mark.slow
 def test_kimi_linear_data_parallel_over_two_processes_and_sigterm(kimi_linear_dir):
     """data=2 across the processes: the single-process engine's tokens; SIGTERM to process 0 mid-stream drains it,
     then both processes exit 0."""
