@@ -548,3 +548,9 @@ def test_serve_command_errors(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert cli.main(["serve", "--model", "/nonexistent/dir", "--port", "0"]) == 2
     assert "no such model directory" in capsys.readouterr().err
+    for argv, fragment in [(["--slots", "0"], "slots must be >= 1, got 0"),
+                           (["--prefill-chunk", "100"], "prefill_chunk (100) must be a multiple of page_size (64)"),
+                           (["--peer-timeout", "0"], "--peer-timeout must be > 0"),
+                           (["--num-processes", "2"], "without --coordinator, --process-id")]:
+        assert cli.main(["serve", "--port", "0", *argv]) == 2  # refused before any model loads
+        assert fragment in capsys.readouterr().err

@@ -65,6 +65,14 @@ def _say(text: str) -> None:
 
 
 def run_serve(args):
+    from kimi_jax.serving import validate
+
+    # the engine's shapes and the fault timeout refused before anything starts or loads
+    validate.shapes(slots=args.slots, max_len=args.max_len, page_size=args.page_size, pages=args.pages,
+                    prefill_chunk=args.prefill_chunk, min_chunk=64, snapshot_every=args.snapshot_every,
+                    compact_decode=True)
+    if not args.peer_timeout > 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     common.setup_compile_cache(args)
     common.setup_processes(args)
     import jax
