@@ -48,9 +48,11 @@ def start_server(engine, name: str):
 
     sock = server.bind("127.0.0.1", 0)
     srv = server.make_server(server.build_app(engine, name), log_level="warning")
-    threading.Thread(target=srv.run, kwargs=dict(sockets=[sock]), daemon=True).start()
+    thread = threading.Thread(target=srv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
     while not srv.started:
         time.sleep(0.05)
+    srv.thread = thread  # joined at the end: its shutdown stops the engine
     return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", srv
 
 
@@ -191,6 +193,7 @@ def main(argv=None) -> int:
     prefix = prefix_ttft(url, "bench", model.cfg.vocab_size)
     compiles = engine.stats()["compiles_after_warmup"]
     srv.should_exit = True
+    srv.thread.join()
     engine.stop()
     static = {} if args.skip_static else run_static(model, requests, args.slots, 1024 + 64)
     report(load, static, prefix, compiles, warmup_s)

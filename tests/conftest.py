@@ -51,9 +51,10 @@ def hf_kimi_linear(tmp_path_factory):
 # The longest test files first: `-n 2 --dist loadfile` hands files to the workers in collection order, so a long
 # file collected last (alphabetically) can leave one worker running it alone for minutes; these start first instead
 # (seconds on 2 cores, 2026-12-04). Tests inside a file keep their order.
-LONGEST_FIRST = ("test_sharding_devices.py", "test_notebooks.py", "test_server.py", "test_offload.py",
-                 "test_train_cli.py", "test_scan.py", "test_multihost.py", "test_engine.py", "test_aot_sharded.py",
-                 "test_aot.py", "test_train_moe_sharded.py", "test_quantize_model.py")
+LONGEST_FIRST = ("test_serve_multihost.py", "test_sharding_devices.py", "test_notebooks.py", "test_server.py",
+                 "test_offload.py", "test_train_cli.py", "test_scan.py", "test_multihost.py", "test_engine.py",
+                 "test_aot_sharded.py", "test_aot.py", "test_train_moe_sharded.py", "test_quantize_model.py",
+                 "test_cli_mesh.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -356,3 +356,37 @@ def test_prefix_pages_spill_to_host_and_come_back(families, engines):
     spilled = sum(e.page_nbytes for e in eng.prefix.entries.values())
     snapshots = sum(e.nbytes for e in eng.prefix.entries.values() if e.on_host)
     assert st["prefix_host_bytes"] == spilled + snapshots
+
+
+def test_a_failed_step_keeps_spilling_prefix_pages_to_host(families, engines):
+    """A step that fails ends its requests with an error and the engine starts over on fresh device state; its
+    prefix cache must still move pages to host memory when the pool runs short (it once came back without its page
+    reader, so pages were silently dropped instead), and the next turn still hits the spilled reply."""
+    model = families["k3"][0]
+    _, cold = engines("k3")
+    eng = Engine(model, **{**SHAPES, "pages": 8}, prefix_cache_bytes=1 << 30, prefix_host_bytes=1 << 30)
+    eng.warmup()
+    real = eng.executor.programs
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected device failure")
+
+    eng.executor.programs = real._replace(prefill_chunk=broken)
+    eng.start(warmup=False)
+    try:
+        V = model.cfg.vocab_size
+        first, other, more = _prompts(V, (45, 60, 6), seed=21)
+        with pytest.raises(RuntimeError, match="injected device failure"):
+            eng.generate([first], max_tokens=4, stop_ids=(), timeout=120)
+        eng.executor.programs = real
+        reply = eng.generate([first], max_tokens=8, stop_ids=(), timeout=120)[0].tokens
+        eng.generate([other], max_tokens=8, stop_ids=(), timeout=120)  # needs the pages the first one's entries hold
+        st = eng.stats()
+        assert st["prefix_page_spills"] > 0 and st["prefix_evictions"] == 0, st  # spilled, not dropped
+        turn = first + reply + more
+        hit = eng.generate([turn], max_tokens=8, stop_ids=(), timeout=120)[0]
+    finally:
+        eng.stop()
+    assert hit.cached_tokens == len(first) + len(reply) - 1
+    assert hit.tokens == _alone(cold, turn).tokens
+    assert eng.stats()["prefix_page_restores"] > 0 and eng.stats()["compiles_after_warmup"] == 0

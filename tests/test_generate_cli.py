@@ -7,6 +7,7 @@ import os
 import pytest
 
 from kimi_jax import cli
+from kimi_jax.cli import common
 from kimi_jax.cli import generate as generate_cli
 from kimi_jax.cli.demo import build_demo_checkpoint
 from kimi_jax.text.tokenizer import load_tokenizer
@@ -95,7 +96,7 @@ def test_dtype_choice(capsys, monkeypatch):
 
     from kimi_jax.checkpoint import loading as run
 
-    assert generate_cli._dtype("float32") == "float32"
+    assert common.resolve_dtype("float32") == "float32"
     assert capsys.readouterr().err == "kimi-jax: dtype float32 (--dtype)\n"
     assert run.auto_dtype()[0] == jnp.bfloat16 == run.resolve_dtype(None) == run.resolve_dtype("auto")
     assert run.resolve_dtype("float32") == jnp.float32
@@ -158,13 +159,13 @@ def test_chat_session(demo_dir, capsys, monkeypatch):
 
 def test_compile_cache_location(monkeypatch, tmp_path):
     monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", str(tmp_path / "c"))
-    assert generate_cli.default_compile_cache() == str(tmp_path / "c")
+    assert common.default_compile_cache() == str(tmp_path / "c")
     for off in ("off", "0", ""):
         monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", off)
-        assert generate_cli.default_compile_cache() is None
+        assert common.default_compile_cache() is None
     monkeypatch.delenv("KIMI_JAX_COMPILE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert generate_cli.default_compile_cache() == str(tmp_path / "xdg" / "kimi-jax" / "xla")
+    assert common.default_compile_cache() == str(tmp_path / "xdg" / "kimi-jax" / "xla")
 
 
 def test_compile_cache_flags(tmp_path, capsys):
@@ -172,7 +173,7 @@ def test_compile_cache_flags(tmp_path, capsys):
 
     before = jax.config.jax_compilation_cache_dir
     args = cli.build_parser().parse_args(["demo", "--no-compile-cache"])
-    generate_cli._setup_compile_cache(args)  # nothing enabled, nothing created
+    common.setup_compile_cache(args)  # nothing enabled, nothing created
     assert jax.config.jax_compilation_cache_dir == before
     # a directory the user named that cannot be made: a clear error before any work
     blocker = tmp_path / "file"

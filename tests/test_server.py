@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -277,12 +278,13 @@ class ScriptedEngine:
 
         self.tokenizer, self.cfg = load_tokenizer(demo_dir), config.load(demo_dir)
         self.max_len, self.ids, self.error = 512, ids, error
+        self.cancelled = []
 
     def default_stop_ids(self):
         return [self.tokenizer.specials[chat.END_OF_MSG]]
 
     def submit(self, req):
-        h = Handle(req, lambda h: None)
+        h = Handle(req, self.cancelled.append)  # no ids: a request that never ends until cancelled
         for i, t in enumerate(self.ids):
             last = i == len(self.ids) - 1
             h.push(Event([t], [-0.5] if req.logprobs else None, "", "stop" if last else None))
@@ -331,6 +333,59 @@ def test_engine_failure_is_a_500_and_an_error_event(demo_dir):
         assert "device lost" in json.loads(lines[0][len("data: "):])["error"]["message"]
         assert lines[1] == "data: [DONE]"
         assert http.get("/v1/models").status_code == 200
+
+
+class Recorder:
+    """The app as uvicorn calls it, keeping every exception that escapes it (uvicorn logs each as a crash of the
+    application) and counting the HTTP requests it has finished."""
+
+    def __init__(self, app):
+        self.app, self.escaped, self.done = app, [], 0
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except BaseException as e:
+            self.escaped.append(e)
+            raise
+        finally:
+            self.done += scope["type"] == "http"
+
+
+def _until(cond, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_faults_are_answered_not_crashes(demo_dir):
+    """The fault corpus's leftovers: a body with a 5,000-digit integer or nested 2,000 deep is a 400 naming it; a
+    client that gives up waiting for a whole reply, and one that leaves mid-body, end their requests quietly (the
+    first cancels its request); nothing escapes the app as an exception."""
+    engine = ScriptedEngine(demo_dir, [])
+    app = Recorder(server.build_app(engine, "scripted"))
+    with _running(app) as port:
+        http = Raw(f"http://127.0.0.1:{port}")
+        for raw, fragment in [
+                (b'{"prompt": [1], "max_tokens": 1' + b"0" * 5000 + b"}", "integer too large to read"),
+                (b'{"prompt": [1], "stop": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nests too deeply"),
+                (b'{"prompt": [1], "stop": ' + b"[" * 100 + b"]" * 100 + b"}", "nests more than 64 levels"),
+                (b'{"prompt": [1], "temperature": 1' + b"0" * 400 + b"}", "temperature: the integer 100000"),
+                (b'{"prompt": [1], "top_k": 99999999999999999999}', "top_k: the integer")]:
+            r = http.post("/v1/completions", content=raw)
+            assert r.status_code == 400 and fragment in r.json()["error"]["message"], (raw[:60], r.text[:300])
+        with pytest.raises(TimeoutError):  # gives up on a whole reply
+            Raw(http_url := f"http://127.0.0.1:{port}", timeout=0.3).post("/v1/completions",
+                                                                          {"prompt": [1, 2], "max_tokens": 4})
+        _until(lambda: len(engine.cancelled) == 1, "the abandoned request was not cancelled")
+        done = app.done
+        with socket.create_connection(("127.0.0.1", port)) as sock:  # leaves mid-body
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": [1,")
+        _until(lambda: app.done > done, "the half-sent request did not end")
+        assert Raw(http_url).get("/v1/models").status_code == 200
+    assert app.escaped == [], app.escaped
 
 
 # -- errors: OpenAI-shaped, the right status, the server keeps answering -------------------------------------------
@@ -493,3 +548,9 @@ def test_serve_command_errors(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert cli.main(["serve", "--model", "/nonexistent/dir", "--port", "0"]) == 2
     assert "no such model directory" in capsys.readouterr().err
+    for argv, fragment in [(["--slots", "0"], "slots must be >= 1, got 0"),
+                           (["--prefill-chunk", "100"], "prefill_chunk (100) must be a multiple of page_size (64)"),
+                           (["--peer-timeout", "0"], "--peer-timeout must be > 0"),
+                           (["--num-processes", "2"], "without --coordinator, --process-id")]:
+        assert cli.main(["serve", "--port", "0", *argv]) == 2  # refused before any model loads
+        assert fragment in capsys.readouterr().err

@@ -92,7 +92,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     run = run or RunConfig(dtype=resolve_dtype(dtype), implementation=implementation)
     if mesh is not None and "experts" in run.offload:  # refused before anything is read
         raise ValueError("offload=('experts',) runs on one device for now: the expert-parallel dispatch "
-                         "(kimi_jax/parallel/expert_parallel.py) reads the weights where they live; load without mesh=")
+                         "(kernels_pallas/experts/expert_parallel.py) reads the weights where they live; load without mesh=")
     scan = scan_layers or run.scan_layers
     run = dataclasses.replace(run, scan_layers=False)  # read per layer, stacked below
     if mesh is not None:

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from importlib.metadata import entry_points
+
+from kernels_pallas._dispatch import KernelUnavailable
+from kimi_jax.checkpoint.synthetic import write_checkpoint
+from kimi_jax.cli import generate as generate_cli
+from kimi_jax.cli import plan as plan_cli
+from kimi_jax.cli import serve as serve_cli
+from kimi_jax.cli import train as train_cli
+from kimi_jax.model import config as C
+from kimi_jax.model.decoder import abstract_model, param_count
 
 
 def _cmd_info(args):
-    from kimi_jax.model import config as C
-    from kimi_jax.model.decoder import abstract_model, param_count
-
     cfg = C.preset(args.model) if args.model in C.PRESETS else C.load(args.model)
     model = abstract_model(cfg)
     kinds = "".join({"kda": "K", "mla": "M", "gqa": "G"}[a] for a in cfg.attn_types)
@@ -18,10 +26,6 @@ def _cmd_info(args):
 
 
 def _cmd_make_tiny(args):
-    import json
-
-    from kimi_jax.checkpoint.synthetic import write_checkpoint
-
     config = None
     if args.config:
         with open(args.config) as f:
@@ -37,22 +41,18 @@ COMMANDS = "kimi_jax.commands"  # entry-point group of commands that packages bu
 def _plugin_commands():
     """Entry points of the ``kimi_jax.commands`` group: ``register(subparsers)`` callables. The converter lives above
     kimi_jax (it imports kimi_jax, never the reverse), so its command arrives this way (pyproject.toml)."""
-    from importlib.metadata import entry_points
-
     return sorted(entry_points(group=COMMANDS), key=lambda e: e.name)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    from kimi_jax.cli import generate as generate_cli
 
     generate_cli.add_demo_arguments(sub.add_parser(
         "demo", help="build a tiny Kimi K3 checkpoint in the released format, load it and generate (no downloads)"))
     generate_cli.add_generate_arguments(sub.add_parser(
         "generate", help="generate from a prompt (--model: HF or converted directory; default: the demo model)"))
     generate_cli.add_chat_arguments(sub.add_parser("chat", help="interactive K3-format chat with a model"))
-    from kimi_jax.cli import serve as serve_cli
 
     serve_cli.add_serve_arguments(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions; default: the demo model)"))
@@ -67,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shards", type=int, default=2)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.set_defaults(func=_cmd_make_tiny)
-    from kimi_jax.cli import plan as plan_cli
-    from kimi_jax.cli import train as train_cli
 
     train_cli.add_train_arguments(sub.add_parser(
         "train", help="train or LoRA-tune a model on text files (Orbax checkpoints, resumable; exports the HF layout)"))
@@ -83,8 +81,6 @@ def main(argv=None):
     """Run one command. Errors the user can act on -- bad input, a config or checkpoint that does not fit, a kernel
     asked for that cannot run here, a file that cannot be read or written -- end in one line and exit status 2
     (1 for a refused file operation the OS reports); anything else is a bug and keeps its traceback."""
-    from kernels_pallas._dispatch import KernelUnavailable
-
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)

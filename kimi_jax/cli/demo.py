@@ -16,9 +16,9 @@ import json
 import os
 import pathlib
 
+from kimi_jax.checkpoint.synthetic import write_checkpoint
 from kimi_jax.model.config import tiny_k3_config_dict
 from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL, write_demo_tokenizer
-
 
 DEMO_MODEL = pathlib.Path(__file__).resolve().parents[1] / "assets" / "k3-demo"
 
@@ -55,8 +55,6 @@ def demo_config() -> dict:
 
 def build_demo_checkpoint(path, *, seed: int = 0) -> str:
     """Write the demo checkpoint and tokenizer into ``path`` (an empty or new directory); returns ``path``."""
-    from kimi_jax.checkpoint.synthetic import write_checkpoint
-
     path = os.fspath(path)
     config = demo_config()
     write_checkpoint(path, family="k3", config=config, seed=seed)

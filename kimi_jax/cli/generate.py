@@ -9,76 +9,20 @@ persistent compilation cache (see :func:`enable_compile_cache`) so the next run 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
-import tempfile
 import time
+
+import jax
+
+from kimi_jax.cli import common
+from kimi_jax.cli.demo import demo_recipe
+from kimi_jax.generation.generate import GenerationError, generate
+from kimi_jax.model.decoder import param_count
+from kimi_jax.parallel import distributed
+from kimi_jax.text import chat
 
 DEFAULT_PROMPT = "The capital of France is"
 DEMO_PROMPT = "The for statement"  # the demo model read Python's documentation
-CACHE_ENV = "KIMI_JAX_COMPILE_CACHE"  # a directory, or "off" / "0" / "" to disable
-
-
-def default_compile_cache() -> str | None:
-    """Where the commands keep compiled programs: ``$KIMI_JAX_COMPILE_CACHE`` when set ("off", "0" or empty
-    disable it), else ``$XDG_CACHE_HOME/kimi-jax/xla`` (``~/.cache/kimi-jax/xla``)."""
-    if CACHE_ENV in os.environ:
-        value = os.environ[CACHE_ENV].strip()
-        return None if value.lower() in ("", "0", "off", "false", "no") else value
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "kimi-jax", "xla")
-
-
-def enable_compile_cache(directory: str, *, explicit: bool) -> bool:
-    """Turn on JAX's persistent compilation cache in ``directory`` for this process, so a later run of the same
-    model shapes loads its prefill and decode programs instead of compiling them again (the embedded demo:
-    first request 13-19 s on a fresh cache, 5 s on the next run). JAX keys every entry by the program, the
-    compile options, the JAX/XLA version and the device kind, and keeps only programs that took at least
-    ``jax_persistent_cache_min_compile_time_secs`` (default 1 s) to compile.
-
-    A directory the user named (``explicit``) that cannot be created is an error; the default location
-    falling through is only reported, and the command runs without the cache."""
-    import jax
-
-    try:
-        os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(f"{directory}: not writable")
-    except OSError as e:
-        if explicit:
-            raise ValueError(f"--compile-cache {directory}: {e}") from None
-        print(f"kimi-jax: compilation cache off ({e})", file=sys.stderr)
-        return False
-    jax.config.update("jax_compilation_cache_dir", directory)
-    return True
-
-
-def _compile_cache_arguments(p: argparse.ArgumentParser):
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--compile-cache", metavar="DIR", help=f"keep compiled programs in DIR for later runs (default: "
-                   f"${CACHE_ENV} or ~/.cache/kimi-jax/xla)")
-    g.add_argument("--no-compile-cache", action="store_true", help="compile everything in this run, keep nothing")
-
-
-def _setup_compile_cache(args):
-    if args.no_compile_cache:
-        return
-    directory = args.compile_cache or default_compile_cache()
-    if directory:
-        enable_compile_cache(directory, explicit=bool(args.compile_cache))
-
-
-def _dtype_argument(p: argparse.ArgumentParser):
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="activation / parameter dtype; auto (default): bfloat16 (on the CPU too, where it decodes "
-                        "faster than float32)")
-
-
-def quantize_argument(p: argparse.ArgumentParser):
-    p.add_argument("--quantize", default=None, metavar="FORMAT",
-                   help="weight-only format of the dense weights, quantized at load: int8, int4[:gN][:zero], nf4 "
-                        "(kimi_jax.from_pretrained(quantize=...))")
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
@@ -93,25 +37,26 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
                    help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
     p.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
                    help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
-    quantize_argument(p)
+    common.quantize_argument(p)
     p.add_argument("--offload", default=None, metavar="KINDS",
                    help="comma list of experts,kda_state,cache kept in host memory and brought to the device per "
                         "layer (kimi_jax.model.offload)")
-    _dtype_argument(p)
+    common.dtype_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
-    _compile_cache_arguments(p)
+    common.compile_cache_arguments(p)
+    common.parallel_arguments(p)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    _dtype_argument(p)
+    common.dtype_argument(p)
     p.add_argument("--random", action="store_true",
                    help="a random-weight tiny K3 written in the released format instead of the trained demo model")
     p.add_argument("--seed", type=int, default=0, help="with --random: weights seed")
     p.add_argument("--keep", metavar="DIR", help="with --random: write the checkpoint into DIR and keep it")
-    _compile_cache_arguments(p)
+    common.compile_cache_arguments(p)
     p.set_defaults(func=run_demo)
 
 
@@ -138,57 +83,6 @@ def add_chat_arguments(p: argparse.ArgumentParser):
     p.set_defaults(func=run_chat)
 
 
-@contextlib.contextmanager
-def _model_dir(path, *, random=False, seed=0, keep=None):
-    """The model directory to load: ``path``; else the shipped demo model, or (``random``) a freshly written random
-    tiny K3 (kept in ``keep`` when given)."""
-    if path:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: no such model directory")
-        yield path
-        return
-    from kimi_jax.cli.demo import build_demo_checkpoint, demo_model_dir
-
-    if not random:
-        yield demo_model_dir()
-        return
-    if keep:
-        yield build_demo_checkpoint(keep, seed=seed)
-        return
-    with tempfile.TemporaryDirectory(prefix="kimi-jax-demo-") as tmp:
-        yield build_demo_checkpoint(tmp, seed=seed)
-
-
-def _dtype(asked: str) -> str:
-    """The dtype to run, said on stderr first: as asked, or the automatic choice and why."""
-    from kimi_jax.checkpoint.loading import auto_dtype
-
-    if asked != "auto":
-        print(f"kimi-jax: dtype {asked} (--dtype)", file=sys.stderr)
-        return asked
-    dtype, why = auto_dtype()
-    print(f"kimi-jax: dtype {dtype.name} (automatic: {why}; --dtype changes it)", file=sys.stderr)
-    return dtype.name
-
-
-def _load(path, dtype, check_finite=True, quantize=None, offload=None):
-    """(model, tokenizer or None, load seconds, dtype name). ``quantize``: a weight format (refused by name before
-    any weight is read when it does not fit); ``offload``: ``"experts,kda_state,cache"`` or a part of it."""
-    import jax.numpy as jnp
-
-    import kimi_jax
-    from kimi_jax.model.run import check_offload
-    from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
-
-    kinds = check_offload(offload) if offload else ()
-    dtype = _dtype(dtype)
-    t0 = time.perf_counter()
-    kw = dict(run=kimi_jax.RunConfig(dtype=jnp.dtype(dtype), offload=kinds)) if kinds else dict(dtype=dtype)
-    model = kimi_jax.from_pretrained(path, check_finite=check_finite, quantize=quantize, **kw)
-    tok = load_tokenizer(path) if has_tokenizer(path) else None
-    return model, tok, time.perf_counter() - t0, dtype
-
-
 def _rate(n, s):
     return f"{n / s:.1f} tok/s" if s > 0 else "-"
 
@@ -212,16 +106,13 @@ def _printer(index: int = 0):
 
 
 def run_demo(args):
-    _setup_compile_cache(args)
-    import jax
-
-    import kimi_jax
-    from kimi_jax.model.decoder import param_count
+    common.setup_compile_cache(args)
 
     if (args.seed or args.keep) and not args.random:
         raise ValueError("--seed and --keep describe the random model: add --random")
-    with _model_dir(None, random=args.random, seed=args.seed, keep=args.keep) as path:
-        model, tok, load_s, dtype = _load(path, args.dtype)
+    with common.model_dir(None, random=args.random, seed=args.seed, keep=args.keep) as path:
+        got = common.load_model(path, common.resolve_dtype(args.dtype))
+        model, tok, load_s, dtype = got.model, got.tokenizer, got.seconds, got.dtype
         cfg = model.cfg
         kinds = "".join({"kda": "K", "mla": "M", "gqa": "G"}[a] for a in cfg.attn_types)
         print(f"{'tiny' if args.random else 'demo'} Kimi K3 in the released format ({param_count(model) / 1e6:.2f}M "
@@ -231,12 +122,12 @@ def run_demo(args):
         kw = dict(max_new_tokens=args.max_new_tokens, tokenizer=tok, stop=())  # stop=(): always show the budget
         print(f"> {args.prompt}", file=sys.stderr)
         t0 = time.perf_counter()
-        first = kimi_jax.generate(model, args.prompt, stream=_printer(), **kw)
+        first = generate(model, args.prompt, stream=_printer(), **kw)
         total = time.perf_counter() - t0
         print(file=sys.stderr)
         print(f"first request (compiles prefill + decode, or loads them from the compilation cache): time to first "
               f"token {first.timings['prefill']:.2f}s, total {total:.2f}s", file=sys.stderr)
-        again = kimi_jax.generate(model, args.prompt, **kw)
+        again = generate(model, args.prompt, **kw)
         assert again.tokens == first.tokens  # greedy and deterministic
         _report(again, "second request (compiled): ")
 
@@ -244,7 +135,6 @@ def run_demo(args):
 def _provenance(random: bool) -> str:
     if random:
         return "Random weights: the text is noise."
-    from kimi_jax.cli.demo import demo_recipe
 
     r = demo_recipe()
     return (f"Trained on Python's documentation ({r['train_tokens'] / 1e6:.1f}M tokens seen, held-out loss "
@@ -252,8 +142,6 @@ def _provenance(random: bool) -> str:
 
 
 def _prompts(args, tok):
-    from kimi_jax.text import chat
-
     if args.ids:
         try:
             return [[int(t) for t in s.replace(" ", "").split(",") if t] for s in args.ids]
@@ -270,25 +158,37 @@ def _prompts(args, tok):
 
 
 def _require_chat(tok):
-    from kimi_jax.text import chat
-
     missing = [m for m in (chat.OPEN, chat.CLOSE, chat.SEP, chat.END_OF_MSG) if m not in tok.specials]
     if missing:
         raise ValueError(f"the K3 chat format needs the Kimi tokenizer's markers; this tokenizer lacks {missing}")
 
 
-def run_generate(args):
-    _setup_compile_cache(args)
-    import kimi_jax
-    from kimi_jax.text import chat
+def _load_for(args, path, *, batch: int, context: int):
+    """The model on the mesh ``--mesh`` asks for (one device without it), loaded for ``batch`` sequences of
+    ``context`` tokens (what ``--mesh auto`` plans for)."""
+    dtype = common.resolve_dtype(args.dtype)
+    mesh = common.make_mesh(args, path, batch=batch, context=context, dtype=dtype, quantize=args.quantize)
+    return common.load_model(path, dtype, not args.no_check_finite, args.quantize, args.offload, mesh=mesh,
+                             layout=args.layout)
 
-    with _model_dir(args.model) as path:
-        model, tok, *_ = _load(path, args.dtype, not args.no_check_finite, args.quantize, args.offload)
+
+def run_generate(args):
+    common.setup_compile_cache(args)
+    common.setup_processes(args)
+
+    with common.model_dir(args.model) as path:
+        n = len(args.prompt or args.ids or [None])
+        got = _load_for(args, path, batch=n, context=args.max_len or 4096)
+        model, tok = got.model, got.tokenizer
         prompts = _prompts(args, tok)
-        stream = None if (args.no_stream or len(prompts) > 1) else _printer()
-        r = kimi_jax.generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        speak = common.leader()  # several processes compute together; process 0 prints
+        # one prompt, one process: streamed; several processes print whole replies (the tokens are gathered)
+        stream = None if (args.no_stream or len(prompts) > 1 or jax.process_count() > 1) else _printer()
+        r = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=stream,
                               max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
+        if not speak:
+            return
         if stream is not None:
             print()
         else:
@@ -303,25 +203,29 @@ def run_generate(args):
 
 
 def run_chat(args, stdin=None):
-    _setup_compile_cache(args)
-    import kimi_jax
-    from kimi_jax.generation.generate import GenerationError
-    from kimi_jax.text import chat
+    common.setup_compile_cache(args)
+    common.setup_processes(args)
 
     stdin = stdin or sys.stdin
     thinking = not args.no_thinking
-    with _model_dir(args.model) as path:
-        model, tok, *_ = _load(path, args.dtype, not args.no_check_finite, args.quantize, args.offload)
+    speak = common.leader()  # several processes: process 0 reads the conversation and prints; all compute
+
+    with common.model_dir(args.model) as path:
+        loaded = _load_for(args, path, batch=1, context=args.max_len)
+        model, tok = loaded.model, loaded.tokenizer
+        live = speak and jax.process_count() == 1  # streamed as it comes; on several processes, whole replies
         if tok is None:
             raise ValueError(f"{path}: chat needs tokenizer files (tiktoken.model + tokenizer_config.json)")
         _require_chat(tok)
         stop = [tok.specials[chat.END_OF_MSG]]
         history = [{"role": "system", "content": args.system}] if args.system else []
-        print("kimi-jax chat: type a message; /reset clears the conversation, /exit (or EOF) quits.",
-              file=sys.stderr)
+        if speak:
+            print("kimi-jax chat: type a message; /reset clears the conversation, /exit (or EOF) quits.",
+                  file=sys.stderr)
         while True:
-            print("you> ", end="", file=sys.stderr, flush=True)
-            line = stdin.readline()
+            if speak:
+                print("you> ", end="", file=sys.stderr, flush=True)
+            line = distributed.share_text(stdin.readline() if speak else None)
             if not line or line.strip() == "/exit":
                 break
             line = line.rstrip("\n")
@@ -346,20 +250,24 @@ def run_chat(args, stdin=None):
                     shown["answer"] = len(reply.content)
                 sys.stdout.flush()
 
-            print("kimi> ", end="", flush=True)
+            if speak:
+                print("kimi> ", end="", flush=True)
             try:
-                r = kimi_jax.generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
+                r = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, tokenizer=tok,
-                                      stream=stream, max_len=args.max_len, kv_cache=args.kv_cache,
+                                      stream=stream if live else None, max_len=args.max_len, kv_cache=args.kv_cache,
                                       kda_state=args.kda_state)
             except GenerationError as e:  # e.g. the conversation outgrew the cache: keep the session alive
-                print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
+                if speak:
+                    print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
                 history.pop()
                 continue
             reply = chat.parse_reply(tok, r.tokens[0], thinking=thinking)
-            print()
-            if not reply.finished:
-                print(f"[reply cut at {args.max_new_tokens} tokens]", file=sys.stderr)
             history.append({"role": "assistant", "content": reply.content, "reasoning_content": reply.reasoning,
                             **({"tool_calls": [{"function": c} for c in reply.tool_calls]} if reply.tool_calls else {})})
+            if not speak:
+                continue
+            print("" if live else reply.content)
+            if not reply.finished:
+                print(f"[reply cut at {args.max_new_tokens} tokens]", file=sys.stderr)
             _report(r)

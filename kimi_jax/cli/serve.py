@@ -1,18 +1,29 @@
 """``kimi-jax serve``: an OpenAI-compatible HTTP server (:mod:`kimi_jax.serving.server`) over the continuous-batching
-engine, for one model directory or the embedded demo model.
+engine, for one model directory or the embedded demo model; on one device, a mesh, or a mesh over several processes.
 
 The port is bound before the model loads (a taken port fails at once), the engine compiles every program it runs
 before the first request is accepted, and SIGTERM drains the requests in flight, then exits with status 0.
+
+On several processes (``--coordinator HOST:PORT --num-processes N --process-id I``, the same command on every host,
+``--mesh`` over all their devices) process 0 binds the port, schedules and answers; the others bind nothing and
+apply process 0's plans (:mod:`kimi_jax.serving.multihost`). SIGTERM to process 0 drains and stops them all with
+status 0; a SIGTERM that reaches the others too (a job manager stopping every pod) waits for process 0's stop. A
+process that dies or stops answering for ``--peer-timeout`` seconds ends every other with status 1, naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
-from kimi_jax.cli import generate as generate_cli
+import jax
+
+from kimi_jax.cli import common
+from kimi_jax.serving import server, validate
+from kimi_jax.serving.engine import Engine
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -35,12 +46,15 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                    help="host memory snapshots spill to when the device budget is full")
     p.add_argument("--snapshot-every", type=int, default=None,
                    help="tokens between snapshots inside a prompt (a multiple of --prefill-chunk; default: each chunk)")
-    generate_cli._dtype_argument(p)
-    generate_cli.quantize_argument(p)
+    common.dtype_argument(p)
+    common.quantize_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    generate_cli._compile_cache_arguments(p)
+    common.compile_cache_arguments(p)
+    common.parallel_arguments(p)
+    p.add_argument("--peer-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="on several processes: a process silent this long counts as gone (every other exits 1)")
     p.set_defaults(func=run_serve)
 
 
@@ -50,37 +64,76 @@ def _name(args, path: str, demo: bool) -> str:
     return "demo" if demo else os.path.basename(os.path.normpath(os.path.abspath(path)))
 
 
+def _say(text: str) -> None:
+    print(f"kimi-jax serve: {text}", file=sys.stderr, flush=True)
+
+
 def run_serve(args):
-    generate_cli._setup_compile_cache(args)
-    from kimi_jax.serving import server
-    from kimi_jax.serving.engine import Engine
+    # the engine's shapes and the fault timeout refused before anything starts or loads
+    validate.shapes(slots=args.slots, max_len=args.max_len, page_size=args.page_size, pages=args.pages,
+                    prefill_chunk=args.prefill_chunk, min_chunk=64, snapshot_every=args.snapshot_every,
+                    compact_decode=True)
+    if not args.peer_timeout > 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
+    common.setup_compile_cache(args)
+    common.setup_processes(args)
 
     demo = args.model in (None, "demo")
-    try:  # before the model: a taken port fails at once
-        sock = server.bind(args.host, args.port)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    lead, where = common.leader(), ""
+    if jax.process_count() > 1:
+        where = f"process {jax.process_index()} of {jax.process_count()}: "
+    sock = None
+    if lead:
+        try:  # before the model: a taken port fails at once
+            sock = server.bind(args.host, args.port)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
-        with generate_cli._model_dir(None if demo else args.model) as path:
-            model, tok, load_s, dtype = generate_cli._load(path, args.dtype, not args.no_check_finite, args.quantize)
+        with common.model_dir(None if demo else args.model) as path:
+            dtype = common.resolve_dtype(args.dtype)
+            mesh = common.make_mesh(args, path, batch=args.slots, context=args.max_len, dtype=dtype,
+                                    quantize=args.quantize)
+            got = common.load_model(path, dtype, not args.no_check_finite, args.quantize, mesh=mesh,
+                                    layout=args.layout)
             name = _name(args, path, demo)
-            engine = Engine(model, tok, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                            page_size=args.page_size, pages=args.pages,
+            engine = Engine(got.model, got.tokenizer, slots=args.slots, max_len=args.max_len,
+                            prefill_chunk=args.prefill_chunk, page_size=args.page_size, pages=args.pages,
                             prefix_cache_bytes=int(args.prefix_cache_gb * 1e9),
-                            prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every)
+                            prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every,
+                            peer_timeout=args.peer_timeout)
+            on = "one device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
             t0 = time.perf_counter()
-            print(f"kimi-jax serve: {name} loaded in {load_s:.1f}s ({dtype}); compiling the engine's programs "
-                  f"({args.slots} slots, max_len {args.max_len})...", file=sys.stderr, flush=True)
+            _say(f"{where}{name} loaded in {got.seconds:.1f}s ({dtype}, {on}); compiling the engine's programs "
+                 f"({args.slots} slots, max_len {args.max_len})...")
+            if not lead:
+                _follow(engine, where, t0)
+                return 0
             engine.start()
             host, port = sock.getsockname()[:2]
-            print(f"kimi-jax serve: compiled in {time.perf_counter() - t0:.1f}s; serving {name!r} on "
-                  f"http://{host}:{port}/v1 (tokenizer: {'yes' if tok is not None else 'none: token-id prompts only'})",
-                  file=sys.stderr, flush=True)
+            _say(f"{where}compiled in {time.perf_counter() - t0:.1f}s; serving {name!r} on http://{host}:{port}/v1 "
+                 f"(tokenizer: {'yes' if got.tokenizer is not None else 'none: token-id prompts only'})")
             try:
                 server.serve(server.build_app(engine, name), sock, log_level=args.log_level)
             finally:
                 engine.stop(drain=False)  # after a graceful shutdown already stopped (a no-op then)
     finally:
-        sock.close()
-    print("kimi-jax serve: stopped", file=sys.stderr, flush=True)
+        if sock is not None:
+            sock.close()
+    _say(f"{where}stopped")
     return 0
+
+
+def _follow(engine, where: str, t0: float) -> None:
+    """A process other than 0: apply process 0's plans until it stops. A SIGTERM here (a job manager stopping every
+    host at once) waits for process 0, which drains its requests and then stops everyone."""
+    def wait_for_process_0(*_):
+        _say(f"{where}SIGTERM: waiting for process 0 to drain and stop")
+
+    previous = signal.signal(signal.SIGTERM, wait_for_process_0)
+    try:
+        engine.warmup()
+        _say(f"{where}compiled in {time.perf_counter() - t0:.1f}s; following process 0")
+        engine.follow(warmup=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _say(f"{where}stopped")

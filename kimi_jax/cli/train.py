@@ -19,7 +19,19 @@ import os
 import shutil
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
+
+from kimi_jax import training
+from kimi_jax.checkpoint.loading import from_pretrained
+from kimi_jax.cli import common
+from kimi_jax.model import config as C
+from kimi_jax.model.decoder import KimiModel
+from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
+from kimi_jax.training import checkpoint as ckpt
+from kimi_jax.training.export import export_hf
 
 
 def add_train_arguments(p):
@@ -46,6 +58,7 @@ def add_train_arguments(p):
                    help="stop after this step as if interrupted, leaving a checkpoint (rerun to resume)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    common.parallel_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -58,21 +71,15 @@ class _Bytes:
 
 def _load(args):
     """(model, raw config dict, tokenizer, tokenizer source directory or None)."""
-    import jax.numpy as jnp
-
-    import kimi_jax
-    from kimi_jax.model import config as C
-    from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
-
     if args.model == "tiny-k3":
         raw = C.tiny_k3_config_dict()
-        model = kimi_jax.KimiModel(C.from_dict(raw), param_dtype=jnp.float32)
+        model = KimiModel(C.from_dict(raw), param_dtype=jnp.float32)
         return model, raw, _Bytes(), None
     if not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r}: not a model directory (or 'tiny-k3')")
     with open(os.path.join(args.model, "config.json")) as f:
         raw = json.load(f)
-    model = kimi_jax.from_pretrained(args.model, dtype="float32", progress=False)
+    model = from_pretrained(args.model, dtype="float32", progress=False)
     if has_tokenizer(args.model):
         return model, raw, load_tokenizer(args.model), args.model
     return model, raw, _Bytes(), None
@@ -113,8 +120,6 @@ def _data(args, tok, vocab: int):
 
 def _export(trainer, state, raw, tok_dir, args) -> str:
     """The final model in the released layout under ``OUT/model``, with the tokenizer files."""
-    from kimi_jax.training.export import export_hf
-
     out = export_hf(trainer.model(state), raw, os.path.join(args.out, "model"), dtype=args.export_dtype)
     if tok_dir is not None:
         for f in os.listdir(tok_dir):
@@ -135,17 +140,18 @@ def _trim_metrics(path: str, step: int) -> None:
 
 
 def _host(metrics) -> dict:
-    import jax
-
     return jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(metrics))
 
 
 def run(args):
-    import jax.numpy as jnp
-    from tqdm import tqdm
+    common.setup_processes(args)
 
-    from kimi_jax import training
-    from kimi_jax.training import checkpoint as ckpt
+    if jax.process_count() > 1:  # refused before anything loads
+        raise ValueError("train runs in one process for now (its checkpoints, metrics and export are written by "
+                         "one host): --mesh over this host's devices works; drop --coordinator")
+    if args.mesh == "auto":
+        raise ValueError("train --mesh auto: the plan sizes serving, not training; give --mesh data=D,expert=E,model=M")
+    mesh = common.make_mesh(args, "", batch=args.batch, context=args.seq, dtype=args.dtype)
     model, raw, tok, tok_dir = _load(args)
     train_ids, eval_ids = _data(args, tok, model.cfg.vocab_size)
     h1 = unigram_entropy(train_ids)
@@ -160,7 +166,7 @@ def run(args):
         lora = training.LoraConfig(rank=args.lora, alpha=2.0 * args.lora if args.lora_alpha is None
                                    else args.lora_alpha)
     config = training.TrainConfig(optim=optim, lora=lora, balance_rate=args.balance_rate, seed=args.seed)
-    trainer, state = training.init(model, config)
+    trainer, state = training.init(model, config, mesh=mesh, layout=args.layout)  # mesh None: one device
     step_fn, eval_fn = training.compile_steps(trainer)
 
     os.makedirs(args.out, exist_ok=True)

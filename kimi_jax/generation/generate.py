@@ -219,16 +219,29 @@ def _per_prompt_values(n: int, max_new_tokens, temperature, top_k, top_p):
     budget = _per_seq(max_new_tokens, n, "max_new_tokens", np.int64)
     if np.any(budget <= 0):
         raise GenerationError(f"max_new_tokens must be positive, got {budget.tolist()}")
+    return (budget, *check_sampling(n, temperature, top_k, top_p))
+
+
+def _shown(arr: np.ndarray):
+    return arr.tolist() if arr.size != 1 else arr.reshape(()).item()
+
+
+def check_sampling(n: int, temperature, top_k, top_p, seed=None):
+    """Sampling values checked once for every caller (:func:`generate` and the serving engine): one value or one
+    per sequence each, as ``[n]`` arrays (temperature float32, top_k int64, top_p float32); ``seed`` (one, or None
+    to skip) must fit a uint32. Raises :class:`GenerationError` naming the field and the value."""
     temp = _per_seq(temperature, n, "temperature", np.float32)
     if np.any(~np.isfinite(temp)) or np.any(temp < 0):
-        raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {temp.tolist()}")
+        raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {_shown(temp)}")
     topk = _per_seq(top_k, n, "top_k", np.int64)
     if np.any(topk < 0):
-        raise GenerationError(f"top_k must be >= 0 (0 = off), got {topk.tolist()}")
+        raise GenerationError(f"top_k must be >= 0 (0 = off), got {_shown(topk)}")
     topp = _per_seq(top_p, n, "top_p", np.float32)
     if np.any(~(topp > 0)) or np.any(topp > 1):
-        raise GenerationError(f"top_p must be in (0, 1], got {topp.tolist()}")
-    return budget, temp, topk, topp
+        raise GenerationError(f"top_p must be in (0, 1], got {_shown(topp)}")
+    if seed is not None and not 0 <= int(seed) < 2**32:
+        raise GenerationError(f"seed must be in [0, 2**32), got {seed}")
+    return temp, topk, topp
 
 
 def encode_prompts(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[int]]:
@@ -422,8 +435,7 @@ class Generator:
         bad = [s for s in stop if not 0 <= s < self.cfg.vocab_size]
         if bad:
             raise GenerationError(f"stop ids {bad} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
-        if not 0 <= int(seed) < 2**32:
-            raise GenerationError(f"seed must be in [0, 2**32), got {seed}")
+        check_sampling(1, 0.0, 0, 1.0, seed)
         return stop
 
     def _batch(self, ids: list[list[int]], budget, temp, topk, topp, stop: list[int],

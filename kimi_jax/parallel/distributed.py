@@ -10,6 +10,7 @@ import os
 
 import jax
 import numpy as np
+from jax._src.distributed import global_state
 from jax.experimental import multihost_utils
 
 from kimi_jax.parallel import sharding
@@ -33,6 +34,16 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                process_id=process_id, local_device_ids=local_device_ids)
 
 
+def env_configured() -> bool:
+    """Whether ``KIMI_JAX_COORDINATOR`` (or the process count / index) asks for several processes."""
+    return any(k in os.environ for k in ("KIMI_JAX_COORDINATOR", "KIMI_JAX_NUM_PROCESSES", "KIMI_JAX_PROCESS_ID"))
+
+
+def launched_by_slurm() -> bool:
+    """Whether ``srun`` started this process as one task of several (JAX detects the rest from SLURM's variables)."""
+    return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+
+
 def with_parallel(run, mesh, layout="tp_ep", **kw):
     """``run`` (a RunConfig) with ``parallel`` set for ``mesh``."""
     return dataclasses.replace(run, parallel=sharding.Parallel(mesh, sharding.layout(layout), **kw))
@@ -44,3 +55,26 @@ def process_allgather(x) -> np.ndarray:
         return np.asarray(x)
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+_shared = [0]
+
+
+def share_text(text: str | None) -> str:
+    """``text`` as process 0 has it, on every process (one process: ``text`` itself). Process 0 passes it, the
+    others None; every process calls this in the same order (an interactive command reading its input on process 0).
+    Through the distributed runtime's key-value store: waiting for a person to type needs no collective."""
+    if jax.process_count() == 1:
+        return text
+
+    key = f"kimi-jax/text/{_shared[0]}"
+    _shared[0] += 1
+    if jax.process_index() == 0:
+        global_state.client.key_value_set(key, text)
+        return text
+    while True:
+        try:
+            return global_state.client.blocking_key_value_get(key, 60_000)
+        except Exception as e:  # noqa: BLE001 - one error type for every failure: wait on, unless it is not a timeout
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise

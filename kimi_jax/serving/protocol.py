@@ -13,7 +13,8 @@ What is unusual here:
   "thinking_effort": str}``.
 * A chat reply is split as it streams (:class:`ChatStream`) by the marker *ids* of the K3 format, so text the
   model writes that merely looks like ``<|open|>`` stays text. Stop strings of a chat request are matched here on
-  the reasoning and the answer text (not by the engine on the raw text, which holds the markers' names).
+  the reasoning and the answer text (not by the engine on the raw text, which holds the markers' names), by the
+  same :class:`~kimi_jax.serving.detokenize.StopText` the engine uses for completions.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
+from kimi_jax.serving.detokenize import StopText
 from kimi_jax.text import chat
 from kimi_jax.text.tokenizer import Tokenizer
 
@@ -295,32 +297,6 @@ def encode_completion(tokenizer: Tokenizer | None, p: Params) -> list[int]:
 
 
 # -- the chat reply, incrementally ----------------------------------------------------------------------------------
-
-
-class StopText:
-    """Stop strings over streamed text: hands out text that can no longer be the start of a stop string."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops, self.buf = tuple(stops), ""
-        self.hold = max(map(len, self.stops), default=1) - 1
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text safe to send, whether a stop string was found: then the text ends before it)."""
-        self.buf += text
-        if not self.stops:
-            out, self.buf = self.buf, ""
-            return out, False
-        hits = [j for j in (self.buf.find(s) for s in self.stops) if j >= 0]
-        if hits:
-            out, self.buf = self.buf[: min(hits)], ""
-            return out, True
-        cut = max(0, len(self.buf) - self.hold)
-        out, self.buf = self.buf[:cut], self.buf[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 class ChatStream:

@@ -11,6 +11,10 @@ only awaits the handle's events (:meth:`Handle.aevents`), so the event loop neve
 that goes away -- mid-stream or while waiting for a whole reply -- cancels its request, which frees its slot.
 Shutdown (SIGTERM, SIGINT): uvicorn stops accepting connections and waits for the requests in flight, then the
 lifespan handler stops the engine with ``drain=True``.
+
+Every answer is made inside the endpoints (:func:`_answers`): a refusal is an OpenAI error, a body too deep or
+holding an integer past 64 bits a 400 naming it, a client that left (mid-body or while waiting) a 499 nobody reads,
+a bug a 500 whose traceback is logged here. Nothing escapes to uvicorn as an exception of the application.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import signal
 import socket
 import threading
@@ -27,13 +32,16 @@ import threading
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kimi_jax.serving import protocol
-from kimi_jax.serving.engine import EngineError, Request
+from kimi_jax.serving.engine import EngineError, EngineStopped, Request
 from kimi_jax.serving.protocol import Params, ProtocolError
+
+log = logging.getLogger("kimi_jax.serving.server")
+MAX_DEPTH = 64  # JSON nesting a request body may have (the deepest valid one, a tool schema, is far shallower)
 
 
 class EngineFailure(RuntimeError):
@@ -87,6 +95,56 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _parse_body(raw: bytes):
+    """The request body as JSON, refused (400) when it is not JSON, nests deeper than :data:`MAX_DEPTH`, or holds
+    an integer past 64 bits (Python reads any size, and a 5,000-digit one would fail far from here)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ProtocolError(f"the request body nests too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as e:  # an integer past the interpreter's digit limit (4300)
+        raise ProtocolError(f"the request body holds an integer too large to read ({str(e).split(';')[0]})") from None
+    todo = [(body, "", 1)]
+    while todo:  # iterative: a deep body must not recurse here either
+        v, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"the request body nests more than {MAX_DEPTH} levels deep (at {where[:60]}...)")
+        if isinstance(v, dict):
+            todo += [(x, f"{where}.{k}" if where else str(k), depth + 1) for k, x in v.items()]
+        elif isinstance(v, list):
+            todo += [(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+        elif isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise ProtocolError(f"{where or 'the request body'}: the integer {str(v)[:12]}... ({len(str(abs(v)))} "
+                                "digits) is out of range (64-bit integers only)",
+                                param=where.split(".")[0].split("[")[0] or None)
+    return body
+
+
+def _answers(endpoint):
+    """``endpoint`` with every outcome turned into a response here (see the module docstring)."""
+    @functools.wraps(endpoint)
+    async def run(self, request: HTTPRequest) -> Response:
+        try:
+            return await endpoint(self, request)
+        except ProtocolError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except EngineError as e:
+            if isinstance(e, EngineStopped) or self.stopping:
+                return JSONResponse(protocol.error_body(str(e), type="service_unavailable"), status_code=503)
+            return JSONResponse(protocol.error_body(str(e)), status_code=400)
+        except ClientDisconnect:  # left before sending the whole body: nobody reads an answer
+            return Response(status_code=499)
+        except EngineFailure as e:
+            return JSONResponse(protocol.error_body(str(e), type="server_error"), status_code=500)
+        except Exception as e:  # noqa: BLE001 - a bug: a 500 for the client, the traceback for the log
+            log.exception("%s %s failed", request.method, request.url.path)
+            return JSONResponse(protocol.error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"),
+                                status_code=500)
+    return run
+
+
 class _Server:
     def __init__(self, engine, model_name: str):
         self.engine, self.name = engine, model_name
@@ -102,12 +160,7 @@ class _Server:
         await asyncio.to_thread(self.engine.stop, True)
 
     async def _params(self, request: HTTPRequest, parse) -> Params:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProtocolError(f"the request body is not valid JSON ({e})") from None
-        p = parse(body)
+        p = parse(_parse_body(await request.body()))
         if p.model is not None and p.model != self.name:
             raise ProtocolError(f"the model {p.model!r} does not exist; this server serves {self.name!r}",
                                 status=404, param="model", code="model_not_found")
@@ -134,12 +187,14 @@ class _Server:
 
     # -- endpoints ------------------------------------------------------------------------------------------------
 
+    @_answers
     async def completions(self, request: HTTPRequest) -> Response:
         p = await self._params(request, protocol.parse_completion)
         prompt = await asyncio.to_thread(protocol.encode_completion, self.engine.tokenizer, p)
         h = self._submit(p, prompt, p.stop)
         return await self._respond(request, p, h, prompt, None)
 
+    @_answers
     async def chat_completions(self, request: HTTPRequest) -> Response:
         p = await self._params(request, protocol.parse_chat)
         tok = self.engine.tokenizer
@@ -147,9 +202,11 @@ class _Server:
         h = self._submit(p, prompt, ())  # chat stop strings: matched on the channels' text (ChatStream)
         return await self._respond(request, p, h, prompt, protocol.ChatStream(tok, thinking=p.thinking, stops=p.stop))
 
+    @_answers
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
+    @_answers
     async def model(self, request: HTTPRequest) -> Response:
         name = request.path_params["name"]
         if name != self.name:
@@ -161,6 +218,7 @@ class _Server:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "kimi-jax",
                 "max_model_len": self.engine.max_len}
 
+    @_answers
     async def health(self, request: HTTPRequest) -> Response:
         status = "stopping" if self.stopping else "ok"
         return JSONResponse({"status": status, "model": self.name, **self.engine.stats()},
@@ -181,7 +239,7 @@ class _Server:
             if not gather.done():  # the client left (or this handler was cancelled): free the slot
                 gather.cancel()
                 h.cancel()
-        if gather.cancelled():
+        if not gather.done() or gather.cancelled():  # a cancelled task is done only once it has run again
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(self._whole(p, h, prompt, stream, *gather.result()))
 
@@ -230,6 +288,9 @@ class _Server:
         except EngineFailure as e:
             finished = True
             yield _sse(protocol.error_body(str(e), type="server_error"))
+        except Exception as e:  # noqa: BLE001 - a bug, after the 200 went out: an error event, the traceback logged
+            log.exception("streaming %s failed", rid)
+            yield _sse(protocol.error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"))
         finally:
             if not finished:
                 h.cancel()
@@ -259,30 +320,15 @@ class _Server:
 # -- errors ---------------------------------------------------------------------------------------------------------
 
 
-async def _protocol_error(request, e: ProtocolError) -> Response:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
 async def _http_error(request, e: HTTPException) -> Response:
     kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
     return JSONResponse(protocol.error_body(f"{request.method} {request.url.path}: {e.detail}", code=kind),
                         status_code=e.status_code)
 
 
-async def _internal_error(request, e: Exception) -> Response:
-    return JSONResponse(protocol.error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"),
-                        status_code=500)
-
-
 def build_app(engine, model_name: str) -> Starlette:
     """The app for a started ``engine``; its shutdown stops the engine (draining what is in flight)."""
     srv = _Server(engine, model_name)
-
-    async def engine_error(request, e: EngineError) -> Response:
-        if srv.stopping:
-            return JSONResponse(protocol.error_body(str(e), type="service_unavailable"), status_code=503)
-        return JSONResponse(protocol.error_body(str(e)), status_code=400)
-
     routes = [
         Route("/v1/completions", srv.completions, methods=["POST"]),
         Route("/v1/chat/completions", srv.chat_completions, methods=["POST"]),
@@ -290,9 +336,8 @@ def build_app(engine, model_name: str) -> Starlette:
         Route("/v1/models/{name:path}", srv.model, methods=["GET"]),
         Route("/health", srv.health, methods=["GET"]),
     ]
-    handlers = {ProtocolError: _protocol_error, EngineError: engine_error, HTTPException: _http_error,
-                Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=srv.lifespan)
+    # the endpoints answer everything themselves (_answers); the router's 404 / 405 come here
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=srv.lifespan)
     app.state.server = srv
     return app
 

@@ -58,7 +58,7 @@ def _rebuild(cache: Cache, fn) -> Cache:
 
 
 def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, *,
-                  fresh: bool, record: bool = False, constrain=lambda c: c):
+                  fresh: bool, record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
     """One chunk of slot ``slot``'s prompt: ``ids [1, T]`` with ``n_valid`` tokens, at positions from the slot's
     cache length (0 when ``fresh``). Returns (cache, token [1], logprob [1], logits [1, V] or None)."""
     model = nnx.merge(graphdef, params)
@@ -68,11 +68,11 @@ def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_vali
     cache = constrain(_rows_merge(cache, res.cache, rows))
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
-    return cache, tok, logp, (logits if record else None)
+    return cache, *replicate((tok, logp, logits if record else None))
 
 
 def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, rows_B=None, *,
-                record: bool = False, constrain=lambda c: c):
+                record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
     """One decode step. ``rows`` None: over every slot (``B`` = slots). ``rows [B]``: over those slots only (indices
     past the last slot pad the bucket; they are inactive), their KDA entries gathered and written back, so a few
     active slots do not pay for all (the MoE of an idle slot's row still routes and reads experts). Every other
@@ -84,7 +84,7 @@ def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, 
     new = res.cache if rows_B is None else _rows_merge(cache, res.cache, rows_B)
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
-    return constrain(new), tok, logp, (logits if record else None)
+    return constrain(new), *replicate((tok, logp, logits if record else None))
 
 
 def _rows_view(cache: Cache, rows):
@@ -188,18 +188,24 @@ def backend_compiles() -> int:
 _PROGRAMS: dict = {}
 
 
-def programs(graphdef, cache_sharding=None) -> Programs:
+def programs(graphdef, cache_sharding=None, replicated=None) -> Programs:
     """:class:`Programs` for ``graphdef``; ``cache_sharding`` (a :class:`Cache` of shardings, or None on one device)
-    is the sharding every written cache is constrained to."""
-    key = (graphdef, None if cache_sharding is None else tuple(jax.tree.leaves(cache_sharding)))
+    is the sharding every written cache is constrained to. ``replicated`` (a sharding over every device of the mesh,
+    or None): what the sampled tokens, log-probabilities and logits are constrained to, so that every process holds
+    them whole (process 0 reads them; on a multi-process mesh a token computed on another process's devices could
+    not be read otherwise)."""
+    key = (graphdef, None if cache_sharding is None else tuple(jax.tree.leaves(cache_sharding)), replicated)
     if key not in _PROGRAMS:
-        kw = {}
+        kw, out = {}, {}
         if cache_sharding is not None:
             kw["constrain"] = lambda c: jax.lax.with_sharding_constraint(c, cache_sharding)
+        if replicated is not None:
+            out["replicate"] = lambda xs: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), xs)
         cached = dict(donate_argnames=("cache",))
         _PROGRAMS[key] = Programs(
-            jax.jit(functools.partial(prefill_chunk, graphdef, **kw), static_argnames=("fresh", "record"), **cached),
-            jax.jit(functools.partial(decode_step, graphdef, **kw), static_argnames=("record",), **cached),
+            jax.jit(functools.partial(prefill_chunk, graphdef, **kw, **out), static_argnames=("fresh", "record"),
+                    **cached),
+            jax.jit(functools.partial(decode_step, graphdef, **kw, **out), static_argnames=("record",), **cached),
             jax.jit(take_state),
             jax.jit(functools.partial(put_state, **kw), **cached),
             jax.jit(functools.partial(copy_page, **kw), **cached),

@@ -9,7 +9,7 @@ round as in inference) -- pure float32 is ``dtype=float32``. MXFP4 experts are d
 
 On a mesh the batch is split over the batch axes (``data``, ``expert``) and every parameter, its optimizer moments
 and its gradient take the inference layout (:func:`kimi_jax.parallel.sharding.param_specs`); XLA inserts the
-gradient all-reduce. MoE layers run expert-parallel there as in inference (:mod:`kimi_jax.parallel.expert_parallel`):
+gradient all-reduce. MoE layers run expert-parallel there as in inference (:mod:`kernels_pallas.experts.expert_parallel`):
 the gradient flows back through the token exchange, and the router (outside that map) still reports every token's
 experts, whose loads step the biases.
 """

@@ -1,0 +1,247 @@
+"""The serving engine's device half: the paged cache and everything derived from it, changed only by applying
+:class:`~kimi_jax.serving.stepplan.StepPlan` s.
+
+The executor holds the model's parameters, the cache (donated to every compiled function that writes it:
+:mod:`kimi_jax.serving.steps`), the page table and per-slot sampling values the plans set, the prefix snapshots in
+device memory, and the snapshots and pages spilled to host memory. It decides nothing: the same plans in the same
+order give the same state, which is what lets every process of a multi-host job run its own executor from process
+0's plans. Host copies keep each process's own shards (:class:`HostArray`), so a spill moves no data between
+processes, and a restore rebuilds the array with the sharding it left with (the program compiled at warm-up).
+
+Sampled tokens, their log-probabilities and recorded logits come out replicated on every device, so the process
+that schedules reads them whole whichever devices computed them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax.generation.generate import free_memory
+from kimi_jax.model.cache import KDACache, paged_cache, paged_cache_shapes
+from kimi_jax.parallel.sharding import paged_cache_shardings
+from kimi_jax.serving import steps
+from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, DropPages, DropState, Prefill, PutState,
+                                       RestorePages, SetPages, Shapes, Snapshot, SpillPages, SpillState, StepPlan,
+                                       Stop)
+
+
+class CacheTooLarge(ValueError):
+    """The paged cache would not fit the free device memory."""
+
+
+@dataclasses.dataclass
+class HostArray:
+    """One array in host memory as this process holds it: its addressable shards (each distinct index once), the
+    devices they came from, and the sharding to rebuild it with."""
+
+    shape: tuple
+    sharding: object
+    data: dict  # shard index (hashable) -> numpy array
+    where: list  # (device, shard index) per addressable shard
+
+    @classmethod
+    def of(cls, a: jax.Array) -> "HostArray":
+        data, where = {}, []
+        for shard in a.addressable_shards:
+            key = tuple((s.start, s.stop) for s in shard.index)
+            if key not in data:
+                data[key] = np.asarray(shard.data)
+            where.append((shard.device, key))
+        return cls(a.shape, a.sharding, data, where)
+
+    def to_device(self) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.sharding, [jax.device_put(self.data[key], device) for device, key in self.where])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.data.values())
+
+
+def to_host(tree):
+    return jax.tree.map(HostArray.of, tree)
+
+
+def to_device(tree):
+    return jax.tree.map(lambda h: h.to_device(), tree, is_leaf=lambda x: isinstance(x, HostArray))
+
+
+class Executor:
+    """The device state of one engine (see the module docstring): ``model`` (on one device, or on a mesh through its
+    ``run.parallel``), the cache of ``shapes``. ``record``: every compute op also returns its float32 logits."""
+
+    def __init__(self, model, shapes: Shapes, *, record: bool = False):
+        self.shapes, self.record = shapes, bool(record)
+        self.cfg, self.dtype, self.scan = model.cfg, model.run.dtype, model.run.scan_layers
+        self.graphdef, self.params = nnx.split(model)
+        parallel = model.run.parallel
+        self.cache_shapes = paged_cache_shapes(self.cfg, shapes.slots, shapes.n_pages, shapes.page_size, self.dtype,
+                                               scan=self.scan)
+        self.shardings = None if parallel is None else paged_cache_shardings(
+            self.cfg, self.cache_shapes, parallel.mesh, parallel.layout)
+        self.check_fits()
+        replicated = None if parallel is None else jax.sharding.NamedSharding(parallel.mesh,
+                                                                             jax.sharding.PartitionSpec())
+        self.programs = steps.programs(self.graphdef, self.shardings, replicated)
+        kda = [e for e, _ in steps._entries(self.cache_shapes) if isinstance(e, KDACache)]
+        attn = [e for e, _ in steps._entries(self.cache_shapes) if not isinstance(e, KDACache)]
+        # one slot's KDA state and conv tails, one page of every attention pool: the prefix cache's units
+        self.snap_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kda)) // shapes.slots
+        self.page_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(attn)) // shapes.n_pages
+        self.reset()
+
+    def check_fits(self) -> None:
+        """Refuse, before allocating, a cache larger than the memory free on the device holding the most of it."""
+        sh = self.shapes
+        leaves = jax.tree.leaves(self.cache_shapes)
+        if self.shardings is None:
+            need, devices = sum(s.size * s.dtype.itemsize for s in leaves), jax.local_devices()[:1]
+        else:
+            shards = jax.tree.leaves(self.shardings)
+            need = sum(math.prod(sh_.shard_shape(s.shape)) * s.dtype.itemsize for s, sh_ in zip(leaves, shards))
+            devices = jax.local_devices()
+        free = min((f for f in map(free_memory, devices) if f is not None), default=None)
+        if free is not None and need > free:
+            raise CacheTooLarge(f"the paged cache ({sh.slots} slots, {sh.n_pages} pages of {sh.page_size} tokens) "
+                                f"needs {need / 1e9:.2f} GB per device but {free / 1e9:.2f} GB are free: lower "
+                                "slots, max_len or pages")
+
+    def reset(self) -> None:
+        """A fresh cache and empty tables (at start, and after a failed step: a donated cache may be gone)."""
+        sh = self.shapes
+        self.cache = None  # the old one's memory goes first
+        if self.shardings is None:
+            # committed to the parameters' device, as every array the executor makes is (a host copy comes back
+            # committed): a program compiled for an uncommitted cache would compile again for a committed one
+            device = next(iter(jax.tree.leaves(self.params)[0].devices()))
+            self.cache = jax.device_put(paged_cache(self.cfg, sh.slots, sh.n_pages, sh.page_size, self.dtype,
+                                                    scan=self.scan), device)
+        else:
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.cache_shapes)  # noqa: E731
+            self.cache = jax.jit(zeros, out_shardings=self.shardings)()
+        self.table = np.zeros((sh.slots, sh.pages_per_seq), np.int32)
+        self.temperature = np.zeros((sh.slots,), np.float32)
+        self.top_k = np.zeros((sh.slots,), np.int32)
+        self.top_p = np.ones((sh.slots,), np.float32)
+        self.seed = np.zeros((sh.slots,), np.uint32)
+        self.snaps: dict[int, object] = {}  # snapshot id -> its device arrays
+        self.host_snaps: dict[int, object] = {}  # snapshot id -> HostArray leaves, once spilled
+        self.host_pages: dict[int, object] = {}  # host copy id -> HostArray leaves of its pages
+
+    # -- plans ----------------------------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan):
+        """Apply ``plan``'s ops in order. Returns its compute op's (tokens, log-probabilities, logits or None) as
+        device arrays (replicated), or None."""
+        out = None
+        for op in plan.ops:
+            got = self._apply[type(op)](self, op)
+            if got is not None:
+                out = got
+        return out
+
+    def _admit(self, op: Admit):
+        i = op.slot
+        self.temperature[i], self.top_k[i], self.top_p[i], self.seed[i] = (op.temperature, op.top_k, op.top_p,
+                                                                           op.seed)
+
+    def _set_pages(self, op: SetPages):
+        self.table[op.slot, op.start : op.start + len(op.pages)] = op.pages
+
+    def _clear_row(self, op: ClearRow):
+        self.table[op.slot] = 0
+
+    def _snapshot(self, op: Snapshot):
+        self.snaps[op.snap] = self.programs.take_state(self.cache, np.int32(op.slot))
+
+    def _put_state(self, op: PutState):
+        if op.snap in self.snaps:
+            state = self.snaps[op.snap]
+        else:  # a spilled snapshot stays in host memory; this hit reads a copy
+            state = to_device(self.host_snaps[op.snap])
+        self.cache = self.programs.put_state(self.cache, np.int32(op.slot), state, np.int32(op.length))
+
+    def _spill_state(self, op: SpillState):
+        self.host_snaps[op.snap] = to_host(self.snaps.pop(op.snap))
+
+    def _drop_state(self, op: DropState):
+        self.snaps.pop(op.snap, None)
+        self.host_snaps.pop(op.snap, None)
+
+    def _copy_page(self, op: CopyPage):
+        self.cache = self.programs.copy_page(self.cache, np.int32(op.src), np.int32(op.dst))
+
+    def _spill_pages(self, op: SpillPages):
+        self.host_pages[op.key] = [to_host(self.programs.take_page(self.cache, np.int32(p))) for p in op.pages]
+
+    def _restore_pages(self, op: RestorePages):
+        for page, data in zip(op.pages, self.host_pages.pop(op.key)):
+            self.cache = self.programs.put_page(self.cache, np.int32(page), to_device(data))
+
+    def _drop_pages(self, op: DropPages):
+        del self.host_pages[op.key]
+
+    def _sampling(self, slots, counts) -> steps.SlotSampling:
+        """Per-row sampling values: slot ``slots[k]``'s (None: an idle row, greedy) at stream position ``counts[k]``."""
+        def col(values, fill, dtype):
+            return np.array([fill if s is None else values[s] for s in slots], dtype)
+        return steps.SlotSampling(temperature=col(self.temperature, 0.0, np.float32),
+                                  top_k=col(self.top_k, 0, np.int32), top_p=col(self.top_p, 1.0, np.float32),
+                                  seed=col(self.seed, 0, np.uint32), count=np.asarray(counts, np.int32))
+
+    def _prefill(self, op: Prefill):
+        ids = np.zeros((1, op.bucket), np.int32)
+        ids[0, : len(op.ids)] = op.ids
+        self.cache, tok, logp, logits = self.programs.prefill_chunk(
+            self.params, self.cache, self.table[op.slot : op.slot + 1, : op.width], np.int32(op.slot), ids,
+            np.int32(len(op.ids)), self._sampling([op.slot], [0]), fresh=op.start == 0, record=self.record)
+        return tok, logp, logits
+
+    def _decode(self, op: Decode):
+        rows, tokens, counts, live = op.columns()
+        table = np.zeros((len(rows), op.width), np.int32)
+        table[live] = self.table[rows[live], : op.width]
+        samp = self._sampling([int(r) if ok else None for r, ok in zip(rows, live)], counts)
+        self.cache, tok, logp, logits = self.programs.decode_step(
+            self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows, record=self.record)
+        return tok, logp, logits
+
+    def _stop(self, op: Stop):
+        pass
+
+    _apply = {Admit: _admit, SetPages: _set_pages, ClearRow: _clear_row, Snapshot: _snapshot, PutState: _put_state,
+              SpillState: _spill_state, DropState: _drop_state, CopyPage: _copy_page, SpillPages: _spill_pages,
+              RestorePages: _restore_pages, DropPages: _drop_pages, Prefill: _prefill, Decode: _decode, Stop: _stop}
+
+    # -- compiled programs ----------------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Compile every program a plan can run (each prefill bucket fresh and continued, each decode row bucket and
+        table width, the snapshot and page functions, host round trips included) on slot 0 and page 0, leaving the
+        state as it was. Every process runs the same warm-up: the programs hold collectives on a mesh."""
+        sh = self.shapes
+        samp = self._sampling([None], [0])
+        for T in sh.buckets:
+            for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):
+                self.cache, *_ = self.programs.prefill_chunk(
+                    self.params, self.cache, self.table[:1, :width], np.int32(0), np.zeros((1, T), np.int32),
+                    np.int32(0), samp, fresh=fresh, record=self.record)
+        for b in sh.row_buckets:
+            rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
+            for width in sh.widths:
+                self.cache, *_ = self.programs.decode_step(
+                    self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
+                    np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, record=self.record)
+        state = self.programs.take_state(self.cache, np.int32(0))
+        for snap in (state, to_device(to_host(state))):
+            self.cache = self.programs.put_state(self.cache, np.int32(0), snap, np.int32(0))
+        self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))
+        page = to_device(to_host(self.programs.take_page(self.cache, np.int32(0))))
+        self.cache = self.programs.put_page(self.cache, np.int32(0), page)
+        jax.block_until_ready(self.cache)

@@ -1,0 +1,304 @@
+"""The serving engine's host half: which requests run, where their cache lives, what each step computes.
+
+The scheduler owns the queue, the slots, the page pool and the prefix cache (:mod:`kimi_jax.serving.pages`), and
+writes each decision down as ops of a :class:`~kimi_jax.serving.stepplan.StepPlan`; it never touches a device
+array. An engine iteration is up to two plans, because the second depends on the first's sampled token:
+
+1. admission's ops (prefix restores, page-ins, copies) and one prefill chunk of the oldest slot still prefilling,
+   with the prefix snapshot after it;
+2. one decode step over every decoding slot.
+
+The tokens each plan samples come back (:meth:`Scheduler.prefilled`, :meth:`Scheduler.decoded`) and are handed out:
+detokenised, matched against stop strings (:mod:`kimi_jax.serving.detokenize`), finished on a stop id, a stop string
+or the token budget. A finished request's snapshot (its prompt and reply: the next turn's prefix) is an op of the
+next plan, ahead of anything that reuses its slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from kimi_jax.serving.detokenize import TextStream
+from kimi_jax.serving.events import Event, Handle
+from kimi_jax.serving.pages import PagePool, PrefixCache, PrefixEntry
+from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, Op, Prefill, PutState, RestorePages,
+                                       SetPages, Shapes, StepPlan, Stop)
+
+COUNTERS = ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
+            "finished")
+
+
+@dataclasses.dataclass
+class Slot:
+    """A request in a slot: where its prompt stands, its pages, what it has produced."""
+
+    handle: Handle
+    prompt: list[int]
+    text: TextStream
+    pos: int = 0  # tokens of this sequence in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    reserved: int = 0  # pages it may still take
+    decoding: bool = False
+    last: int = 0  # last sampled token: the next decode input
+    out: list[int] = dataclasses.field(default_factory=list)
+
+
+class Scheduler:
+    """See the module docstring. ``snap_bytes`` / ``page_bytes``: the size of one KDA snapshot and of one cache page
+    (for the prefix cache's budgets); both budgets 0: no prefix cache."""
+
+    def __init__(self, shapes: Shapes, tokenizer, *, prefix_cache_bytes: int, prefix_host_bytes: int,
+                 snap_bytes: int, page_bytes: int):
+        self.shapes, self.tokenizer = shapes, tokenizer
+        self.budgets = (int(prefix_cache_bytes), int(prefix_host_bytes))
+        self.snap_bytes, self.page_bytes = snap_bytes, page_bytes
+        self.waiting: collections.deque[Handle] = collections.deque()
+        self.running: list[Slot | None] = [None] * shapes.slots
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
+        self._steps = itertools.count()
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty pool and prefix cache (after a failed step the executor's device state is new too); the prefix
+        cache keeps spilling pages to host memory as before."""
+        self._ops: list[Op] = []
+        self._ids = itertools.count(1)
+        self.pool = PagePool(self.shapes.n_pages)
+        self.prefix = None
+        if any(self.budgets):
+            self.prefix = PrefixCache(self.pool, *self.budgets, self.snap_bytes, self.page_bytes, self._emit,
+                                      self._ids)
+
+    def _emit(self, op: Op) -> None:
+        self._ops.append(op)
+
+    def _plan(self) -> StepPlan:
+        ops, self._ops = tuple(self._ops), []
+        return StepPlan(next(self._steps), ops)
+
+    def pending(self) -> StepPlan | None:
+        """The ops decided but not yet in a plan (a finished request's snapshot, evictions), as a plan of their own."""
+        return self._plan() if self._ops else None
+
+    def stop_plan(self) -> StepPlan:
+        """The last plan: what is pending, then :class:`Stop` (the other processes return)."""
+        self._emit(Stop())
+        return self._plan()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.running)
+
+    # -- requests in and out --------------------------------------------------------------------------------------
+
+    def add(self, handle: Handle) -> None:
+        self.waiting.append(handle)
+
+    def cancel(self, handle: Handle) -> None:
+        if handle in self.waiting:
+            self.waiting.remove(handle)
+            handle.push(Event([], finish_reason="abort"))
+            return
+        for i, s in enumerate(self.running):
+            if s is not None and s.handle is handle:
+                self._finish(i, "abort")
+
+    def abort_all(self, reason: str, error: str | None) -> None:
+        while self.waiting:
+            self.waiting.popleft().push(Event([], finish_reason=reason, error=error))
+        for i, s in enumerate(self.running):
+            if s is not None:
+                self._finish(i, reason, error)
+
+    # -- admission ------------------------------------------------------------------------------------------------
+
+    def _available(self) -> int:
+        return len(self.pool.free) - sum(s.reserved for s in self.running if s is not None)
+
+    def admit(self) -> None:
+        """Move queued requests into free slots, oldest first, while the pool can hold them (spilling or evicting
+        prefix entries when it must); a prefix hit restores its snapshot into the slot."""
+        ps = self.shapes.page_size
+        while self.waiting and None in self.running:
+            handle = self.waiting[0]
+            req = handle.request
+            entry = self.prefix.lookup(req.prompt) if self.prefix is not None else None
+            if entry is not None and entry.host_pages is not None and not self._page_in(entry):
+                entry = None  # its pages would not fit now: a miss
+            hit = entry.length if entry is not None else 0
+            held = entry.pages[: -(-hit // ps)] if entry is not None else []
+            self.pool.hold(held)  # kept through any eviction below
+            need = -(-(len(req.prompt) + req.max_tokens) // ps) - hit // ps
+            if not self._make_room(need, keep=entry):
+                self.pool.release(held)
+                return  # wait for a slot to finish
+            self.waiting.popleft()
+            i = self.running.index(None)
+            s = self.running[i] = Slot(handle, req.prompt, TextStream(self.tokenizer, req.stop_strings),
+                                       reserved=need)
+            self._emit(Admit(i, req.temperature, req.top_k, req.top_p, req.seed))
+            s.pages = held[: hit // ps]
+            if entry is not None:
+                self._restore(i, s, entry, held)
+            handle.cached_tokens = s.pos
+            handle.timings["admitted"] = time.perf_counter()
+            self.counters["prefix_hits" if entry is not None else "prefix_misses"] += 1
+            self.counters["prefix_hit_tokens"] += s.pos
+
+    def _make_room(self, n: int, keep: PrefixEntry | None) -> bool:
+        """Whether ``n`` pages are free to take, after spilling (else dropping) stored prefixes other than ``keep``,
+        least recently used first, as far as needed."""
+        while self._available() < n and self.prefix is not None and (
+                self.prefix.spill_pages(keep=keep) or self.prefix.evict(keep=keep)):
+            pass
+        return self._available() >= n
+
+    def _page_in(self, entry: PrefixEntry) -> bool:
+        """Pages for ``entry``'s cache, spilled to host memory, written back from there; False when the pool cannot
+        give that many (other entries spilled or dropped first)."""
+        n = entry.host_count
+        if not self._make_room(n, keep=entry):
+            return False
+        pages = [self.pool.take() for _ in range(n)]
+        self._emit(RestorePages(entry.host_pages, tuple(pages)))
+        self.prefix.restored(entry, pages)
+        return True
+
+    def _restore(self, i: int, s: Slot, entry: PrefixEntry, held: list[int]) -> None:
+        """Slot ``i`` continues from ``entry``: its KDA state, its full pages shared, its partial page copied."""
+        ps = self.shapes.page_size
+        self._emit(PutState(i, entry.snap, entry.length))
+        if entry.length % ps:
+            page = self._take(s)
+            self._emit(CopyPage(held[-1], page))
+            self.pool.release(held[-1:])  # the copy is the slot's; the shared page stays with the entry
+        s.pos = entry.length
+        self._emit(SetPages(i, 0, tuple(s.pages)))
+
+    def _take(self, s: Slot) -> int:
+        page = self.pool.take()
+        s.pages.append(page)
+        s.reserved -= 1
+        return page
+
+    def _cover(self, i: int, s: Slot, end: int) -> None:
+        """Pages for slot ``i``'s positions ``[0, end)``."""
+        start = len(s.pages)
+        while len(s.pages) * self.shapes.page_size < end:
+            self._take(s)
+        if len(s.pages) > start:
+            self._emit(SetPages(i, start, tuple(s.pages[start:])))
+
+    # -- the plans ------------------------------------------------------------------------------------------------
+
+    def prefill_plan(self) -> StepPlan | None:
+        """Admission's ops and the next chunk of the oldest slot still prefilling: up to the next multiple of
+        ``chunk`` (or the prompt's end), then the snapshot of a chunk ending on a snapshot boundary or the prompt."""
+        sh = self.shapes
+        pending = [i for i, s in enumerate(self.running) if s is not None and not s.decoding]
+        if not pending:
+            return None
+        i = min(pending, key=lambda k: self.running[k].handle.timings["submitted"])
+        s = self.running[i]
+        start, L = s.pos, len(s.prompt)
+        end = min(L, (start // sh.chunk + 1) * sh.chunk)
+        self._cover(i, s, end)
+        self._emit(Prefill(i, start, sh.bucket(end - start), sh.fresh_width if start == 0 else sh.pages_per_seq,
+                           tuple(s.prompt[start:end])))
+        s.pos = end
+        self.counters["prefill_chunks"] += 1
+        self.counters["prefill_tokens"] += end - start
+        if self.prefix is not None and (end % sh.snapshot_every == 0 or end == L):
+            self.prefix.insert(s.prompt[:end], s.pages[: -(-end // sh.page_size)], i)
+        return self._plan()
+
+    def prefilled(self, plan: StepPlan, tok, logp, logits) -> None:
+        """``plan``'s chunk ran and drew ``tok [1]``: the first token when it ended the prompt."""
+        i = plan.compute.slot
+        s = self.running[i]
+        if s is not None and s.pos == len(s.prompt):
+            s.decoding = True
+            s.handle.timings["first_token"] = time.perf_counter()
+            self._accept(i, int(tok[0]), float(logp[0]), None if logits is None else logits[0])
+
+    def decode_plan(self) -> StepPlan | None:
+        """One decode step for the decoding slots: over all slots, or, when few decode, over a bucket of rows
+        (powers of 4) holding just them."""
+        sh = self.shapes
+        active = [i for i, s in enumerate(self.running) if s is not None and s.decoding]
+        if not active:
+            return None
+        for i in active:
+            self._cover(i, self.running[i], self.running[i].pos + 1)
+        b = sh.rows(len(active))
+        rows = list(range(sh.slots)) if b == sh.slots else active + [sh.slots] * (b - len(active))
+        live = [r < sh.slots and self.running[r] is not None and self.running[r].decoding for r in rows]
+        tokens = [self.running[r].last if ok else 0 for r, ok in zip(rows, live)]
+        counts = [len(self.running[r].out) if ok else 0 for r, ok in zip(rows, live)]
+        width = sh.width(max(len(self.running[i].pages) for i in active))
+        self._emit(Decode.make(width, rows, tokens, counts, live, all_rows=b == sh.slots))
+        self.counters["decode_steps"] += 1
+        return self._plan()
+
+    def decoded(self, plan: StepPlan, tok, logp, logits) -> None:
+        """``plan``'s decode step drew ``tok [B]`` for its rows."""
+        rows, _, _, live = plan.compute.columns()
+        for k in np.flatnonzero(live):
+            i = int(rows[k])
+            self.running[i].pos += 1
+            self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
+
+    # -- tokens out -----------------------------------------------------------------------------------------------
+
+    def _accept(self, i: int, tok: int, logp: float, logits) -> None:
+        """Slot ``i`` drew ``tok``: hand it out (its text; stop strings held back until they cannot match), and
+        finish the request on a stop id, a stop string or its token budget."""
+        s = self.running[i]
+        req = s.handle.request
+        s.out.append(tok)
+        s.last = tok
+        if logits is not None:
+            s.handle.logits.append(logits)
+        reason = "stop" if tok in req.stop_ids else None
+        if reason is None and len(s.out) >= req.max_tokens:
+            reason = "length"
+        text, hit = s.text.push(() if tok in req.stop_ids else (tok,), last=reason is not None)
+        if hit:
+            reason = "stop"
+        s.handle.push(Event([tok], [logp] if req.logprobs else None, text, reason))
+        if reason is not None:
+            if self.prefix is not None and len(s.out) > 1:  # the conversation so far: a follow-up turn's prefix
+                fed = s.prompt + s.out[:-1]  # the last token drawn never entered the cache
+                self.prefix.insert(fed, s.pages[: -(-len(fed) // self.shapes.page_size)], i)
+            self._release(i)
+
+    def _finish(self, i: int, reason: str, error: str | None = None) -> None:
+        self.running[i].handle.push(Event([], finish_reason=reason, error=error))
+        self._release(i)
+
+    def _release(self, i: int) -> None:
+        s = self.running[i]
+        s.handle.timings["finished"] = time.perf_counter()
+        self.pool.release(s.pages)
+        self.running[i] = None
+        self._emit(ClearRow(i))
+        self.counters["finished"] += 1
+
+    def stats(self) -> dict:
+        p = self.prefix
+        return {
+            "slots": self.shapes.slots, "slots_busy": sum(s is not None for s in self.running),
+            "waiting": len(self.waiting), "pages": self.shapes.n_pages, "pages_free": len(self.pool.free),
+            "prefix_entries": 0 if p is None else len(p.entries), "prefix_bytes": 0 if p is None else p.nbytes,
+            "prefix_evictions": 0 if p is None else p.evictions,
+            "prefix_host_bytes": 0 if p is None else p.host_nbytes, "prefix_spills": 0 if p is None else p.spills,
+            "prefix_page_spills": 0 if p is None else p.page_spills,
+            "prefix_page_restores": 0 if p is None else p.page_restores,
+            **self.counters,
+        }
+
