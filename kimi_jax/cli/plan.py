@@ -12,6 +12,7 @@ from kimi_jax.deploy.plan import CHIPS, GB, Plan, format_plan, make_plan, search
 from kimi_jax.model import config as C
 from kimi_jax.model.run import check_offload
 from kimi_jax.parallel import sharding
+from kimi_jax.serving import validate
 
 
 def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
@@ -52,6 +53,15 @@ def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
                          "memory as well (kimi_jax.model.hot_experts.keep_hot_experts)")
     pl.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
                     help="with --offload --search: host memory per chip (default 256: a DGX H200's 2 TB / 8)")
+    pl.add_argument("--serve", action="store_true",
+                    help="plan (and with --compile, compile) the serving engine as `kimi-jax serve --mesh` runs it: "
+                         "its paged cache for --slots sequences of --max-len tokens, a decode step over every slot, "
+                         "prefill chunks of --prefill-chunk tokens of one sequence (--batch / --context do not apply)")
+    pl.add_argument("--slots", type=int, default=8, help="with --serve: sequences decoded together")
+    pl.add_argument("--max-len", type=int, default=2048, help="with --serve: prompt + new tokens of one request")
+    pl.add_argument("--page-size", type=int, default=64, help="with --serve: tokens per page of the attention cache")
+    pl.add_argument("--pages", type=int, default=None,
+                    help="with --serve: pages in the pool (default: every slot at --max-len, plus half again)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=run)
@@ -86,15 +96,23 @@ def _plan(args) -> int:
     if target is not None:
         aot.target_mesh(target, **sizes)  # a mesh that does not use the target's devices fails before the plan
     chunk = args.prefill_chunk if args.prefill_chunk is not None else (COMPILE_PREFILL_CHUNK if target else 0)
+    serve = None
+    if args.serve:  # the engine's own checks of its shapes, before any slow work
+        if args.kv_cache or args.kda_state or args.offload:
+            raise ValueError("--serve: the serving engine keeps its cache in --dtype on the device (no --kv-cache, "
+                             "--kda-state or --offload)")
+        chunk = args.prefill_chunk or SERVE_PREFILL_CHUNK
+        serve = validate.shapes(slots=args.slots, max_len=args.max_len, page_size=args.page_size, pages=args.pages,
+                                prefill_chunk=chunk, min_chunk=chunk, snapshot_every=None, compact_decode=True)
     cache_options = dict(kv_cache=args.kv_cache, kda_state=args.kda_state)
     p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
-                  kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize, **cache_options,
+                  kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize, **cache_options, serve=serve,
                   model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
     print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
     if args.offload:
         _offload_cli(cfg, p, args, chips)
     if target is not None:
-        return _compile_cli(cfg, target, p, args, chunk)
+        return _compile_cli(cfg, target, p, args, chunk, serve)
     if args.search:
         print("\nsmallest fitting meshes (data=1), per chip:")
         for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
@@ -137,14 +155,15 @@ def _offload_cli(cfg, p: Plan, args, chips):
 
 
 COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typical prefill chunk
+SERVE_PREFILL_CHUNK = 256  # ``plan --serve`` without --prefill-chunk: ``kimi-jax serve``'s default
 
 
-def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
+def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None) -> int:
     """Compile the decode step and a prefill chunk for ``target``; print them beside the plan; exit status."""
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, prefill_chunk=chunk,
               implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize,
-              kv_cache=args.kv_cache, kda_state=args.kda_state)
+              kv_cache=args.kv_cache, kda_state=args.kda_state, serve=serve)
     res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
@@ -154,6 +173,9 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int) -> int:
     plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
     titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
               "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)"}
+    if serve is not None:
+        titles = {"decode": f"serving decode step ({serve.slots} slots, page table of {serve.pages_per_seq} pages)",
+                  "prefill": f"serving prefill chunk ([1, {chunk}] ids after cached ones)"}
     for name, r in res.items():
         print(format_compiled(titles[name], p.param_total + p.cache_total, plan_act[name], r))
     return 0 if all(r["fits"] for r in res.values()) else 1

@@ -50,6 +50,10 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     common.quantize_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each request's output independent of the others in flight (one decode program over every "
+                        "slot and the whole page table; prefix hits on chunk boundaries only): greedy replies are the "
+                        "same alone or under load in bfloat16 too, at the cost of full-width decode steps")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     common.compile_cache_arguments(p)
     common.parallel_arguments(p)
@@ -72,7 +76,7 @@ def run_serve(args):
     # the engine's shapes and the fault timeout refused before anything starts or loads
     validate.shapes(slots=args.slots, max_len=args.max_len, page_size=args.page_size, pages=args.pages,
                     prefill_chunk=args.prefill_chunk, min_chunk=64, snapshot_every=args.snapshot_every,
-                    compact_decode=True)
+                    compact_decode=True, batch_invariant=args.batch_invariant)
     if not args.peer_timeout > 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     common.setup_compile_cache(args)
@@ -100,7 +104,7 @@ def run_serve(args):
                             prefill_chunk=args.prefill_chunk, page_size=args.page_size, pages=args.pages,
                             prefix_cache_bytes=int(args.prefix_cache_gb * 1e9),
                             prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every,
-                            peer_timeout=args.peer_timeout)
+                            batch_invariant=args.batch_invariant, peer_timeout=args.peer_timeout)
             on = "one device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
             t0 = time.perf_counter()
             _say(f"{where}{name} loaded in {got.seconds:.1f}s ({dtype}, {on}); compiling the engine's programs "

@@ -22,7 +22,7 @@ import numpy as np
 from jax._src import xla_bridge
 from jax.experimental import topologies
 
-from kimi_jax.deploy.compile import compile_step
+from kimi_jax.deploy.compile import compile_serve, compile_step
 from kimi_jax.parallel import sharding
 
 GIB = 2**30
@@ -162,10 +162,11 @@ def is_hbm_oom(error: Exception) -> bool:
 def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: int, context: int,
                   dtype="bfloat16", prefill_chunk: int = 0, implementation: str | None = None,
                   scan_layers: bool = False, quantize: str | None = None, kv_cache: str | None = None,
-                  kda_state=None) -> dict:
+                  kda_state=None, serve=None) -> dict:
     """Compile one decode step and (``prefill_chunk`` > 0) one fresh prefill of ``[batch, prefill_chunk]`` ids
     for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache (``kv_cache`` / ``kda_state``:
-    its storage options, :func:`kimi_jax.model.cache.cache_shapes`).
+    its storage options, :func:`kimi_jax.model.cache.cache_shapes`). ``serve``: the serving engine's programs over
+    its paged cache instead (a :class:`kimi_jax.serving.stepplan.Shapes`; :func:`compile.compile_serve`).
 
     Returns ``{"decode": r, "prefill": r}``; each ``r`` holds the per-device ``argument`` / ``output`` / ``alias`` /
     ``temp`` / ``peak`` bytes, ``compile_seconds``, ``hbm`` (bytes per device) and ``fits``. A program the compiler
@@ -174,20 +175,34 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
     """
     mesh = target_mesh(target, **{a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES})
     hbm = hbm_bytes(target)
+    kw = dict(dtype=dtype, implementation=implementation, scan_layers=scan_layers, quantize=quantize)
+    if serve is not None:
+        try:
+            res = compile_serve(cfg, mesh, layout, shapes=serve, **kw)
+        except Exception as e:  # every refusal is a result here; compile_serve raises for callers who want it
+            res = {name: _refused(e, hbm) for name in ("decode", "prefill")}
+        return {name: _fit(r, hbm) for name, r in res.items()}
     out = {}
     for name, tokens in (("decode", 1), ("prefill", prefill_chunk)):
         if not tokens:
             continue
         try:
-            r = compile_step(cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype,
-                                  implementation=implementation, scan_layers=scan_layers, quantize=quantize,
-                                  kv_cache=kv_cache, kda_state=kda_state)
+            r = compile_step(cfg, mesh, layout, batch=batch, context=context, tokens=tokens, kv_cache=kv_cache,
+                             kda_state=kda_state, **kw)
         except Exception as e:  # every refusal is a result here; compile_step raises for callers who want it
-            out[name] = {"fits": False, "hbm": hbm, "oom": is_hbm_oom(e), "error": _error_line(e)}
-            continue
-        r["hbm"], r["fits"] = hbm, r["peak"] <= hbm
-        out[name] = r
+            r = _refused(e, hbm)
+        out[name] = _fit(r, hbm)
     return out
+
+
+def _refused(error: Exception, hbm: float) -> dict:
+    return {"fits": False, "hbm": hbm, "oom": is_hbm_oom(error), "error": _error_line(error)}
+
+
+def _fit(r: dict, hbm: float) -> dict:
+    if "error" not in r:
+        r["hbm"], r["fits"] = hbm, r["peak"] <= hbm
+    return r
 
 
 def _error_line(error: Exception) -> str:

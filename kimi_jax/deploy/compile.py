@@ -17,13 +17,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.model import params
-from kimi_jax.model.cache import cache_shapes
+from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
 from kimi_jax.model.decoder import abstract_model
 from kimi_jax.model.hot_experts import routed_experts
 from kimi_jax.model.offload import HOST, HotExperts, cache_host_shardings
 from kimi_jax.model.quantize import quantize as quantize_model
 from kimi_jax.model.run import RunConfig, check_offload
 from kimi_jax.parallel import sharding
+from kimi_jax.serving import steps as serving_steps
 
 
 class StepInputs(NamedTuple):
@@ -117,6 +118,48 @@ def compile_step(cfg, mesh, layout="tp_ep", *, batch: int, context: int, tokens:
         compiled = jax.jit(step, donate_argnums=(2,), out_shardings=out_shardings,
                            keep_unused=True).lower(states, ids, cache).compile()
     return _report(compiled, time.perf_counter() - t0, bool(check_offload(offload)))
+
+
+def compile_serve(cfg, mesh, layout="tp_ep", *, shapes, dtype="bfloat16", implementation: str | None = None,
+                  scan_layers: bool = False, quantize: str | None = None) -> dict:
+    """Compile the serving engine's programs as ``kimi-jax serve --mesh`` runs them (:mod:`kimi_jax.serving.steps`,
+    over the paged cache of ``shapes``, a :class:`kimi_jax.serving.stepplan.Shapes`): the decode step over every
+    slot reading the widest page table, and a prefill chunk of ``shapes.chunk`` tokens continuing a sequence (the
+    chunk that reads the cache; the largest of the chunk buckets). Abstract sharded parameters and cache, nothing
+    allocated. Returns ``{"decode": report, "prefill": report}`` (each as :func:`compile_step` reports)."""
+    dt = jnp.dtype(dtype)
+    lay = sharding.layout(layout)
+    run = RunConfig(dtype=dt, implementation=implementation, scan_layers=scan_layers,
+                    parallel=sharding.Parallel(mesh, lay))
+    model = abstract_model(cfg, run)
+    if quantize is not None:
+        model = quantize_model(model, quantize)
+    graphdef, state = nnx.split(model)
+    specs = sharding.param_specs(model, mesh, lay)
+    state = params.fill(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+                                for k, v in params.leaves(state).items()})
+    sh = shapes
+    cshapes = paged_cache_shapes(cfg, sh.slots, sh.n_pages, sh.page_size, dt, scan=scan_layers)
+    cshard = sharding.paged_cache_shardings(cfg, cshapes, mesh, lay)
+    cache = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), cshapes, cshard)
+    whole = NamedSharding(mesh, PartitionSpec())
+    progs = serving_steps.programs(graphdef, cshard, whole)
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
+    samp = lambda b: serving_steps.SlotSampling(arg((b,), jnp.float32), arg((b,), jnp.int32),  # noqa: E731
+                                               arg((b,), jnp.float32), arg((b,), jnp.uint32), arg((b,), jnp.int32))
+    i32 = jnp.int32
+    out = {}
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        decode = progs.decode_step.lower(state, cache, arg((sh.slots, sh.pages_per_seq), i32), arg((sh.slots,), i32),
+                                         arg((sh.slots,), jnp.bool_), samp(sh.slots), None, record=False).compile()
+        out["decode"] = _report(decode, time.perf_counter() - t0, False)
+        t0 = time.perf_counter()
+        prefill = progs.prefill_chunk.lower(state, cache, arg((1, sh.pages_per_seq), i32), arg((), i32),
+                                            arg((1, sh.chunk), i32), arg((), i32), samp(1), fresh=False,
+                                            record=False).compile()
+        out["prefill"] = _report(prefill, time.perf_counter() - t0, False)
+    return out
 
 
 def _abstract_hot_experts(model, cfg, per_layer, kinds, parallel, scan_layers, one):

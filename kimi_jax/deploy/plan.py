@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 from kernels_pallas import packed
 from kimi_jax.deploy.compile import compile_step
 from kimi_jax.model import params
-from kimi_jax.model.cache import MLACache, cache_shapes
+from kimi_jax.model.cache import MLACache, cache_shapes, paged_cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
 from kimi_jax.model.quantize import quantize as quantize_model
@@ -129,8 +129,13 @@ def _spec_axes(part):
 
 def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
               kernels: str = "pallas", prefill_chunk: int = 0, model_name: str = "",
-              quantize: str | None = None, kv_cache: str | None = None, kda_state=None) -> Plan:
+              quantize: str | None = None, kv_cache: str | None = None, kda_state=None, serve=None) -> Plan:
     """Per-chip bytes for ``cfg`` on a mesh of ``sizes`` (``{"data","expert","model"}``) under ``layout``.
+
+    ``serve``: the serving engine's shapes (:class:`kimi_jax.serving.stepplan.Shapes`) instead of a generation
+    batch: the paged cache of its slots and pool, a decode step over every slot reading a whole page table, and
+    prefill chunks of one sequence (``batch``, ``context`` and ``prefill_chunk`` are then its slots, max_len and
+    chunk).
 
     ``kernels``: ``"pallas"`` (TPU/GPU kernels decode MXFP4 and read caches per tile: no workspace) or
     ``"reference"`` (the jnp kernels, what CPU runs: one layer's local experts dequantized, the MLA latent cache
@@ -147,7 +152,9 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     specs = sharding.param_specs(model, sizes, lay, table=table)
     params, weights_read, expert_local = _param_bytes(table, specs, sizes)
     cache_options = dict(kv_cache=kv_cache, kda_state=kda_state)
-    cache, b_loc, notes, mla_positions = _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options)
+    if serve is not None:
+        batch, context, prefill_chunk = serve.slots, serve.max_len, serve.chunk
+    cache, b_loc, notes, mla_positions = _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options, serve)
     act = _decode_activations(cfg, model, specs, sizes, lay, batch, b_loc, mla_positions, dt, kernels,
                               bool(expert_local))
     read = {"weights (non-expert)": weights_read, "embedding rows": b_loc * cfg.hidden_size * dt.itemsize}
@@ -158,8 +165,9 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
         read["routed experts (used)"] = int(sum(tot * p_used for tot in expert_local.values()))
     read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
     read["MLA / KV cache"] = cache["mla"] + cache["kv"]
-    prefill = (_prefill_activations(cfg, sizes, lay, specs, model, batch, b_loc, prefill_chunk, dt) if prefill_chunk
-               else {})
+    seqs, seqs_loc = (1, 1) if serve is not None else (batch, b_loc)  # the engine prefills one sequence at a time
+    prefill = (_prefill_activations(cfg, sizes, lay, specs, model, seqs, seqs_loc, prefill_chunk, dt)
+               if prefill_chunk else {})
     state = jnp.dtype(jnp.float32 if kda_state is None else kda_state).name
     e_loc = _local_experts(model, specs, sizes)[1] if expert_local else 0
     e_dtypes = tuple(dict.fromkeys(a.dtype for m in table for n, a in m.arrays.items()
@@ -192,11 +200,15 @@ _CACHE_KIND = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv",
                "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}
 
 
-def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tuple[dict, int, list, int]:
+def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None, serve=None) -> tuple[dict, int, list, int]:
     """(cache bytes per chip by kind, sequences per chip, notes on what the layout cannot split, MLA cache positions
-    per chip)."""
-    cshapes = cache_shapes(cfg, batch, context, dt, **(cache_options or {}))
-    cspecs = sharding.cache_specs(cfg, cshapes, sizes, lay)
+    one sequence reads per chip). ``serve``: the engine's paged cache instead (its pools whole on every chip)."""
+    if serve is None:
+        cshapes = cache_shapes(cfg, batch, context, dt, **(cache_options or {}))
+        cspecs = sharding.cache_specs(cfg, cshapes, sizes, lay)
+    else:
+        cshapes = paged_cache_shapes(cfg, serve.slots, serve.n_pages, serve.page_size, dt, **(cache_options or {}))
+        cspecs = sharding.paged_cache_specs(cfg, cshapes, sizes, lay)
     cache = {"kda_state": 0, "kda_conv": 0, "mla": 0, "kv": 0}
     for entry, spec in zip(cshapes.layers, cspecs.layers):
         for field in dataclasses.fields(entry):
@@ -209,18 +221,24 @@ def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None) -> tup
     b_loc = sharding.shard_shape((batch,), cspecs.lengths, sizes)[0]
     notes = []
     rep = [a for a in sharding.replicated_over(cspecs.lengths, sizes) if a in lay.mesh_axes("batch")]
-    if rep:
+    if rep and serve is None:
         notes.append(f"batch {batch} does not split over {'x'.join(rep)}: caches replicated there")
     mla = [spec.c for entry, spec in zip(cshapes.layers, cspecs.layers) if isinstance(entry, MLACache)]
     mla = jax.tree.leaves(mla[0], is_leaf=lambda x: isinstance(x, PartitionSpec))[0] if mla else None
-    if mla is not None and sizes["model"] > 1 and "model" in sharding.replicated_over(mla, sizes):
+    if serve is None and mla is not None and sizes["model"] > 1 and "model" in sharding.replicated_over(mla, sizes):
         notes.append(f"the MLA latent cache (no head axis) does not split its {context} positions over the model "
                      f"axis: replicated there")
     for kind, sub in (("kda", cfg.kda), ("mla", cfg.mla), ("gqa", cfg.gqa)):
         if sub is not None and kind in cfg.attn_types and sizes["model"] > 1:
             if not _allowed_heads(sub.num_heads, sizes, lay):
                 notes.append(f"{kind}: {sub.num_heads} heads do not divide the model axis: attention replicated")
-    mla_positions = sharding.shard_shape((batch, context), mla, sizes)[1] if mla is not None else context
+    if serve is not None:
+        b_loc = sharding.shard_shape((batch,), sharding.batch_spec((batch,), sizes, lay), sizes)[0]
+        mla_positions = serve.pages_per_seq * serve.page_size  # a whole page table, read through the pool
+        if mla is not None:
+            notes.append(f"the paged MLA pools ({serve.n_pages} pages of {serve.page_size}) are whole on every chip")
+    else:
+        mla_positions = sharding.shard_shape((batch, context), mla, sizes)[1] if mla is not None else context
     return cache, b_loc, notes, mla_positions
 
 

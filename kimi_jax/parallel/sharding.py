@@ -390,11 +390,11 @@ def cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | str = TP
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def paged_cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | str = TP_EP) -> Cache:
-    """Shardings of the serving engine's paged cache (:func:`kimi_jax.model.cache.paged_cache_shapes`): KDA entries as
+def paged_cache_specs(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> Cache:
+    """Specs of the serving engine's paged cache (:func:`kimi_jax.model.cache.paged_cache_shapes`): KDA entries as
     in the static cache (slots over the batch axes, heads split); the MLA / GQA page pools whole over the batch axes
     (a page table names pages of the whole pool), GQA kv heads split as in the static cache."""
-    specs = cache_specs(cfg, cache, mesh, lay)
+    specs = cache_specs(cfg, cache, mesh_or_sizes, lay)
 
     def whole_pages(spec_entry, stacked):
         if isinstance(spec_entry, KDACache):
@@ -404,9 +404,14 @@ def paged_cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | st
                                                       for d, p in enumerate(sp)]),
                             spec_entry, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    specs = Cache(tuple(None if e is None else whole_pages(e, False) for e in specs.layers), PartitionSpec(),
-                  tuple(whole_pages(e, True) for e in specs.stack))
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return Cache(tuple(None if e is None else whole_pages(e, False) for e in specs.layers), PartitionSpec(),
+                 tuple(whole_pages(e, True) for e in specs.stack))
+
+
+def paged_cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | str = TP_EP) -> Cache:
+    """:func:`paged_cache_specs` as shardings on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), paged_cache_specs(cfg, cache, mesh, lay),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def batch_spec(shape, mesh_or_sizes, lay: Layout | str = TP_EP) -> PartitionSpec:

@@ -72,6 +72,11 @@ class Engine:
     snapshots inside a prompt (a multiple of ``prefill_chunk``, the default; a K3 snapshot is ~0.43 GB of KDA state,
     so long system prompts may want fewer); every prompt's end and every finished reply are snapshotted too.
     ``compact_decode``: when few slots decode, run a decode batch of just those (row buckets of powers of 4).
+    ``batch_invariant``: each request's numbers independent of the others in flight: one decode program over every
+    slot and the whole page table (the programs for fewer rows or a narrower table round differently in bfloat16),
+    and prefix hits only from snapshots on chunk boundaries taken by prefills (a hit then continues with the chunks
+    a cold prefill runs). Greedy output is then the same alone or under load, in any dtype; its cost is every
+    decode step at full width (``benchmarks/serve.py --batch-invariant``).
     ``record_logits``: keep every step's float32 logits on the handles (tests). ``peer_timeout``: on several
     processes, seconds without a heartbeat after which a process counts as gone (:mod:`kimi_jax.serving.multihost`).
     """
@@ -79,10 +84,11 @@ class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
                  page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
-                 compact_decode: bool = True, record_logits: bool = False, peer_timeout: float = 20.0):
+                 compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
+                 peer_timeout: float = 20.0):
         self.shapes = engine_shapes(slots=slots, max_len=max_len, page_size=page_size, pages=pages,
                                     prefill_chunk=prefill_chunk, min_chunk=min_chunk, snapshot_every=snapshot_every,
-                                    compact_decode=compact_decode)
+                                    compact_decode=compact_decode, batch_invariant=batch_invariant)
         if not peer_timeout > 0:
             raise EngineError(f"peer_timeout must be > 0 seconds, got {peer_timeout}")
         sh = self.shapes

@@ -213,7 +213,8 @@ class Scheduler:
         s.pos = end
         self.counters["prefill_chunks"] += 1
         self.counters["prefill_tokens"] += end - start
-        if self.prefix is not None and (end % sh.snapshot_every == 0 or end == L):
+        # batch-invariant: only on chunk boundaries, where a cold prefill of the same tokens has the same chunks
+        if self.prefix is not None and (end % sh.snapshot_every == 0 or (end == L and not sh.batch_invariant)):
             self.prefix.insert(s.prompt[:end], s.pages[: -(-end // sh.page_size)], i)
         return self._plan()
 
@@ -272,7 +273,8 @@ class Scheduler:
             reason = "stop"
         s.handle.push(Event([tok], [logp] if req.logprobs else None, text, reason))
         if reason is not None:
-            if self.prefix is not None and len(s.out) > 1:  # the conversation so far: a follow-up turn's prefix
+            # the conversation so far: a follow-up turn's prefix (not batch-invariant: decode steps computed it)
+            if self.prefix is not None and len(s.out) > 1 and not self.shapes.batch_invariant:
                 fed = s.prompt + s.out[:-1]  # the last token drawn never entered the cache
                 self.prefix.insert(fed, s.pages[: -(-len(fed) // self.shapes.page_size)], i)
             self._release(i)

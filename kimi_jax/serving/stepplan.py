@@ -42,7 +42,9 @@ class Shapes:
     """The engine's static shapes (every compiled program is one of them). ``buckets``: prefill chunk lengths
     (powers of two from ``min_chunk`` to ``chunk``); ``widths``: page-table widths a decode step reads (powers of 4
     pages up to ``pages_per_seq``); ``row_buckets``: decode batch sizes (powers of 4 up to ``slots``, or only
-    ``slots`` when decode is not compacted); ``fresh_width``: the table width of a chunk that starts a sequence."""
+    ``slots`` when decode is not compacted); ``fresh_width``: the table width of a chunk that starts a sequence.
+    ``batch_invariant``: one decode program (every slot, the whole page table) and prefix snapshots only on chunk
+    boundaries, so that a request's numbers do not depend on what else runs (see the engine's docstring)."""
 
     slots: int
     max_len: int
@@ -52,6 +54,7 @@ class Shapes:
     min_chunk: int
     snapshot_every: int
     compact_decode: bool = True
+    batch_invariant: bool = False
 
     @property
     def pages_per_seq(self) -> int:
@@ -63,11 +66,11 @@ class Shapes:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        return _buckets(1, self.pages_per_seq, 4)
+        return (self.pages_per_seq,) if self.batch_invariant else _buckets(1, self.pages_per_seq, 4)
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
-        return _buckets(1, self.slots, 4) if self.compact_decode else (self.slots,)
+        return _buckets(1, self.slots, 4) if self.compact_decode and not self.batch_invariant else (self.slots,)
 
     @property
     def fresh_width(self) -> int:

@@ -1,0 +1,48 @@
+"""``Engine(batch_invariant=True)`` (``kimi-jax serve --batch-invariant``): in bfloat16 a request's greedy tokens and
+logits do not depend on what else is in flight. The same requests alone and all together, on the K3 fixture: with
+the mode, every token and every logit bit equal; without it, the decode programs for fewer rows or a narrower page
+table round differently and some replies change (which is what the mode is for)."""
+
+import numpy as np
+import pytest
+
+from kimi_jax.checkpoint.loading import from_pretrained
+from kimi_jax.serving.engine import Engine, Request
+
+SHAPES = dict(slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, record_logits=True)
+LENGTHS = (5, 40, 24, 70)  # a prefix hit on a chunk boundary (40 and 70 share their first 32 with nothing: cold)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(k3_tiny_a):
+    return from_pretrained(k3_tiny_a, dtype="bfloat16")
+
+
+def _alone_and_together(model, **kw):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in LENGTHS]
+    prompts.append(prompts[1][:32] + prompts[0])  # shares a chunk-aligned prefix with the second prompt
+    eng = Engine(model, **SHAPES, **kw).start()
+    try:
+        alone = [eng.submit(Request(p, max_tokens=16)).result() for p in prompts]
+        handles = [eng.submit(Request(p, max_tokens=16)) for p in prompts]
+        together = [h.result() for h in handles]
+    finally:
+        eng.stop()
+    return alone, together
+
+
+def test_batch_invariant_replies_do_not_depend_on_load(bf16_model):
+    alone, together = _alone_and_together(bf16_model, batch_invariant=True)
+    for a, b in zip(alone, together):
+        assert a.tokens == b.tokens
+        np.testing.assert_array_equal(a.logits, b.logits)  # every bit, every step
+    assert sum(b.cached_tokens for b in together) > 0  # hits served too (on chunk boundaries)
+
+
+@pytest.mark.slow
+def test_without_the_mode_load_changes_bfloat16_replies(bf16_model):
+    """What the mode removes: the default engine (compacted decode, page-table buckets) gives the same requests other
+    logits under load, so the comparison above can fail."""
+    alone, together = _alone_and_together(bf16_model)
+    assert any(not np.array_equal(a.logits, b.logits) for a, b in zip(alone, together))
