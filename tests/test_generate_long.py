@@ -1,0 +1,124 @@
+"""Long prompts through ``kimi_jax.generate``: chunked prefill and the memory budget (issue 36).
+
+* a prompt prefilled in chunks gives the K3 fixture's golden logits and greedy tokens, with prompts of different
+  lengths ending in different chunks (the KDA state and conv tails carried from chunk to chunk);
+* a memory budget the one-call prefill does not fit makes ``generate`` prefill in chunks that fit, with the tokens
+  and logits of the one-call prefill;
+* a 100,000-token prompt on the tiny K3 is refused before anything is allocated when its cache does not fit the
+  budget, and planned in chunks that fit a larger one (running it is the GPU check in benchmarks/long_prompt.py:
+  on this CPU its attention alone is ~4e13 flops).
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.generation import generate as G
+from kimi_jax.generation.generate import GenerationError, Generator
+from tests.parity import assert_close
+
+TOL = 5e-4  # as tests/test_generate.py: decode-step logits vs the golden full forward (float32)
+S = 512  # the cache length of the fast tests (one shared decode program: two prompts, logits recorded)
+LONG = 100_000
+
+
+@pytest.fixture(scope="module")
+def model(k3_tiny_a):
+    return kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+
+
+def _compiles():
+    """A list that grows by one name per XLA compilation from now on."""
+    seen = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: seen.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    return seen
+
+
+def test_chunked_prefill_matches_the_golden_forward(model, k3_golden):
+    """Prompts of 24 and 13 tokens in chunks of 8: three calls, the second prompt ends in the second. Its first
+    token's logits are the golden forward's at position 12; the first prompt's 16 decode steps are the golden
+    ``logits_full`` and its greedy tokens the golden ones."""
+    g = k3_golden
+    gen = Generator(model, max_len=S, prefill_chunk=8)
+    r = gen.generate([g["input_ids"][0].tolist(), g["full_ids"][1, :13].tolist()], [16, 4], stop=(),
+                     record_logits=True)
+    assert (r.timings["prefill_chunk"], r.timings["prefill_calls"]) == (8, 3)
+    err = assert_close(r.logits[0], g["logits_full"][0, 23:39], TOL, "chunked prefill + decode vs golden")
+    assert_close(r.logits[1][0], g["logits_full"][1, 12], TOL, "first token after a prompt ending mid-way")
+    assert r.tokens[0] == g["greedy_tokens"][0].tolist()
+    print(f"max |chunked step logits - logits_full| = {err:.3g}")
+
+
+def test_budget_prefills_in_chunks_that_fit(model):
+    """Prompts of 400 and 250 tokens in a 512-token cache: the one-call prefill (bucket 512) needs more working
+    memory than a budget of half its need allows, so ``generate`` prefills in the longest power-of-two chunks that fit (XLA's
+    count of the compiled programs), and gets the tokens and logits of the one-call prefill."""
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (400, 250)]
+    one = Generator(model, max_len=S)
+    whole = one.plan(ids, 8, stop=(), record_logits=True)
+    assert (whole.chunk, whole.calls) == (512, 1)
+    budget = (whole.cache_bytes + whole.working_bytes) // 2  # rules out the one-call prefill
+    chunked = Generator(model, max_len=S, memory_budget=budget)
+    plan = chunked.plan(ids, 8, stop=(), record_logits=True)
+    assert plan.chunk < 512 and plan.calls == -(-400 // plan.chunk) and plan.calls >= 2
+    assert plan.cache_bytes + plan.working_bytes <= budget == plan.limit
+    a = one.generate(ids, 8, stop=(), record_logits=True)
+    b = chunked.generate(ids, 8, stop=(), record_logits=True)
+    assert (b.timings["prefill_chunk"], b.timings["prefill_calls"]) == (plan.chunk, plan.calls)
+    assert b.tokens == a.tokens
+    for i in range(2):
+        assert_close(b.logits[i], a.logits[i], 1e-4, f"prompt {i}: chunked vs one-call prefill")
+    print(f"one call: {(whole.cache_bytes + whole.working_bytes) / 1e6:.1f} MB; chunks of {plan.chunk}: "
+          f"{(plan.cache_bytes + plan.working_bytes) / 1e6:.1f} MB (budget {budget / 1e6:.1f} MB)")
+
+
+def test_100k_prompt_refused_before_allocation(model, monkeypatch):
+    """A budget smaller than the cache for the context (131072 tokens, 76 MB): refused naming both, before anything
+    is compiled or allocated; a context past the model's max_position_embeddings is refused naming it."""
+    ids = [3 + i % 500 for i in range(LONG)]
+    monkeypatch.setattr(G, "init_cache", lambda *a, **k: pytest.fail("a cache was allocated"))
+    compiles = _compiles()
+    with pytest.raises(GenerationError, match=r"the cache for 1 sequence\(s\) x 131072 tokens needs 0.08 GB per "
+                                              r"device .* but the memory budget is 0.05 GB \(memory_budget\)"):
+        kimi_jax.generate(model, ids, 4, memory_budget=50_000_000)
+    gen = Generator(model, max_len=131072)
+    gen.cfg = dataclasses.replace(model.cfg, max_position_embeddings=65536)
+    with pytest.raises(GenerationError, match=r"100004 tokens exceeds the model's context of 65536"):
+        gen.generate(ids, 4)
+    assert not compiles
+
+
+def test_100k_prompt_planned_in_bounded_memory(model, monkeypatch):
+    """With a budget of 2 GB the 100,000-token prompt is planned in 391 chunks of 256 tokens whose cache and working
+    memory fit it (the one-call prefill would need ~0.8 TB); nothing is allocated."""
+    ids = [3 + i % 500 for i in range(LONG)]
+    monkeypatch.setattr(G, "init_cache", lambda *a, **k: pytest.fail("a cache was allocated"))
+    budget = 2_000_000_000
+    plan = Generator(model, max_len=131072, prefill_chunk=256, memory_budget=budget).plan(ids, 4, stop=())
+    assert (plan.chunk, plan.calls) == (256, 391)
+    assert plan.cache_bytes + plan.working_bytes <= budget
+    print(f"100k tokens in chunks of 256: {(plan.cache_bytes + plan.working_bytes) / 1e9:.2f} GB")
+
+
+@pytest.mark.slow
+def test_100k_prompt_refused_when_no_chunk_fits(model):
+    """A budget that holds the cache but not even a 16-token chunk's working memory (the attention of a chunk reads
+    the whole 131072-token cache): refused naming the chunk, the cache and the budget."""
+    ids = [3 + i % 500 for i in range(LONG)]
+    gen = Generator(model, max_len=131072, prefill_chunk=16, memory_budget=150_000_000)
+    with pytest.raises(GenerationError, match=r"prefilling 1 sequence\(s\) of up to 100000 tokens needs [0-9.]+ GB "
+                                              r"per device even in chunks of 16 tokens .* but the memory budget is "
+                                              r"0.15 GB"):
+        gen.generate(ids, 4)
+
+
+def test_bad_chunk_and_budget_refused(model):
+    with pytest.raises(GenerationError, match="prefill_chunk must be >= 1"):
+        Generator(model, prefill_chunk=0)
+    with pytest.raises(GenerationError, match="memory_budget must be a positive number of bytes"):
+        Generator(model, memory_budget=-5)
