@@ -44,6 +44,7 @@ from flax import nnx, struct
 
 from kimi_jax.model import offload
 from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
+from kimi_jax.model.config import model_dir
 from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
@@ -374,7 +375,7 @@ class Generator:
         self.dtype = model.run.dtype
         offload.place_model(model)  # RunConfig(offload=("experts",)): its expert weights into host memory
         self.graphdef, self.params = nnx.split(model)
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = load_tokenizer(model_dir(tokenizer)) if isinstance(tokenizer, str) else tokenizer
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise GenerationError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model only "
                                   f"{self.cfg.vocab_size}")
@@ -700,7 +701,8 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
     """Generate from a :class:`~kimi_jax.model.KimiModel`: see :meth:`Generator.generate`.
 
     ``prompts``: a string, a list of token ids, or a list of either (different lengths are fine). ``tokenizer``:
-    a :class:`~kimi_jax.text.tokenizer.Tokenizer` or a model directory holding tokenizer files (needed for text).
+    a :class:`~kimi_jax.text.tokenizer.Tokenizer` or a model directory holding tokenizer files, or ``"demo"`` (needed
+    for text).
     ``max_len``: cache length; by default the smallest power of two >= 256 that fits. ``kv_cache`` /
     ``kda_state``: the cache's storage options; ``prefill_chunk`` / ``memory_budget``: the longest prefill call and
     the bytes per device a request may use (:class:`Generator`). The generator (and its compiled functions and
@@ -708,7 +710,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
     """
     if isinstance(tokenizer, str):
         if tokenizer not in _TOKENIZERS:
-            _TOKENIZERS[tokenizer] = load_tokenizer(tokenizer)
+            _TOKENIZERS[tokenizer] = load_tokenizer(model_dir(tokenizer))  # "demo": the shipped demo model's
         tokenizer = _TOKENIZERS[tokenizer]
     if max_len is None:
         longest = max(len(p) for p in encode_prompts(prompts, tokenizer, model.cfg.vocab_size))
