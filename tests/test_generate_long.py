@@ -1,9 +1,8 @@
 """Long prompts through ``kimi_jax.generate``: chunked prefill and the memory budget (issue 36).
 
-* a prompt prefilled in chunks gives the K3 fixture's golden logits and greedy tokens, with prompts of different
-  lengths ending in different chunks (the KDA state and conv tails carried from chunk to chunk);
-* a memory budget the one-call prefill does not fit makes ``generate`` prefill in chunks that fit, with the tokens
-  and logits of the one-call prefill;
+* a memory budget the one-call prefill does not fit makes ``generate`` prefill in chunks that fit, and the chunked
+  prefill gives the K3 fixture's golden logits and greedy tokens, and the one-call prefill's, with prompts of
+  different lengths ending in different chunks (the KDA state and conv tails carried from chunk to chunk);
 * a 100,000-token prompt on the tiny K3 is refused before anything is allocated when its cache does not fit the
   budget, and planned in chunks that fit a larger one (running it is the GPU check in benchmarks/long_prompt.py:
   on this CPU its attention alone is ~4e13 flops).
@@ -21,7 +20,7 @@ from kimi_jax.generation.generate import GenerationError, Generator
 from tests.parity import assert_close
 
 TOL = 5e-4  # as tests/test_generate.py: decode-step logits vs the golden full forward (float32)
-S = 512  # the cache length of the fast tests (one shared decode program: two prompts, logits recorded)
+S = 128  # the cache length of the chunked run
 LONG = 100_000
 
 
@@ -38,43 +37,35 @@ def _compiles():
     return seen
 
 
-def test_chunked_prefill_matches_the_golden_forward(model, k3_golden):
-    """Prompts of 24 and 13 tokens in chunks of 8: three calls, the second prompt ends in the second. Its first
-    token's logits are the golden forward's at position 12; the first prompt's 16 decode steps are the golden
-    ``logits_full`` and its greedy tokens the golden ones."""
+def test_budget_prefills_in_chunks_that_match_the_golden_forward(model, k3_golden):
+    """Prompts of 80 and 24 tokens in a 128-token cache with a memory budget of half what the one-call prefill needs
+    (XLA's count of the compiled programs): ``generate`` prefills in the longest power-of-two chunks that fit, the
+    80-token prompt's KDA state and conv tails carried from chunk to chunk, the 24-token prompt ending in an earlier
+    chunk (its cache left alone after). The first tokens' logits are the golden forward's at the prompts' last
+    positions, the 24-token prompt's 16 decode steps the golden ``logits_full`` and its greedy tokens the golden
+    ones, and everything equals the one-call prefill's."""
     g = k3_golden
-    gen = Generator(model, max_len=S, prefill_chunk=8)
-    r = gen.generate([g["input_ids"][0].tolist(), g["full_ids"][1, :13].tolist()], [16, 4], stop=(),
-                     record_logits=True)
-    assert (r.timings["prefill_chunk"], r.timings["prefill_calls"]) == (8, 3)
-    err = assert_close(r.logits[0], g["logits_full"][0, 23:39], TOL, "chunked prefill + decode vs golden")
-    assert_close(r.logits[1][0], g["logits_full"][1, 12], TOL, "first token after a prompt ending mid-way")
-    assert r.tokens[0] == g["greedy_tokens"][0].tolist()
-    print(f"max |chunked step logits - logits_full| = {err:.3g}")
-
-
-def test_budget_prefills_in_chunks_that_fit(model):
-    """Prompts of 400 and 250 tokens in a 512-token cache: the one-call prefill (bucket 512) needs more working
-    memory than a budget of half its need allows, so ``generate`` prefills in the longest power-of-two chunks that fit (XLA's
-    count of the compiled programs), and gets the tokens and logits of the one-call prefill."""
-    rng = np.random.default_rng(0)
-    ids = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (400, 250)]
+    ids, new = [g["input_ids_long"][0].tolist(), g["input_ids"][0].tolist()], [4, 16]
     one = Generator(model, max_len=S)
-    whole = one.plan(ids, 8, stop=(), record_logits=True)
-    assert (whole.chunk, whole.calls) == (512, 1)
+    whole = one.plan(ids, new, stop=(), record_logits=True)
+    assert (whole.chunk, whole.calls) == (S, 1)
     budget = (whole.cache_bytes + whole.working_bytes) // 2  # rules out the one-call prefill
     chunked = Generator(model, max_len=S, memory_budget=budget)
-    plan = chunked.plan(ids, 8, stop=(), record_logits=True)
-    assert plan.chunk < 512 and plan.calls == -(-400 // plan.chunk) and plan.calls >= 2
+    plan = chunked.plan(ids, new, stop=(), record_logits=True)
+    assert plan.calls == -(-80 // plan.chunk) >= 2 and 24 <= plan.chunk * (plan.calls - 1)  # 24 tokens end first
     assert plan.cache_bytes + plan.working_bytes <= budget == plan.limit
-    a = one.generate(ids, 8, stop=(), record_logits=True)
-    b = chunked.generate(ids, 8, stop=(), record_logits=True)
-    assert (b.timings["prefill_chunk"], b.timings["prefill_calls"]) == (plan.chunk, plan.calls)
-    assert b.tokens == a.tokens
+    r = chunked.generate(ids, new, stop=(), record_logits=True)
+    assert (r.timings["prefill_chunk"], r.timings["prefill_calls"]) == (plan.chunk, plan.calls)
+    assert_close(r.logits[0][0], g["logits_long"][0, 79], TOL, "first token after 80 chunked tokens vs golden")
+    err = assert_close(r.logits[1], g["logits_full"][0, 23:39], TOL, "chunked prefill + decode vs golden")
+    assert r.tokens[1] == g["greedy_tokens"][0].tolist()
+    a = one.generate(ids, new, stop=(), record_logits=True)
+    assert r.tokens == a.tokens
     for i in range(2):
-        assert_close(b.logits[i], a.logits[i], 1e-4, f"prompt {i}: chunked vs one-call prefill")
+        assert_close(r.logits[i], a.logits[i], 1e-4, f"prompt {i}: chunked vs one-call prefill")
     print(f"one call: {(whole.cache_bytes + whole.working_bytes) / 1e6:.1f} MB; chunks of {plan.chunk}: "
-          f"{(plan.cache_bytes + plan.working_bytes) / 1e6:.1f} MB (budget {budget / 1e6:.1f} MB)")
+          f"{(plan.cache_bytes + plan.working_bytes) / 1e6:.1f} MB (budget {budget / 1e6:.1f} MB); "
+          f"max |step logits - golden| = {err:.3g}")
 
 
 def test_100k_prompt_refused_before_allocation(model, monkeypatch):

@@ -10,7 +10,12 @@ import sys
 
 import jax
 
+from kernels_pallas._dispatch import KernelUnavailable
 from kimi_jax.checkpoint import synthetic
+from kimi_jax.cli import generate as generate_cli
+from kimi_jax.cli import plan as plan_cli
+from kimi_jax.cli import serve as serve_cli
+from kimi_jax.cli import train as train_cli
 from kimi_jax.model import config as C
 from kimi_jax.model.decoder import abstract_model, param_count
 
@@ -88,24 +93,18 @@ COMMANDS = "kimi_jax.commands"  # entry-point group of commands that packages bu
 def _plugin_commands():
     """Entry points of the ``kimi_jax.commands`` group: ``register(subparsers)`` callables. The converter lives above
     kimi_jax (it imports kimi_jax, never the reverse), so its command arrives this way (pyproject.toml)."""
-    from importlib.metadata import entry_points
-
-    return sorted(entry_points(group=COMMANDS), key=lambda e: e.name)
+    return sorted(importlib.metadata.entry_points(group=COMMANDS), key=lambda e: e.name)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     p.add_argument("--version", action="version", version=f"kimi-jax {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    from kimi_jax.cli import generate as generate_cli
-
     generate_cli.add_demo_arguments(sub.add_parser(
         "demo", help="build a tiny Kimi K3 checkpoint in the released format, load it and generate (no downloads)"))
     generate_cli.add_generate_arguments(sub.add_parser(
         "generate", help="generate from a prompt (--model: HF or converted directory; default: the demo model)"))
     generate_cli.add_chat_arguments(sub.add_parser("chat", help="interactive K3-format chat with a model"))
-    from kimi_jax.cli import serve as serve_cli
-
     serve_cli.add_serve_arguments(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions; default: the demo model)"))
     i = sub.add_parser("info", help="describe a model directory, the shipped demo model (demo) or a preset (k3, "
@@ -123,9 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of the tensors the release does not pin (default: %(default)s)")
     t.set_defaults(func=_cmd_make_tiny)
-    from kimi_jax.cli import plan as plan_cli
-    from kimi_jax.cli import train as train_cli
-
     train_cli.add_train_arguments(sub.add_parser(
         "train", help="train or LoRA-tune a model on text files (Orbax checkpoints, resumable; exports the HF layout)"))
     for command in _plugin_commands():  # `kimi-jax convert` (the convert package) registers itself here
@@ -139,8 +135,6 @@ def main(argv=None):
     """Run one command. Errors the user can act on -- bad input, a config or checkpoint that does not fit, a kernel
     asked for that cannot run here, a file that cannot be read or written -- end in one line and exit status 2
     (1 for a refused file operation the OS reports); anything else is a bug and keeps its traceback."""
-    from kernels_pallas._dispatch import KernelUnavailable
-
     choose_platform()  # before any command starts JAX's runtimes
     args = build_parser().parse_args(argv)
     try:
