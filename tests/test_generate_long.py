@@ -68,6 +68,19 @@ def test_budget_prefills_in_chunks_that_match_the_golden_forward(model, k3_golde
           f"max |step logits - golden| = {err:.3g}")
 
 
+def test_chunked_prefill_with_the_cache_in_host_memory(k3_tiny_a, k3_golden):
+    """``RunConfig(offload=("kda_state", "cache"))``: the chunks' cache stays in host memory from the restart through
+    the first token to decode (a first token that took the cache in once handed decode a device copy, and the run
+    aborted), and gives the golden greedy tokens, twice over the same kept cache."""
+    model = kimi_jax.from_pretrained(k3_tiny_a, run=kimi_jax.RunConfig(dtype="float32", offload=("kda_state", "cache")),
+                                     progress=False)
+    gen = Generator(model, max_len=64, prefill_chunk=8)
+    for _ in range(2):
+        r = gen.generate(k3_golden["input_ids"], 16, stop=())
+        assert r.timings["prefill_calls"] == 3
+        assert r.tokens == k3_golden["greedy_tokens"].tolist()
+
+
 def test_100k_prompt_refused_before_allocation(model, monkeypatch):
     """A budget smaller than the cache for the context (131072 tokens, 76 MB): refused naming both, before anything
     is compiled or allocated; a context past the model's max_position_embeddings is refused naming it."""

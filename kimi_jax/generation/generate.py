@@ -156,7 +156,7 @@ def prefill(graphdef, params, cache: Cache, ids_BT, lengths_B, samp: Sampling, *
     return _first_token(res.cache, res.logits[:, 0], samp, out_len, record_logits)
 
 
-def _first_token(cache: Cache, logits_BV, samp: Sampling, out_len: int, record_logits: bool) -> DecodeState:
+def _first_token(cache: Cache | None, logits_BV, samp: Sampling, out_len: int, record_logits: bool) -> DecodeState:
     """The decode state after a prefill whose last prompt positions gave ``logits [B, V]``: the first token sampled."""
     B, V = logits_BV.shape
     st = DecodeState(
@@ -192,10 +192,12 @@ def prefill_chunk(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV):
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV)
 
 
-@functools.partial(jax.jit, static_argnames=("out_len", "record_logits"), donate_argnames=("cache",))
-def first_token(cache: Cache, last_BV, samp: Sampling, *, out_len: int, record_logits: bool = False) -> DecodeState:
-    """The decode state after a chunked prefill (:func:`prefill_chunk`'s ``last``): the first token sampled."""
-    return _first_token(cache, last_BV, samp, out_len, record_logits)
+@functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
+def first_token(last_BV, samp: Sampling, *, out_len: int, record_logits: bool = False) -> DecodeState:
+    """The decode state after a chunked prefill (:func:`prefill_chunk`'s ``last``), the first token sampled, without
+    its cache (None: the caller puts the chunks' cache in, so that it stays where it lives -- host memory under
+    offload -- without this program copying it)."""
+    return _first_token(None, last_BV, samp, out_len, record_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
@@ -513,7 +515,7 @@ class Generator:
                 _compile(("chunk", *base, chunk), lambda: prefill_chunk.lower(
                     self.graphdef, self.params, shapes, i32(B, chunk), i32(B), last)),
                 _compile(("first", *base, samp.stop.shape[0], record_logits), lambda: first_token.lower(
-                    shapes, last, samp_shape, **sampled))]
+                    last, samp_shape, **sampled))]
         return tuple(p for p, _ in programs), max(w for _, w in programs)
 
     def _prefill(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling) -> DecodeState:
@@ -527,7 +529,7 @@ class Generator:
         for i in range(plan.calls):
             n = np.clip(lengths - i * C, 0, C).astype(np.int32)
             cache, last = chunk(self.params, cache, tokens[:, i * C:(i + 1) * C], n, last)
-        return start(cache, last, samp)
+        return start(last, samp).replace(cache=cache)
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
