@@ -81,6 +81,39 @@ def test_chunked_prefill_with_the_cache_in_host_memory(k3_tiny_a, k3_golden):
         assert r.tokens == k3_golden["greedy_tokens"].tolist()
 
 
+_ON_A_MESH = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import kimi_jax
+from safetensors.numpy import load_file
+from kimi_jax.generation.generate import Generator
+from kimi_jax.parallel import sharding
+path = sys.argv[1]
+g = load_file(os.path.join(path, "golden.safetensors"))
+for mesh in [(2, 1, 2), (1, 2, 2)]:
+    model = kimi_jax.from_pretrained(path, dtype="float32", mesh=sharding.make_mesh(*mesh), progress=False)
+    gen = Generator(model, max_len=64, prefill_chunk=8)
+    for _ in range(2):
+        r = gen.generate(g["input_ids"], 16, stop=())
+        assert r.timings["prefill_calls"] == 3 and r.tokens == g["greedy_tokens"].tolist(), (mesh, r.tokens)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_chunked_prefill_on_a_mesh(k3_tiny_a):
+    """A sharded model (4 CPU devices, data x model and expert x model): the chunks' cache and last logits keep their
+    shardings from call to call (the programs are compiled for them), and the tokens are the golden ones."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _ON_A_MESH, k3_tiny_a], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 def test_100k_prompt_refused_before_allocation(model, monkeypatch):
     """A budget smaller than the cache for the context (131072 tokens, 76 MB): refused naming both, before anything
     is compiled or allocated; a context past the model's max_position_embeddings is refused naming it."""

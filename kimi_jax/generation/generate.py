@@ -180,8 +180,7 @@ def restart(cache: Cache) -> Cache:
                  tuple(zero(e) for e in cache.stack))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "last_BV"))
-def prefill_chunk(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV):
+def _prefill_chunk(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV):
     """One chunk of right-padded prompts, continuing what the cache holds (after :func:`restart` for the first): KDA
     states and conv tails carried, attention over the rows written so far. ``lengths`` valid tokens each (0: the
     prompt ended in an earlier chunk; that row's cache is left untouched, as for a finished sequence in
@@ -190,6 +189,10 @@ def prefill_chunk(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV):
     model = nnx.merge(graphdef, params)
     res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV)
+
+
+CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_BV"))
+prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
@@ -393,6 +396,9 @@ class Generator:
                                                 for a in jax.tree.leaves(self.params)),
                            self.max_len, kv_cache, str(kda_state))
         self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
+        # where a chunked prefill keeps each row's last logits between chunks: replicated over the model's mesh
+        self._last_sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if self.parallel is None
+                               else jax.sharding.NamedSharding(self.parallel.mesh, jax.sharding.PartitionSpec()))
         self.scan = model.run.scan_layers  # and laid out as its layers are (stacked when scanned)
         self.offload = model.run.offload
 
@@ -507,12 +513,15 @@ class Generator:
             programs = [_compile(("prefill", *base, T, samp.stop.shape[0], record_logits), lambda: prefill.lower(
                 self.graphdef, self.params, shapes, i32(B, T), i32(B), samp_shape, **sampled))]
         else:
-            last = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), F32)
-            # the restart keeps every entry where it lives (host memory under offload), as init_cache puts it
+            last = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), F32, sharding=self._last_sharding)
+            # Every chunk hands the next its cache and ``last`` where it took them (the layout's shardings, host
+            # memory under offload): a program compiled ahead of time takes its inputs only as it was compiled for.
             placed = {} if shardings is None else {"out_shardings": shardings}
+            chunked = prefill_chunk if shardings is None else jax.jit(
+                _prefill_chunk, out_shardings=(shardings, self._last_sharding), **CHUNK_JIT)
             programs = [
                 _compile(("restart", *base), lambda: jax.jit(restart, donate_argnums=0, **placed).lower(shapes)),
-                _compile(("chunk", *base, chunk), lambda: prefill_chunk.lower(
+                _compile(("chunk", *base, chunk), lambda: chunked.lower(
                     self.graphdef, self.params, shapes, i32(B, chunk), i32(B), last)),
                 _compile(("first", *base, samp.stop.shape[0], record_logits), lambda: first_token.lower(
                     last, samp_shape, **sampled))]
@@ -525,7 +534,7 @@ class Generator:
         clear, chunk, start = plan.programs
         C, B = plan.chunk, tokens.shape[0]
         tokens = np.pad(tokens, [(0, 0), (0, max(0, plan.calls * C - tokens.shape[1]))])
-        cache, last = clear(cache), jnp.zeros((B, self.cfg.vocab_size), F32)
+        cache, last = clear(cache), jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._last_sharding)
         for i in range(plan.calls):
             n = np.clip(lengths - i * C, 0, C).astype(np.int32)
             cache, last = chunk(self.params, cache, tokens[:, i * C:(i + 1) * C], n, last)
