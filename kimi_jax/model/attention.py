@@ -28,7 +28,7 @@ import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
 import kernels_pallas.paged_attention as paged_kernels
 from kernels_pallas import cache_quant, matvec
-from kimi_jax.model.cache import KDACache, KVCache, MLACache
+from kimi_jax.model.cache import Cache, KDACache, KDAVerify, KVCache, MLACache, map_kda
 from kimi_jax.model.config import GQAConfig, KDAConfig, MLAConfig
 from kimi_jax.model.layers import F32, linear, linear_group, param, rms_norm
 from kimi_jax.model.run import RunConfig
@@ -122,8 +122,14 @@ class KDA(nnx.Module):
         self.o_proj = p((D, P), ("embed", "heads"))
 
     def __call__(self, x_BTD, step: Step, cache: KDACache | None, run: RunConfig):
+        """With a :class:`KDAVerify` record in ``cache`` (a verify call, :func:`kimi_jax.model.cache.for_verify`) the
+        state and conv tails are returned as they came and the record holds this call's recurrence inputs instead;
+        :func:`commit_verified` advances them over the accepted positions."""
         c = self.cfg
         B, T, _ = x_BTD.shape
+        verify = cache is not None and cache.verify is not None
+        if verify and not step.prefix:
+            raise ValueError("a verify call continues the cache: call the model with prefix=True")
         H, K = c.num_heads, c.head_dim
         heads = lambda a: a.reshape(B, T, H, K)
         zero_tail = jnp.zeros((B, c.conv_size - 1, c.proj), run.dtype)
@@ -156,7 +162,8 @@ class KDA(nnx.Module):
         beta = jnp.where(step.valid[..., None], beta, 0.0)
 
         q, k = _l2norm(q.astype(F32)), _l2norm(k.astype(F32))
-        decode = cache is not None and step.prefix and T == 1
+        # a verify call runs the decode kernel over its few positions, so that replaying them repeats decode steps
+        decode = cache is not None and step.prefix and (T == 1 or verify)
         if not decode:
             # The reference's chunked path stores normalised q/k in the activation dtype (no-op in float32).
             q, k = q.astype(run.dtype).astype(F32), k.astype(run.dtype).astype(F32)
@@ -175,7 +182,46 @@ class KDA(nnx.Module):
         o32 = o32 * self.o_norm[...].astype(F32) * jax.nn.sigmoid(heads(gate).astype(F32))
         y = linear(o32.astype(run.dtype).reshape(B, T, c.proj), self.o_proj[...], run)
         new_cache = None if cache is None else KDACache(*new_tails, state.astype(cache.state.dtype))
+        if verify:
+            new_cache = cache.replace(verify=KDAVerify(xq, xk, xv, q, k, v, g, beta))
         return y, new_cache
+
+
+def _commit_kda(entry: KDACache, keep_B, run: RunConfig) -> KDACache:
+    """A KDA entry after a verify call (leading dimensions ``[B]``) advanced over its first ``keep[b]`` positions
+    only: the recurrence replayed from the kept state with the later positions made inert (g = beta = 0 leaves the
+    state bit for bit), the conv tails the last W-1 pre-conv rows up to that position."""
+    r = entry.verify
+    T, K = r.q.shape[1], r.q.shape[-1]
+    keep = jnp.arange(T)[None] < keep_B[:, None]  # [B, T]
+    g = jnp.where(keep[..., None, None], r.g, 0.0)
+    beta = jnp.where(keep[..., None], r.beta, 0.0)
+    _, state = kda_kernels.kda_decode(r.q, r.k, r.v, g, beta, entry.state.astype(F32), scale=K**-0.5,
+                                      implementation=run.implementation, placement=run.placement)
+    tails = []
+    for tail, rows in ((entry.conv_q, r.rows_q), (entry.conv_k, r.rows_k), (entry.conv_v, r.rows_v)):
+        xx = jnp.concatenate([tail, rows.astype(tail.dtype)], axis=1)  # [B, W-1+T, P], as _short_conv's
+        idx = keep_B[:, None] + jnp.arange(tail.shape[1])[None]
+        tails.append(jnp.take_along_axis(xx, idx[:, :, None], axis=1))
+    return KDACache(*tails, state.astype(entry.state.dtype))
+
+
+def commit_verified(cache: Cache, start_B, keep_B, run: RunConfig) -> Cache:
+    """The cache after a verify call from lengths ``start [B]``, holding only the first ``keep[b]`` of its positions
+    (0: the sequence's cache as it was). KDA entries are advanced exactly over those (:func:`_commit_kda`); MLA /
+    GQA rows past them stay written but unread (the lengths say where the sequence ends; the next call writes over
+    them before it reads)."""
+
+    def commit(e: KDACache) -> KDACache:
+        lead = e.state.ndim - 3  # 1, or 2 for a stacked entry [repetitions, B, ...]: folded into one batch
+        if lead == 1:
+            return _commit_kda(e, keep_B, run)
+        n = e.state.shape[0]
+        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), e)
+        out = _commit_kda(flat, jnp.tile(keep_B, n), run)
+        return jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), out)
+
+    return map_kda(cache, commit).replace(lengths=start_B + keep_B)
 
 
 # -- gated NoPE MLA ---------------------------------------------------------------------------------------

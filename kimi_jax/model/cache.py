@@ -21,6 +21,12 @@ K]``, shared by every slot through a page table the model receives with each cal
 With scanned layers (:mod:`kimi_jax.model.layer_plan`) the entries of the scanned run are stacked like their parameters:
 ``Cache.stack[j]`` holds position ``j`` of the group for every repetition (leading dimension), and those layers'
 ``Cache.layers`` entries are None.
+
+Verification (speculative decoding, :func:`for_verify`): a call over ``T`` drafted positions must not commit the KDA
+state past the last accepted one. Its KDA entries carry a :class:`KDAVerify` record; the layer then leaves the state
+and conv tails as they were and records its recurrence inputs, and
+:func:`kimi_jax.model.attention.commit_verified` replays the accepted prefix from them (an exact rollback, without
+one state per position).
 """
 
 from __future__ import annotations
@@ -36,11 +42,27 @@ from kimi_jax.model.layer_plan import layer_plan
 
 
 @struct.dataclass
+class KDAVerify:
+    """What a verify call fed one KDA layer's recurrence (padding and positions past its lengths inert: g = beta = 0).
+    Dtypes as the layer hands them to the kernel, so that replaying a prefix repeats the decode steps exactly."""
+
+    rows_q: jax.Array  # [B, T, P] activation dtype: this call's pre-conv rows (the next conv tails come from them)
+    rows_k: jax.Array  # [B, T, P]
+    rows_v: jax.Array  # [B, T, P]
+    q: jax.Array  # [B, T, H, K] float32, L2-normalised
+    k: jax.Array  # [B, T, H, K] float32, L2-normalised
+    v: jax.Array  # [B, T, H, U] activation dtype
+    g: jax.Array  # [B, T, H, K] float32 log decay
+    beta: jax.Array  # [B, T, H] float32
+
+
+@struct.dataclass
 class KDACache:
     conv_q: jax.Array  # [B, W-1, P] activation dtype
     conv_k: jax.Array  # [B, W-1, P]
     conv_v: jax.Array  # [B, W-1, P]
     state: jax.Array  # [B, H, K, U] float32 (or bfloat16: kda_state)
+    verify: KDAVerify | None = None  # a verify call's record (:func:`for_verify`); None otherwise
 
 
 @struct.dataclass
@@ -170,6 +192,30 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, s
     if sharding is None:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=sharding)()
+
+
+def _verify_record(entry: KDACache, T: int) -> KDAVerify:
+    """A zeroed :class:`KDAVerify` of ``T`` positions for ``entry`` (its leading dimensions: batch, or repetitions
+    and batch)."""
+    lead, (P,) = entry.conv_q.shape[:-2], entry.conv_q.shape[-1:]
+    H, K, U = entry.state.shape[-3:]
+    rows = jnp.zeros((*lead, T, P), entry.conv_q.dtype)
+    return KDAVerify(rows, rows, rows, jnp.zeros((*lead, T, H, K), jnp.float32), jnp.zeros((*lead, T, H, K), jnp.float32),
+                     jnp.zeros((*lead, T, H, U), entry.conv_v.dtype), jnp.zeros((*lead, T, H, K), jnp.float32),
+                     jnp.zeros((*lead, T, H), jnp.float32))
+
+
+def map_kda(cache: Cache, fn) -> Cache:
+    """``cache`` with ``fn(entry)`` in place of every KDA entry (stacked ones too, their repetitions leading)."""
+    f = lambda e: fn(e) if isinstance(e, KDACache) else e  # noqa: E731
+    return Cache(tuple(None if e is None else f(e) for e in cache.layers), cache.lengths,
+                 tuple(f(e) for e in cache.stack))
+
+
+def for_verify(cache: Cache, T: int) -> Cache:
+    """``cache`` ready for a verify call of ``T`` positions: every KDA entry carries a zeroed :class:`KDAVerify`
+    (the model fills it instead of advancing the state; :func:`kimi_jax.model.attention.commit_verified` commits)."""
+    return map_kda(cache, lambda e: e.replace(verify=_verify_record(e, T)))
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, kv_cache: str | None = None,
