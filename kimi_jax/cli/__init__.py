@@ -1,4 +1,4 @@
-"""The ``kimi-jax`` command line."""
+"""The kimi-jax command line."""
 
 from __future__ import annotations
 
@@ -56,16 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.add_serve_arguments(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions; default: the demo model)"))
-    i = sub.add_parser("info", help="describe a model directory or preset (k3, kimi-linear-48b-a3b, kimi-dense)")
-    i.add_argument("model")
+    i = sub.add_parser("info", help="describe a model directory, the shipped demo model (demo) or a preset (k3, "
+                                    "kimi-linear-48b-a3b, kimi-dense)")
+    i.add_argument("model", help="a model directory, demo, or a preset name")
     i.set_defaults(func=_cmd_info)
-    t = sub.add_parser("make-tiny", help="write a small random checkpoint in a released layout (k3, kimi_linear, llama)")
-    t.add_argument("dir")
-    t.add_argument("--family", default="k3", choices=["k3", "kimi_linear", "llama"])
+    t = sub.add_parser("make-tiny", help="write a small random checkpoint in a released layout (k3, kimi_linear, "
+                                         "llama), with a tokenizer where its vocabulary holds one (k3)")
+    t.add_argument("dir", help="output directory (new or empty)")
+    t.add_argument("--family", default="k3", choices=["k3", "kimi_linear", "llama"],
+                   help="layout (default: %(default)s)")
     t.add_argument("--config", help="config.json to use instead of the family's tiny default")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--shards", type=int, default=2)
-    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
+    t.add_argument("--shards", type=int, default=2, help="safetensors files to split it into (default: %(default)s)")
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the tensors the release does not pin (default: %(default)s)")
     t.set_defaults(func=_cmd_make_tiny)
 
     train_cli.add_train_arguments(sub.add_parser(
