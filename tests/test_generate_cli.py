@@ -41,6 +41,7 @@ def test_demo_command(capsys):
     assert "demo Kimi K3 in the released format" in err and "MXFP4 experts" in err
     assert "Trained on Python's documentation" in err and "held-out loss" in err
     assert "time to first token" in err and "tok/s" in err
+    assert "the first request compiles the prefill and decode programs" in err  # said before the wait
     assert out.strip()  # the streamed text
     assert cli.main(["demo", "--random", "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()

@@ -262,6 +262,8 @@ def _check_generate_flags(args) -> None:
     _ids(args)
     if (args.no_thinking or args.hide_thinking) and not args.chat:
         raise ValueError("--no-thinking and --hide-thinking describe a chat reply: add --chat")
+    if args.chat and args.ids:
+        raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
     if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
         print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
 
