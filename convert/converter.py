@@ -197,6 +197,9 @@ def _plan_for(ckpt: Checkpoint, cfg_src, cfg_out, dtype: str, layers, experts, q
         formats = quantize_lib.plan(abstract, q["format"], q["include"])
     except ValueError as e:
         raise ConvertError(f"{describe_quantization(q)}: {e}") from None
+    note = quantize_lib.summary(abstract, q["format"], q["include"])
+    if note is not None:  # the weights the format does not fit are stored in the one they fell back to
+        quantize_lib.log.warning("convert --quantize %s", note)
     quantize_lib.quantize(abstract, q["format"], q["include"])  # abstract: the packed fields' shapes
     fields = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("kimi_jax", "convert", "kernels_pallas")
@@ -256,3 +257,33 @@ def test_architecture_note_draws_the_layers_and_names_every_module():
     missing += [f"kernels_pallas/{m}" for m in sorted(mods) if m not in kp]
     missing += [f"kernels_pallas/{o}/" for o in sorted(ops) if f"{o}/" not in kp]
     assert not missing, missing
+
+
+def _tracked_text_files():
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in out:
+        path = ROOT / name
+        if path.suffix in (".safetensors", ".model", ".png") or not path.is_file():
+            continue
+        try:
+            yield name, path.read_text()
+        except UnicodeDecodeError:
+            continue
+
+
+SHARED = re.compile(r"\.\./" + r"shared(?![\w.])")  # written in two parts, so this file does not match itself
+
+
+def test_the_repository_stands_alone():
+    """No tracked file points outside the repository, at the folder beside it that a user's clone does not have: the
+    fixture and the benchmark config live in tests/fixtures/ and benchmarks/configs/."""
+    bad = [name for name, text in _tracked_text_files() if SHARED.search(text)]
+    assert not bad, bad
+    assert SHARED.search("see ../" "shared/fixtures") and not SHARED.search('#include "../shared.h"')
+
+
+def test_readme_is_short_and_its_links_exist():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)\)", text)
+    assert links and not [link for link in links if not (ROOT / link).exists()]

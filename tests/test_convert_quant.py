@@ -266,3 +266,23 @@ def test_float_experts_quantized_on_request(tmp_path):
     stacks = [k for k in got if k.endswith("experts.w1.q")]
     assert stacks and all(got[k].ndim == 3 for k in stacks)
     assert json.load(open(tmp_path / "dst" / orbax_io.MARKER))["quantize"]["include"] == ["mlp", "experts"]
+
+
+def test_fallback_weights_stored_and_restored_as_quantized_at_load(tmp_path, caplog):
+    """``--quantize int4`` of a Llama whose ``o_proj`` (64, 72) no group divides: the converter says what fell back,
+    stores it int8, and the restore builds the same packed types (the plan is a function of the shapes), bit for bit
+    the load-time quantization."""
+    import logging
+
+    from kimi_jax.checkpoint import synthetic
+
+    cfg = synthetic.llama_config_dict()
+    cfg.update(num_attention_heads=3, head_dim=24, num_key_value_heads=1)
+    src = synthetic.write_checkpoint(tmp_path / "src", "llama", config=cfg, num_shards=1)
+    with caplog.at_level(logging.WARNING, logger="kimi_jax.model.quantize"):
+        convert_checkpoint(src, tmp_path / "dst", quantize="int4", progress=False)
+    assert any(m.startswith("convert --quantize int4:g32: 2 of 15 weights fell back") for m in caplog.messages)
+    want = _leaves(kimi_jax.from_pretrained(src, quantize="int4", progress=False))
+    got = _leaves(kimi_jax.from_pretrained(tmp_path / "dst", progress=False))
+    assert got.keys() == want.keys() and all(_same_bits(got[k], want[k]) for k in got)
+    assert "layers.0.self_attn.o_proj.q" in got and "layers.0.self_attn.q_proj.packed" in got  # int8 / int4 fields

@@ -80,6 +80,17 @@ def test_generate_says_what_it_compiles(demo_dir, capsys):
     assert "compiling" not in capsys.readouterr().err
 
 
+def test_make_tiny_checkpoint_takes_text(tmp_path, capsys):
+    """`kimi-jax make-tiny DIR` writes a tokenizer, so `generate --model DIR --prompt` takes text (issue 36; the same
+    shapes as test_generate_command's, whose compiled programs it reuses)."""
+    assert cli.main(["make-tiny", str(tmp_path / "k3")]) == 0
+    assert "text prompts work" in capsys.readouterr().out
+    assert cli.main(["generate", "--model", str(tmp_path / "k3"), "--prompt", "hi", "--max-new-tokens", "5",
+                     "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "decode" in err
+
+
 @pytest.mark.slow
 def test_generate_command_memory_options(demo_dir, capsys):
     """--kv-cache int8 / --kda-state bfloat16 reach the generator: greedy output as the float cache gives (the tiny

@@ -118,6 +118,6 @@ def test_request_longer_than_the_context_or_the_memory(tmp_path):
     huge = 1 << 40  # a cache of 2**40 positions: terabytes
     model.cfg = cfg
     with pytest.raises(GenerationError, match=r"the cache for 1 sequence\(s\) x 1099511627776 tokens needs [0-9.]+ GB "
-                                              r"per device \(float32 rows\), but cpu:0 has [0-9.]+ GB free: lower "
-                                              r"max_len"):
+                                              r"per device \(float32 rows\), but cpu:0 has [0-9.]+ GB free and a "
+                                              r"request takes at most 90% of it: lower max_len"):
         kimi_jax.generate(model, [[1, 2, 3]], 4, max_len=huge)

@@ -242,3 +242,46 @@ def test_plan_counts_packed_weights_in_their_class(fmt):
     assert q["dense + shared MLP"] < ratio * full["dense + shared MLP"]
     assert q["attention"] < ratio * full["attention"]
     assert q["embedding + lm_head"] < full["embedding + lm_head"]
+
+
+def test_fallback_formats():
+    """The first format that fits a weight whose input columns the asked group does not divide: the group halved
+    while a power of two >= 16, then int8; a weight narrower than the group takes one group per row, as before."""
+    choose = lambda fmt, shape: (lambda f, why: (f.name(), why is not None))(*Q.choose(quant.Format.parse(fmt), shape))
+    assert choose("int4", (8, 64)) == ("int4:g32", False)
+    assert choose("int4", (8, 24)) == ("int4:g24", False)  # narrower than the group: not a fallback
+    assert choose("int4", (8, 48)) == ("int4:g16", True)
+    assert choose("int4", (96, 72)) == ("int8", True)
+    assert choose("int4:g128:zero", (8, 192)) == ("int4:g64:zero", True)
+    assert choose("nf4", (8, 96)) == ("nf4:g32", True)
+    assert choose("int4:g48", (8, 96)) == ("int4:g48", False)
+    assert choose("int4:g48", (8, 64)) == ("int8", True)  # 24 is no power of two: straight to int8
+
+
+def test_odd_matrices_fall_back_per_weight(tmp_path, caplog):
+    """A tiny Llama with three 24-wide heads: ``o_proj`` is (64, 72), which no group of 32 or 16 divides. ``int4``
+    quantizes it to int8 and every other selected weight to int4:g32, logs which fell back, and computes what the
+    float model computes with the decoded weights in place. (It used to refuse the whole model.)"""
+    import logging
+
+    cfg = synthetic.llama_config_dict()
+    cfg.update(num_attention_heads=3, head_dim=24, num_key_value_heads=1)
+    path = synthetic.write_checkpoint(tmp_path, "llama", config=cfg, num_shards=1, dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="kimi_jax.model.quantize"):
+        model = kimi_jax.from_pretrained(path, dtype="float32", progress=False, quantize="int4")
+    p = _params(model)
+    chosen = {k: packed.format_name(v) for k, v in p.items() if packed.is_packed(v)}
+    assert chosen == {k: "int8" if k.endswith("o_proj") else "int4:g32"
+                      for k in p if Q.module_class(k) in Q.DEFAULT}, chosen
+    assert caplog.messages == ["quantize int4:g32: 2 of 15 weights fell back, their input columns not a multiple of "
+                               "the group 32: 2 to int8 (layers.0.self_attn.o_proj (64, 72), "
+                               "layers.1.self_attn.o_proj (64, 72))"]
+    fake = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
+    state = nnx.state(fake, nnx.Param)
+    for p_, var in nnx.to_flat_state(state):
+        key = ".".join(map(str, p_))
+        if key in chosen:
+            var.set_value(quant.dequantize(p[key], jnp.float32))
+    nnx.update(fake, state)
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, model.cfg.vocab_size, (1, 12)))
+    np.testing.assert_allclose(np.asarray(model(ids).logits), np.asarray(fake(ids).logits), rtol=1e-4, atol=1e-4)

@@ -165,5 +165,5 @@ def test_make_tiny_cli_without_torch(tmp_path):
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "k3"))[1:] == [f"model-0000{i}-of-000003.safetensors" for i in (1, 2, 3)] + \
-        ["model.safetensors.index.json"]
+        ["model.safetensors.index.json", "tiktoken.model", "tokenizer_config.json"]
     kimi_jax.model.config.load(tmp_path / "k3")  # parses

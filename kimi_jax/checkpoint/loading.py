@@ -48,7 +48,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
                     run: RunConfig | None = None, mesh=None, layout="tp_ep", scan_layers: bool = False,
                     check_finite: bool = True, progress: bool = True, quantize: str | None = None,
                     quantize_include=None, quantize_calibration=None) -> KimiModel:
-    """Load a model. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
+    """Load a model from a directory, or the shipped demo model by its name ``"demo"``. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed); None (or
     ``"auto"``): bfloat16, on the CPU too (:func:`auto_dtype`); ``"float32"`` for oracle-grade numerics. ``run``,
     when given, carries its own dtype.
@@ -72,7 +72,7 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
     A checkpoint converted with ``kimi-jax convert --quantize`` loads as the quantized model it stores (the packed
     fields are read as they are; no float weight is built). Asking it for its own format and classes is a no-op;
     asking for another is refused, naming both (load the source, or convert again)."""
-    path = os.fspath(path)
+    path = config_lib.model_dir(path)  # "demo": the shipped demo model
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
 

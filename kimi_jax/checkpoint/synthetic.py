@@ -4,6 +4,7 @@
                                             # MXFP4 experts as compressed-tensors packs them, F32 where the release is
     write_checkpoint(path, "kimi_linear")   # Kimi Linear as HF transformers' save_pretrained writes it
     write_checkpoint(path, "llama")         # LlamaForCausalLM, likewise
+    write_checkpoint(path, "k3", tokenizer=True)  # with a small Kimi-format tokenizer: text prompts work
 
 The tensor inventory is derived here from the raw config keys (independently of ``kimi_jax.model.config`` and the loader's
 name table, which it is meant to test). Every tensor gets its own random stream seeded by (seed, crc32(name)), so
@@ -34,6 +35,7 @@ from kimi_jax.checkpoint import names as name_table
 from kimi_jax.checkpoint.safetensors import DTYPES
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
 from kimi_jax.model.config import tiny_k3_config_dict
+from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL, write_demo_tokenizer
 
 FAMILIES = ("k3", "kimi_linear", "llama")
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output the HF layouts reproduce
@@ -367,19 +369,63 @@ def shard_groups(specs: list[Spec], num_layers: int, num_shards: int) -> list[li
     return groups
 
 
+# -- tokenizers -----------------------------------------------------------------------------------------------
+
+TOKENIZER_FAMILIES = ("k3", "kimi_linear")  # the Kimi tiktoken format (tiktoken.model + tokenizer_config.json)
+
+
+def tokenizer_problem(family: str, config: dict | None = None) -> str | None:
+    """Why no tokenizer can be written for a checkpoint of ``family`` with ``config`` (default: the family's tiny
+    one), or None when one can: a small byte-level BPE in the Kimi format needs the 256 byte tokens plus the 256
+    reserved specials at the top of the vocabulary."""
+    _check_family(family)
+    if family not in TOKENIZER_FAMILIES:
+        return f"tokenizers are written in the Kimi tiktoken format only, for {' and '.join(TOKENIZER_FAMILIES)}"
+    text = (config if config is not None else default_config(family))
+    text = text.get("text_config", text)
+    vocab = text.get("vocab_size") or 0
+    if vocab < 2 * NUM_RESERVED_SPECIAL:
+        return (f"vocab_size {vocab} cannot hold a Kimi tokenizer, which needs {2 * NUM_RESERVED_SPECIAL} ids at "
+                f"least (256 byte tokens + {NUM_RESERVED_SPECIAL} specials)")
+    return None
+
+
+def with_special_ids(c: dict) -> dict:
+    """A Kimi config dict (in place) with the special ids of its own vocabulary, as the release's config has
+    (bos = [BOS], eos = <|end_of_msg|>, pad = [PAD] at the first / third / last special id); K3's ``text_config``
+    too."""
+    text = c.get("text_config", c)
+    first = text["vocab_size"] - NUM_RESERVED_SPECIAL
+    ids = dict(bos_token_id=first, eos_token_id=first + 2, pad_token_id=first + NUM_RESERVED_SPECIAL - 1)
+    c.update(ids)
+    text.update(ids)
+    return c
+
+
+# -- writing ---------------------------------------------------------------------------------------------------
+
+
 def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, seed: int = 0, num_shards: int = 2,
-                     dtype: str = "bfloat16") -> str:
+                     dtype: str = "bfloat16", tokenizer: bool = False) -> str:
     """Write a random checkpoint of ``family`` ("k3" | "kimi_linear" | "llama") to directory ``path``.
 
     ``config``: a full config.json dict (default: the family's tiny config; K3: ``tiny_k3_config_dict()``).
     ``num_shards``: 1 writes ``model.safetensors``; more write ``model-00001-of-000002.safetensors`` (K3: 5-digit
     index, 6-digit total, as released) or ``model-00001-of-00002.safetensors`` (HF) plus the index.
     ``dtype``: the dtype of every tensor the release does not pin (F32 and U8 tensors stay as released).
+    ``tokenizer``: also write a small BPE tokenizer in the Kimi format whose vocabulary is the model's, the config's
+    special ids set to its specials (:func:`with_special_ids`); a checkpoint that cannot take one is refused before
+    anything is written, with :func:`tokenizer_problem`'s reason.
     Returns ``path``.
     """
     _check_family(family)
     path = os.fspath(path)
     config = copy.deepcopy(config if config is not None else default_config(family))
+    if tokenizer:
+        problem = tokenizer_problem(family, config)
+        if problem is not None:
+            raise ValueError(f"no tokenizer for this {family} checkpoint: {problem}")
+        with_special_ids(config)
     for c in (config, config.get("text_config")):  # the config describes the tensors it ships with
         if isinstance(c, dict):
             c.pop("torch_dtype", None)
@@ -421,6 +467,8 @@ def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, se
                "use_cache": True}
         _write_text(os.path.join(path, "generation_config.json"),
                     json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2, sort_keys=True) + "\n")
+    if tokenizer:
+        write_demo_tokenizer(path, vocab_size=config.get("text_config", config)["vocab_size"])
     return path
 
 

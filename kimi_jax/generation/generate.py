@@ -2,16 +2,23 @@
 
 How it is built (and why):
 
-* The model is split once (``nnx.split``) into a static graph definition and a parameter pytree; the two jitted
+* The model is split once (``nnx.split``) into a static graph definition and a parameter pytree; the jitted
   functions below merge them inside, so parameters are ordinary (non-donated) inputs.
 * Compile-time constants: batch slots ``B`` (bucketed), prompt bucket ``T``, cache length ``S``, output
   capacity ``N`` (= S), the number of stop-id slots and whether logits are recorded. Everything a request
   varies -- prompt lengths, token budgets, temperature / top-k / top-p, seed, stop ids -- is a traced value,
   so a warm generator never recompiles.
 * Prefill (fresh, right-padded prompts with per-sequence lengths) writes the cache and samples the first
-  token. Decode runs many steps inside one ``lax.while_loop`` (each sequence stops on a stop id or its
-  budget; finished sequences feed length 0, which leaves their cache untouched), with the loop state -- cache
-  included -- donated. The host is not in the loop per token.
+  token. Prompts longer than ``prefill_chunk`` tokens (or whose one-call prefill would not fit in memory) are
+  prefilled in chunks, each continuing from the cache (KDA state and conv tails carried from a zeroed start,
+  attention reading the rows written so far), so the working memory is one chunk's whatever the prompt's length.
+* Decode runs many steps inside one ``lax.while_loop`` (each sequence stops on a stop id or its budget;
+  finished sequences feed length 0, which leaves their cache untouched), with the loop state -- cache included --
+  donated. The host is not in the loop per token.
+* Before anything is allocated, the cache and the prefill's working memory (XLA's count for the compiled programs:
+  temporaries and outputs) are checked against the memory budget (default: 90% of what the device has free); a
+  prefill that does not fit is re-planned in smaller chunks, and what cannot fit even then is refused, naming the
+  limit. The prefill programs are therefore compiled ahead of time, from shapes (:func:`jax.jit`'s ``lower``).
 * Streaming calls the same compiled decode function with a traced step limit (``stream_every`` steps per
   call) and hands the new tokens to the callback in between. We chose this over ``io_callback`` because it
   keeps the loop free of host round-trips (a callback would sync device and host every token), needs no
@@ -36,12 +43,16 @@ import numpy as np
 from flax import nnx, struct
 
 from kimi_jax.model import offload
-from kimi_jax.model.cache import Cache, cache_shapes, init_cache
+from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
+from kimi_jax.model.config import model_dir
 from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
+PREFILL_CHUNK = 2048  # the most prompt tokens one prefill call takes by default (vLLM's chunked-prefill default too)
+MIN_CHUNK = 16  # the smallest chunk a memory budget may ask for (the smallest prompt bucket)
+FREE_SHARE = 0.9  # of the device's free memory, what one request may use when no memory_budget says otherwise
 
 
 class GenerationError(ValueError):
@@ -142,17 +153,54 @@ def prefill(graphdef, params, cache: Cache, ids_BT, lengths_B, samp: Sampling, *
     sampled token. Returns the decode state; ``cache`` is donated."""
     model = nnx.merge(graphdef, params)
     res = model(ids_BT, cache=cache, lengths=lengths_B, last_only=True)
-    B = ids_BT.shape[0]
-    V = res.logits.shape[-1]
+    return _first_token(res.cache, res.logits[:, 0], samp, out_len, record_logits)
+
+
+def _first_token(cache: Cache | None, logits_BV, samp: Sampling, out_len: int, record_logits: bool) -> DecodeState:
+    """The decode state after a prefill whose last prompt positions gave ``logits [B, V]``: the first token sampled."""
+    B, V = logits_BV.shape
     st = DecodeState(
-        cache=res.cache,
+        cache=cache,
         token=jnp.zeros((B,), jnp.int32),
         out=jnp.zeros((B, out_len), jnp.int32),
         count=jnp.zeros((B,), jnp.int32),
         done=samp.budget <= 0,
         logits=jnp.zeros((B, out_len, V), F32) if record_logits else None,
     )
-    return _accept(st, res.logits[:, 0], samp, ~st.done)
+    return _accept(st, logits_BV, samp, ~st.done)
+
+
+def restart(cache: Cache) -> Cache:
+    """``cache`` ready for a new request prefilled in chunks: lengths 0, KDA states and conv tails zero (what a fresh
+    prefill starts from; attention rows need no clearing, a query never sees positions not yet written)."""
+    def zero(e):
+        return jax.tree.map(jnp.zeros_like, e) if isinstance(e, KDACache) else e
+
+    return Cache(tuple(None if e is None else zero(e) for e in cache.layers), jnp.zeros_like(cache.lengths),
+                 tuple(zero(e) for e in cache.stack))
+
+
+def _prefill_chunk(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV):
+    """One chunk of right-padded prompts, continuing what the cache holds (after :func:`restart` for the first): KDA
+    states and conv tails carried, attention over the rows written so far. ``lengths`` valid tokens each (0: the
+    prompt ended in an earlier chunk; that row's cache is left untouched, as for a finished sequence in
+    :func:`decode`). Returns (cache, ``last [B, V]`` float32: each row's logits at its last prompt token so far);
+    ``cache`` and ``last`` are donated. One program serves every chunk: the fresh form would be a second compile."""
+    model = nnx.merge(graphdef, params)
+    res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True)
+    return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV)
+
+
+CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_BV"))
+prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
+
+
+@functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
+def first_token(last_BV, samp: Sampling, *, out_len: int, record_logits: bool = False) -> DecodeState:
+    """The decode state after a chunked prefill (:func:`prefill_chunk`'s ``last``), the first token sampled, without
+    its cache (None: the caller puts the chunks' cache in, so that it stays where it lives -- host memory under
+    offload -- without this program copying it)."""
+    return _first_token(None, last_BV, samp, out_len, record_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
@@ -303,6 +351,19 @@ def free_memory(device) -> int | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    """How a request's prompts are prefilled, and the memory it takes per device (bytes)."""
+
+    chunk: int  # tokens per compiled call (the prompt bucket when one call takes the whole prompt)
+    calls: int  # calls for the longest prompt
+    cache_bytes: int  # the cache of this batch bucket (what lives in host memory not counted)
+    working_bytes: int  # the largest call's temporaries and new outputs, as XLA counts them for the compiled program
+    limit: int | None  # the memory budget it was checked against (None: unknown, not checked)
+    programs: tuple = dataclasses.field(default=(), repr=False, compare=False)  # compiled: (prefill,) or
+    # (restart, chunk, first token)
+
+
 class Generator:
     """A model ready to generate: split once, caches kept per batch bucket, compiled functions reused.
 
@@ -310,39 +371,55 @@ class Generator:
     static shapes requests are padded to (defaults: powers of two; prompts from 16 up to ``max_len``).
     ``kv_cache`` (None or ``"int8"``) and ``kda_state`` (None = float32, or bfloat16): how the cache stores its
     rows and the KDA state (:mod:`kimi_jax.model.cache`).
+    ``prefill_chunk``: the most prompt tokens one prefill call takes; longer prompts are prefilled in chunks of it
+    (or of less, when the memory budget asks for it). ``memory_budget``: bytes per device a request may use for its
+    cache and its prefill's working memory; 90% of the device's free memory is a limit too, the only one by default.
     """
 
     def __init__(self, model, tokenizer: Tokenizer | str | None = None, *, max_len: int = 1024,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), prompt_buckets: Sequence[int] | None = None,
-                 min_prompt_bucket: int = 16, kv_cache: str | None = None, kda_state=None):
+                 min_prompt_bucket: int = 16, kv_cache: str | None = None, kda_state=None,
+                 prefill_chunk: int = PREFILL_CHUNK, memory_budget: int | None = None):
         if max_len < 2:
             raise GenerationError(f"max_len must be >= 2, got {max_len}")
+        if int(prefill_chunk) < 1:
+            raise GenerationError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        if memory_budget is not None and int(memory_budget) <= 0:
+            raise GenerationError(f"memory_budget must be a positive number of bytes (or None: the free memory), "
+                                  f"got {memory_budget}")
         cache_shapes(model.cfg, 1, 2, kv_cache=kv_cache, kda_state=kda_state)  # unknown options fail here
         self.cache_options = dict(kv_cache=kv_cache, kda_state=kda_state)
         self.cfg = model.cfg
         self.dtype = model.run.dtype
         offload.place_model(model)  # RunConfig(offload=("experts",)): its expert weights into host memory
         self.graphdef, self.params = nnx.split(model)
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = load_tokenizer(model_dir(tokenizer)) if isinstance(tokenizer, str) else tokenizer
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise GenerationError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model only "
                                   f"{self.cfg.vocab_size}")
         self.max_len = int(max_len)
+        self.prefill_chunk = int(prefill_chunk)
+        self.memory_budget = None if memory_budget is None else int(memory_budget)
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.prompt_buckets = tuple(sorted(prompt_buckets)) if prompt_buckets else _pow2_buckets(
             min(min_prompt_bucket, self.max_len), self.max_len)
         self._caches: dict[int, Cache] = {}
+        # what the compiled prefill programs depend on besides the request's shapes (:meth:`_compiled`)
+        self._signature = (self.graphdef, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
+                                                for a in jax.tree.leaves(self.params)),
+                           self.max_len, kv_cache, str(kda_state))
         self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
+        # where a chunked prefill keeps each row's last logits between chunks: replicated over the model's mesh
+        self._last_sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if self.parallel is None
+                               else jax.sharding.NamedSharding(self.parallel.mesh, jax.sharding.PartitionSpec()))
         self.scan = model.run.scan_layers  # and laid out as its layers are (stacked when scanned)
         self.offload = model.run.offload
 
     def default_stop(self) -> list[int]:
         return default_stop_ids(self.tokenizer, self.cfg)
 
-    def _cache(self, B: int) -> Cache:
-        cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate
-        if cache is not None:
-            return cache
+    def _layout(self, B: int) -> tuple[Cache, Cache | None]:
+        """The cache of batch bucket ``B``: (shapes, shardings or None on one device without offload)."""
         shapes = cache_shapes(self.cfg, B, self.max_len, self.dtype, scan=self.scan, **self.cache_options)
         shardings = None
         if self.parallel is not None:
@@ -352,34 +429,129 @@ class Generator:
                 one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
                 shardings = jax.tree.map(lambda _: one, shapes)
             shardings = offload.cache_host_shardings(shardings, shapes, self.offload)
-        self._check_cache_fits(B, shapes, shardings)
+        return shapes, shardings
+
+    def _cache(self, B: int) -> Cache:
+        cache = self._caches.pop(B, None)  # popped: if a call fails after donating it, we reallocate
+        if cache is not None:
+            return cache
+        _, shardings = self._layout(B)
         return init_cache(self.cfg, B, self.max_len, self.dtype, sharding=shardings, scan=self.scan,
                           **self.cache_options)
 
-    def _check_cache_fits(self, B: int, shapes: Cache, shardings):
-        """Refuse, before allocating, a cache larger than the memory free on the device that holds the most of it."""
+    def _device_bytes(self, B: int) -> tuple[int, list]:
+        """(bytes per device of the cache of bucket ``B`` -- what lives in host memory takes none --, the devices)."""
+        shapes, shardings = self._layout(B)
         leaves = jax.tree.leaves(shapes)
         if shardings is None:
-            need = sum(s.size * s.dtype.itemsize for s in leaves)
-            devices = [jax.local_devices()[0]]
-        else:  # what lives in host memory (offload) takes none of the device's
-            shards = jax.tree.leaves(shardings)
-            need = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in zip(leaves, shards)
-                       if sh.memory_kind != offload.HOST)
-            devices = jax.local_devices()
-        free = min((free_memory(d) for d in devices), default=None)
-        if free is not None and need > free:
-            raise GenerationError(
-                f"the cache for {B} sequence(s) x {self.max_len} tokens needs {need / 1e9:.2f} GB per device "
-                f"({self._cache_format()}), but "
-                f"{devices[0].platform}:{devices[0].id} has {free / 1e9:.2f} GB free: lower max_len (the cache "
-                "length; prompt + new tokens must fit in it) or generate for fewer prompts at once")
+            return sum(s.size * s.dtype.itemsize for s in leaves), [jax.local_devices()[0]]
+        shards = jax.tree.leaves(shardings)
+        need = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in zip(leaves, shards)
+                   if sh.memory_kind != offload.HOST)
+        return need, jax.local_devices()
+
+    def _limit(self, B: int, cache_bytes: int, devices) -> tuple[int | None, str]:
+        """(bytes per device a request of bucket ``B`` may use for its cache and prefill, how to name that limit):
+        the memory free on the device that has the least (plus the cache of ``B`` when one is held already: it is
+        reused, not allocated again), or ``memory_budget`` when that is smaller. (None, "") when neither is known."""
+        free = [(f, d) for d in devices if (f := free_memory(d)) is not None]
+        limit, name = None, ""
+        if free:
+            f, d = min(free, key=lambda fd: fd[0])
+            # a margin for what XLA's count leaves out (the runtime's own buffers, fragmentation) and for the
+            # other users of the memory
+            limit = int(FREE_SHARE * f) + (cache_bytes if B in self._caches else 0)
+            name = f"{d.platform}:{d.id} has {f / 1e9:.2f} GB free and a request takes at most {FREE_SHARE:.0%} of it"
+        if self.memory_budget is not None and (limit is None or self.memory_budget < limit):
+            limit, name = self.memory_budget, f"the memory budget is {self.memory_budget / 1e9:.2f} GB (memory_budget)"
+        return limit, name
 
     def _cache_format(self) -> str:
         rows = self.cache_options["kv_cache"] or jnp.dtype(self.dtype).name
         state = jnp.dtype(self.cache_options["kda_state"] or jnp.float32).name
         out = f"{rows} rows" + (f", {state} KDA state" if "kda" in self.cfg.attn_types else "")
         return out + (f", {'/'.join(self.offload)} in host memory" if self.offload else "")
+
+    def plan(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, stop: Sequence[int] | None = None,
+             record_logits: bool = False) -> PrefillPlan:
+        """How :meth:`generate` would prefill these prompts and the memory it would take, checked against the limit
+        (a :class:`GenerationError` names it when even the smallest chunk does not fit). Compiles the prefill
+        programs (they are kept for :meth:`generate`); allocates nothing."""
+        ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
+        budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, 0.0, 0, 1.0)
+        stop = self._check_request(ids, budget, stop, 0, 1)
+        B, T, _, _, samp = self._batch(ids, budget, temp, topk, topp, stop, 0)
+        return self._plan(B, T, max(len(p) for p in ids), samp, record_logits)
+
+    def _plan(self, B: int, T: int, longest: int, samp: Sampling, record_logits: bool) -> PrefillPlan:
+        """Choose the prefill chunk for a batch bucket ``B`` of prompts padded to ``T`` (the longest has ``longest``
+        tokens): one call when the prompt bucket fits in ``prefill_chunk`` and the budget, else the longest chunk
+        whose compiled programs fit. Refuses, before allocating, a cache or a prefill that cannot fit."""
+        cache_bytes, devices = self._device_bytes(B)
+        limit, name = self._limit(B, cache_bytes, devices)
+        if limit is not None and cache_bytes > limit:
+            raise GenerationError(
+                f"the cache for {B} sequence(s) x {self.max_len} tokens needs {cache_bytes / 1e9:.2f} GB per device "
+                f"({self._cache_format()}), but {name}: lower max_len (the cache length; prompt + new tokens must "
+                "fit in it) or generate for fewer prompts at once")
+        floor = min(MIN_CHUNK, self.prefill_chunk)
+        chunk = min(T, self.prefill_chunk)
+        while True:
+            programs, working = self._compiled(B, T, chunk, samp, record_logits)
+            if limit is None or cache_bytes + working <= limit:
+                return PrefillPlan(chunk, -(-longest // chunk), cache_bytes, working, limit, programs)
+            if chunk <= floor:
+                raise GenerationError(
+                    f"prefilling {B} sequence(s) of up to {longest} tokens needs {(cache_bytes + working) / 1e9:.2f} "
+                    f"GB per device even in chunks of {chunk} tokens (the cache of {self.max_len} tokens, "
+                    f"{cache_bytes / 1e9:.2f} GB, plus {working / 1e9:.2f} GB of working memory), but {name}: lower "
+                    "max_len (the cache length), shorten the prompts or generate for fewer at once")
+            # a chunk's working memory grows about linearly with its length (its attention reads the whole cache):
+            # aim at what the budget leaves, a power of two so that requests share the programs
+            fit = chunk * max(limit - cache_bytes, 0) / working
+            chunk = max(floor, min(chunk // 2, 1 << max(int(fit), 1).bit_length() - 1))
+
+    def _compiled(self, B: int, T: int, chunk: int, samp: Sampling, record_logits: bool) -> tuple[tuple, int]:
+        """The compiled prefill programs of a bucket (one call when ``chunk == T``, else the restart of the cache, a
+        chunk and the first token) and the largest one's working memory per device: temporaries plus the outputs
+        not aliased to a donated input (XLA's count). Compiled ahead of time, from shapes: nothing is allocated."""
+        shapes, shardings = self._layout(B)
+        if shardings is not None:
+            shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        samp_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), samp)
+        sampled = dict(out_len=self.max_len, record_logits=record_logits)
+        base = (self._signature, None if shardings is None else tuple(jax.tree.leaves(shardings)), B)
+        if chunk == T:
+            programs = [_compile(("prefill", *base, T, samp.stop.shape[0], record_logits), lambda: prefill.lower(
+                self.graphdef, self.params, shapes, i32(B, T), i32(B), samp_shape, **sampled))]
+        else:
+            last = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), F32, sharding=self._last_sharding)
+            # Every chunk hands the next its cache and ``last`` where it took them (the layout's shardings, host
+            # memory under offload): a program compiled ahead of time takes its inputs only as it was compiled for.
+            placed = {} if shardings is None else {"out_shardings": shardings}
+            chunked = prefill_chunk if shardings is None else jax.jit(
+                _prefill_chunk, out_shardings=(shardings, self._last_sharding), **CHUNK_JIT)
+            programs = [
+                _compile(("restart", *base), lambda: jax.jit(restart, donate_argnums=0, **placed).lower(shapes)),
+                _compile(("chunk", *base, chunk), lambda: chunked.lower(
+                    self.graphdef, self.params, shapes, i32(B, chunk), i32(B), last)),
+                _compile(("first", *base, samp.stop.shape[0], record_logits), lambda: first_token.lower(
+                    last, samp_shape, **sampled))]
+        return tuple(p for p, _ in programs), max(w for _, w in programs)
+
+    def _prefill(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling) -> DecodeState:
+        """Run ``plan``'s prefill of ``tokens [B, T]`` (``lengths [B]`` valid tokens each) over ``cache``."""
+        if len(plan.programs) == 1:
+            return plan.programs[0](self.params, cache, tokens, lengths, samp)
+        clear, chunk, start = plan.programs
+        C, B = plan.chunk, tokens.shape[0]
+        tokens = np.pad(tokens, [(0, 0), (0, max(0, plan.calls * C - tokens.shape[1]))])
+        cache, last = clear(cache), jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._last_sharding)
+        for i in range(plan.calls):
+            n = np.clip(lengths - i * C, 0, C).astype(np.int32)
+            cache, last = chunk(self.params, cache, tokens[:, i * C:(i + 1) * C], n, last)
+        return start(last, samp).replace(cache=cache)
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
@@ -395,10 +567,10 @@ class Generator:
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
+        plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits)  # refuses what cannot fit
 
         t0 = time.perf_counter()
-        st = prefill(self.graphdef, self.params, self._cache(B), tokens, lengths, samp, out_len=self.max_len,
-                     record_logits=record_logits)
+        st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
         st.count.block_until_ready()
         t1 = time.perf_counter()
         max_budget = int(budget.max())
@@ -408,7 +580,9 @@ class Generator:
             st = self._decode_streaming(st, samp, len(ids), stop, stream, stream_every)
         st.count.block_until_ready()
         t2 = time.perf_counter()
-        return self._result(st, ids, stop, record_logits, B, T, t1 - t0, t2 - t1)
+        out = self._result(st, ids, stop, record_logits, B, T, t1 - t0, t2 - t1)
+        out.timings.update(prefill_chunk=plan.chunk, prefill_calls=plan.calls)
+        return out
 
     def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
                        stream_every: int) -> list[int]:
@@ -503,6 +677,27 @@ class Generator:
         )
 
 
+# Compiled prefill programs shared by the generators of one model (as jit's cache would share them): compiled ahead
+# of time because their memory is checked before the cache is allocated.
+_PROGRAMS: dict = {}
+
+
+def _compile(key, lower: Callable) -> tuple:
+    """(the compiled program, its working memory in bytes per device) of ``lower()``, compiled once per ``key``."""
+    if key not in _PROGRAMS:
+        compiled = lower().compile()
+        _PROGRAMS[key] = compiled, _working_bytes(compiled)
+    return _PROGRAMS[key]
+
+
+def _working_bytes(compiled) -> int:
+    """Device bytes a compiled call allocates while it runs: temporaries and outputs not aliased to a donated input."""
+    m = compiled.memory_analysis()
+    if m is None:  # a backend that does not say: nothing to check against
+        return 0
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
 _GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
@@ -524,26 +719,30 @@ def _auto_max_len(longest_prompt: int, max_new: int) -> int:
 def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
              stop: Sequence[int] | None = None, seed: int = 0, tokenizer: Tokenizer | str | None = None,
              stream=None, stream_every: int = 8, max_len: int | None = None, record_logits: bool = False,
-             kv_cache: str | None = None, kda_state=None) -> Generation:
+             kv_cache: str | None = None, kda_state=None, prefill_chunk: int = PREFILL_CHUNK,
+             memory_budget: int | None = None) -> Generation:
     """Generate from a :class:`~kimi_jax.model.KimiModel`: see :meth:`Generator.generate`.
 
     ``prompts``: a string, a list of token ids, or a list of either (different lengths are fine). ``tokenizer``:
-    a :class:`~kimi_jax.text.tokenizer.Tokenizer` or a model directory holding tokenizer files (needed for text).
+    a :class:`~kimi_jax.text.tokenizer.Tokenizer` or a model directory holding tokenizer files, or ``"demo"`` (needed
+    for text).
     ``max_len``: cache length; by default the smallest power of two >= 256 that fits. ``kv_cache`` /
-    ``kda_state``: the cache's storage options (:class:`Generator`). The generator (and its compiled functions and
+    ``kda_state``: the cache's storage options; ``prefill_chunk`` / ``memory_budget``: the longest prefill call and
+    the bytes per device a request may use (:class:`Generator`). The generator (and its compiled functions and
     caches) is kept per model, so repeated calls do not recompile.
     """
     if isinstance(tokenizer, str):
         if tokenizer not in _TOKENIZERS:
-            _TOKENIZERS[tokenizer] = load_tokenizer(tokenizer)
+            _TOKENIZERS[tokenizer] = load_tokenizer(model_dir(tokenizer))  # "demo": the shipped demo model's
         tokenizer = _TOKENIZERS[tokenizer]
     if max_len is None:
         longest = max(len(p) for p in encode_prompts(prompts, tokenizer, model.cfg.vocab_size))
         max_len = _auto_max_len(longest, int(np.max(max_new_tokens)))
     per_model = _GENERATORS.setdefault(model, {})
-    key = (id(tokenizer), int(max_len), kv_cache, str(kda_state))
+    key = (id(tokenizer), int(max_len), kv_cache, str(kda_state), int(prefill_chunk), memory_budget)
     gen = per_model.get(key)
     if gen is None or gen.tokenizer is not tokenizer:
-        gen = per_model[key] = Generator(model, tokenizer, max_len=max_len, kv_cache=kv_cache, kda_state=kda_state)
+        gen = per_model[key] = Generator(model, tokenizer, max_len=max_len, kv_cache=kv_cache, kda_state=kda_state,
+                                         prefill_chunk=prefill_chunk, memory_budget=memory_budget)
     return gen.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
                         seed=seed, stream=stream, stream_every=stream_every, record_logits=record_logits)

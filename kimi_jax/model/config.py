@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 from typing import Any, Mapping
 
 
@@ -694,8 +695,9 @@ def from_dict(c: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
 
 
 def read_json(path: str | os.PathLike) -> dict:
-    """The raw ``config.json`` dict of a checkpoint directory (or the file itself): the one place it is read."""
-    path = os.fspath(path)
+    """The raw ``config.json`` dict of a checkpoint directory (or the file itself, or ``"demo"``: :func:`model_dir`):
+    the one place it is read."""
+    path = model_dir(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise FileNotFoundError(f"{file}: no config.json (is {path!r} a model directory?)")
@@ -709,6 +711,35 @@ def read_json(path: str | os.PathLike) -> dict:
 def load(path: str | os.PathLike, *, strict: bool = True) -> ModelConfig:
     """Read and parse ``config.json`` from a checkpoint directory (or the file itself)."""
     return from_dict(read_json(path), strict=strict)
+
+
+# -- the shipped demo model, by name ---------------------------------------------------------------------------
+
+# The trained demo model shipped in the package (``kimi-jax demo`` runs it; scripts/make_demo_model.py re-creates
+# it): a small Kimi K3 in the released format with its tokenizer. Its location lives here, below every reader of
+# model directories (configs, checkpoints, tokenizers through kimi_jax.generation), so that ``"demo"`` names it
+# everywhere a directory is taken.
+DEMO = "demo"
+DEMO_MODEL = pathlib.Path(__file__).resolve().parents[1] / "assets" / "k3-demo"
+DEMO_FILES = ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json", "RECIPE.json")
+
+
+def demo_model_dir() -> str:
+    """The shipped demo model's directory (a FileNotFoundError names what is missing from an incomplete install)."""
+    missing = [f for f in DEMO_FILES if not (DEMO_MODEL / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{DEMO_MODEL}: the shipped demo model lacks {missing} (reinstall kimi-jax, or "
+                                f"re-create it: python scripts/make_demo_model.py --work DIR --install)")
+    return str(DEMO_MODEL)
+
+
+def model_dir(path: str | os.PathLike) -> str:
+    """``path`` as given, or the shipped demo model's directory for the name ``"demo"`` -- unless a directory of that
+    name exists where the path points (a local directory wins over a name, as with HF hub names)."""
+    path = os.fspath(path)
+    if path == DEMO and not os.path.isdir(path):
+        return demo_model_dir()
+    return path
 
 
 # -- presets: full-size configs, to build abstract models without files ----------------------------------

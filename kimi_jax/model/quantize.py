@@ -14,7 +14,10 @@ rows it looks up. Selection is by module class (:data:`CLASSES`):
   the reference; the TPU / GPU grouped-matmul kernels refuse them for now (MXFP4 experts are unaffected).
 
 A weight whose rows are narrower than the format's group is quantized with one group per row (never coarser than
-asked); one whose width the group does not divide is refused, by name, before anything is changed.
+asked). One whose width the group does not divide falls back, as llama.cpp's quantizer does, to the first format
+that fits it: the same kind with a halved group (down to 16 columns, where the scales still cost less than int8's
+extra nibble), then int8 (a scale per row fits any width). What fell back is logged as a warning (:func:`summary`);
+a request that most of the selected weights do not take is refused, naming one, before anything is changed.
 
 Never quantized: norms, biases, convolution kernels, KDA's decay parameters, the router (``gate``, run in float32),
 and K3's routed experts, MXFP4 as released.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 
 import jax
@@ -39,7 +43,10 @@ from flax import nnx
 
 from kernels_pallas import packed, quant
 
+log = logging.getLogger(__name__)
+
 CLASSES = ("attention", "mlp", "latent", "lm_head", "embed", "experts")
+MIN_FALLBACK_GROUP = 16  # int4 / nf4 groups a fallback may halve down to (4 scale bytes per 16 values: 0.25 / value)
 DEFAULT = ("attention", "mlp", "latent", "lm_head")
 
 _RULES = (  # (class, pattern over the dotted parameter path)
@@ -68,22 +75,89 @@ def _parse_classes(include) -> tuple[str, ...]:
     return include
 
 
-def plan(model, fmt, include=None) -> dict[str, quant.Format]:
-    """``{parameter path: format}`` of what :func:`quantize` would replace (nothing is changed). Raises on a weight
-    the format cannot take (naming it) before anything is quantized."""
+def fallbacks(fmt: quant.Format) -> list[quant.Format]:
+    """The formats a weight that ``fmt`` does not fit falls back to, in order: ``fmt``'s kind with its group halved
+    while it stays a power of two of at least :data:`MIN_FALLBACK_GROUP` columns (what the GPU kernels block), then
+    int8."""
+    if fmt.kind == "int8":
+        return []
+    out, group = [], fmt.group // 2
+    while group >= MIN_FALLBACK_GROUP and group & (group - 1) == 0 and fmt.group % group == 0:
+        out.append(dataclasses.replace(fmt, group=group))
+        group //= 2
+    return out + [quant.Format("int8")]
+
+
+def choose(fmt: quant.Format, shape) -> tuple[quant.Format | None, str | None]:
+    """(the format a weight of ``shape`` gets, why it is not ``fmt`` -- None when ``fmt`` fits it). The format is None
+    when no fallback fits either."""
+    why = fmt.fits(shape)
+    if why is None:
+        return fmt.fitted(shape), None
+    return next((f.fitted(shape) for f in fallbacks(fmt) if f.fits(shape) is None), None), why
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A weight that got another format than the one asked for."""
+
+    name: str
+    shape: tuple
+    format: quant.Format
+    why: str
+
+
+def _plan(model, fmt, include=None) -> tuple[dict[str, quant.Format], list[Fallback]]:
     fmt = fmt if isinstance(fmt, quant.Format) else quant.Format.parse(fmt)
     include = _parse_classes(include)
-    out = {}
+    out, fell = {}, []
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(map(str, path))
         value = var.get_value()
         if packed.is_packed(value) or module_class(name) not in include:
             continue
-        why = fmt.fits(value.shape)
-        if why is not None:
+        chosen, why = choose(fmt, value.shape)
+        if chosen is None:
             raise ValueError(f"cannot quantize {name} {tuple(value.shape)} to {fmt.name()}: {why}")
-        out[name] = fmt.fitted(value.shape)
-    return out
+        out[name] = chosen
+        if why is not None:
+            fell.append(Fallback(name, tuple(value.shape), chosen, why))
+    # Falling back is for the odd few (a head width no group divides); a format most weights do not take is a mistaken
+    # request, and a model quietly built mostly of the fallback would not be what was asked for.
+    if 2 * len(fell) > len(out):
+        f = fell[0]
+        raise ValueError(f"cannot quantize {f.name} {f.shape} to {fmt.name()}: {f.why}, nor {len(fell) - 1} more of "
+                         f"the {len(out)} selected weights (a format falls back per weight only for a minority): "
+                         "choose a group that divides their input columns")
+    return out, fell
+
+
+def plan(model, fmt, include=None) -> dict[str, quant.Format]:
+    """``{parameter path: format}`` of what :func:`quantize` would replace (nothing is changed): ``fmt`` fitted to
+    each weight, or the format it falls back to (:func:`choose`). Raises on a weight no format fits, or a request
+    that most selected weights do not take (naming one), before anything is quantized."""
+    return _plan(model, fmt, include)[0]
+
+
+def summary(model, fmt, include=None) -> str | None:
+    """One line saying which selected weights of ``model`` do not take ``fmt`` and what they get instead (None when
+    all do): what :func:`quantize` logs."""
+    fmt = fmt if isinstance(fmt, quant.Format) else quant.Format.parse(fmt)
+    return _summary(fmt, *_plan(model, fmt, include))
+
+
+def _summary(fmt: quant.Format, todo: dict, fell: list[Fallback]) -> str | None:
+    if not fell:
+        return None
+    by_target: dict[str, list[Fallback]] = {}
+    for f in fell:
+        by_target.setdefault(f.format.name(), []).append(f)
+    parts = []
+    for target, fs in by_target.items():
+        names = ", ".join(f"{f.name} {f.shape}" for f in fs[:4]) + (f" and {len(fs) - 4} more" if len(fs) > 4 else "")
+        parts.append(f"{len(fs)} to {target} ({names})")
+    return (f"{fmt.name()}: {len(fell)} of {len(todo)} weights fell back, their input columns not a multiple of the "
+            f"group {fmt.group}: " + "; ".join(parts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,9 +229,14 @@ def quantize(model, fmt="int8", include=None, calibration=None, damp: float = 0.
 
     ``calibration``: token ids ``[B, T]``; the codes are then chosen by GPTQ on the inputs the model sees on them
     (module docstring), ``damp`` the Hessian damping (a fraction of its mean diagonal)."""
-    todo = plan(model, fmt, include)
+    fmt = fmt if isinstance(fmt, quant.Format) else quant.Format.parse(fmt)
+    todo, fell = _plan(model, fmt, include)
     if not todo:
         return model
+    note = _summary(fmt, todo, fell)
+    abstract = any(isinstance(v.get_value(), jax.ShapeDtypeStruct) for _, v in _named_params(model))
+    if note is not None and not abstract:  # an abstract model (a plan, a restore) quantizes no weight of the user's
+        log.warning("quantize %s", note)
     state = nnx.state(model, nnx.Param)
     chosen = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)
               if ".".join(map(str, path)) in todo}
