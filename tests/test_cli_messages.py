@@ -11,6 +11,8 @@ import time
 import tomllib
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from kimi_jax import cli
@@ -145,4 +147,52 @@ def test_status_line_on_a_terminal_and_in_a_log():
     s.close()
     lines = log.getvalue().splitlines()
     assert lines[0] == "kimi-jax: loading demo..." and len(lines) >= 2
-    assert all(re.fullmatch(r"kimi-jax: loading demo\.\.\. \ds", x) for x in lines[1:]), lines
+    # said again with the time so far (a tick just short of the first second says it without)
+    assert all(re.fullmatch(r"kimi-jax: loading demo\.\.\.( \ds)?", x) for x in lines[1:]), lines
+
+
+def test_compiles_are_named_and_counted():
+    """The watch names the jitted functions of generation as JAX traces and compiles them (n of m), ignores other
+    programs, and sums them up. (The command end to end, with the held-back text: test_generate_says_what_it_compiles,
+    slow.)"""
+    def prefill(x):
+        return jnp.sin(x) * 2
+
+    def decode(x):
+        return jnp.cos(x) + 1
+
+    def helper(x):
+        return x - 1
+
+    log = io.StringIO()
+    status = progress.Status("kimi-jax: ", stream=log, tty=False)
+    with progress.watch_compiles(status, expected=("prefill", "decode")) as watch:
+        x = jnp.ones((13,))
+        jax.jit(prefill)(jax.jit(helper)(x)).block_until_ready()
+        jax.jit(decode)(x).block_until_ready()
+    status.close()
+    assert log.getvalue().splitlines() == ["kimi-jax: compiling prefill (program 1 of 2)...",
+                                           "kimi-jax: compiling decode loop (program 2 of 2)..."]
+    assert [name for name, _ in watch.done] == ["prefill", "decode loop"]
+    assert re.fullmatch(r"compiled 2 program\(s\) in [\d.]+s \(prefill [\d.]+s, decode loop [\d.]+s\)",
+                        watch.summary()), watch.summary()
+    jax.jit(prefill)(x)  # after the block: nothing is watched any more
+    assert len(watch.done) == 2
+
+
+def test_text_is_held_until_the_decode_program_is_compiled():
+    """The first piece of a stream (right after the prefill) waits for the second (after the first decode call, by
+    which time decode has compiled); then the status line ends and everything flows."""
+    from kimi_jax.cli.generate import _Held
+
+    shown, log = [], io.StringIO()
+    status = progress.Status("kimi-jax: ", stream=log, tty=True)
+    status.set("compiling decode loop (program 2 of 2)...")
+    held = _Held(lambda tokens, text: shown.append(text[0]), status)
+    held([[1]], ["The"])
+    assert shown == [] and held.status is status
+    held([[2, 3]], [" for statement"])
+    assert shown == ["The", " for statement"] and held.status is None and log.getvalue().endswith("\r\x1b[K")
+    held([[4]], [" is"])
+    held.flush()
+    assert shown == ["The", " for statement", " is"]

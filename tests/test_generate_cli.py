@@ -63,6 +63,7 @@ def test_generate_command(demo_dir, capsys):
     assert out.startswith("[0] ") and "\n[1] " in out
 
 
+@pytest.mark.slow
 def test_generate_says_what_it_compiles(demo_dir, capsys):
     """A cold request names each program as it compiles (n of m) and sums them up after the text; the text is held
     back until the decode program is compiled, so it no longer stops mid-sentence for it. (Shapes of this test
