@@ -221,3 +221,23 @@ def test_checkpoint_of_another_setup_is_refused_by_name(tmp_path):
         ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((3, 2)), jnp.zeros(4)))
     with pytest.raises(ValueError, match=r"\.b: stored \(4,\) float32, this run has \(4,\) bfloat16"):
         ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((2, 3)), jnp.zeros(4, jnp.bfloat16)))
+
+
+def test_tiny_k3_trains_with_the_demo_tokenizer(tmp_path, capsys):
+    """``train --model tiny-k3`` encodes text with the demo tokenizer (written into OUT/tokenizer and exported with
+    the model), not silently as bytes; a model directory without tokenizer files says it falls back to bytes."""
+    import argparse
+
+    from kimi_jax.cli import train as train_cli
+
+    out = str(tmp_path / "run")
+    model, raw, tok, tok_dir = train_cli._load(argparse.Namespace(model="tiny-k3", out=out))
+    assert tok_dir == os.path.join(out, "tokenizer") and sorted(os.listdir(tok_dir)) == ["tiktoken.model",
+                                                                                          "tokenizer_config.json"]
+    ids = tok.encode("The quick brown fox")
+    assert len(ids) < len("The quick brown fox") and max(ids) < model.cfg.vocab_size  # BPE merges, inside the vocabulary
+    assert tok.decode(ids) == "The quick brown fox"
+    bare = write_checkpoint(str(tmp_path / "bare"), "k3", num_shards=1)  # no tokenizer files
+    capsys.readouterr()
+    assert isinstance(train_cli._load(argparse.Namespace(model=bare, out=out))[2], train_cli._Bytes)
+    assert "no tokenizer files there; text is encoded as UTF-8 bytes" in capsys.readouterr().err

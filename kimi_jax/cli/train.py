@@ -2,7 +2,8 @@
 
     kimi-jax train --model DIR --data a.txt b.txt --steps 300 --out runs/x [--lora 8]
 
-Text is tokenized with the model directory's tokenizer (else as UTF-8 bytes); a ``.jsonl`` file holds conversations,
+Text is tokenized with the model directory's tokenizer (``tiny-k3``: the demo tokenizer; a directory without
+tokenizer files: UTF-8 bytes, said on stderr); a ``.jsonl`` file holds conversations,
 one ``{"messages": [...]}`` a line (optional ``"thinking"``: false, ``"thinking_effort"``), rendered in the K3 chat
 format (:func:`kimi_jax.text.chat.encode`: markers as their special ids, thinking and answer channels). The files'
 tokens follow each other in the order given and the last ``--eval-frac`` of them is held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step), so a run
@@ -32,7 +33,7 @@ from kimi_jax.cli import common
 from kimi_jax.model import config as C
 from kimi_jax.model.decoder import KimiModel
 from kimi_jax.text import chat
-from kimi_jax.text.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+from kimi_jax.text.tokenizer import Tokenizer, has_tokenizer, load_tokenizer, write_demo_tokenizer
 from kimi_jax.training import checkpoint as ckpt
 from kimi_jax.training.export import export_hf
 
@@ -78,10 +79,13 @@ class _Bytes:
 
 def _load(args):
     """(model, raw config dict, tokenizer, tokenizer source directory or None)."""
-    if args.model == "tiny-k3":
+    if args.model == "tiny-k3":  # the random tiny K3 gets the demo tokenizer, exported with the model
         raw = C.tiny_k3_config_dict()
         model = KimiModel(C.from_dict(raw), param_dtype=jnp.float32)
-        return model, raw, _Bytes(), None
+        tok_dir = os.path.join(args.out, "tokenizer")
+        if not has_tokenizer(tok_dir):
+            write_demo_tokenizer(tok_dir, vocab_size=model.cfg.vocab_size)
+        return model, raw, load_tokenizer(tok_dir), tok_dir
     if not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r}: not a model directory (or 'tiny-k3')")
     with open(os.path.join(args.model, "config.json")) as f:
@@ -89,6 +93,8 @@ def _load(args):
     model = from_pretrained(args.model, dtype="float32", progress=False)
     if has_tokenizer(args.model):
         return model, raw, load_tokenizer(args.model), args.model
+    print(f"--model {args.model}: no tokenizer files there; text is encoded as UTF-8 bytes (ids 0-255) and the "
+          f"exported model has no tokenizer", file=sys.stderr)
     return model, raw, _Bytes(), None
 
 
