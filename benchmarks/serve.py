@@ -2,6 +2,7 @@
 official ``openai`` client) on loopback, next to static-batch ``generate`` on the same requests.
 
     python benchmarks/serve.py [--weights DIR] [--clients 32] [--requests 64] [--slots 16] [--dtype float32]
+                               [--batch-invariant]
 
 The shared Kimi Linear benchmark model (``benchmarks/configs``; token ids only, it has no tokenizer). Reports:
 
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine's batch-invariant mode (every decode step at full width; serve --batch-invariant)")
     args = ap.parse_args(argv)
 
     import kimi_jax
@@ -182,7 +185,8 @@ def main(argv=None) -> int:
 
     model = kimi_jax.from_pretrained(build_weights(args.weights, BENCH_CONFIG), dtype=args.dtype, progress=False)
     max_len = SYSTEM + QUESTION + 64 + 64
-    engine = Engine(model, None, slots=args.slots, max_len=max_len, prefill_chunk=256, min_chunk=64)
+    engine = Engine(model, None, slots=args.slots, max_len=max_len, prefill_chunk=256, min_chunk=64,
+                    batch_invariant=args.batch_invariant)
     t0 = time.perf_counter()
     engine.start()
     warmup_s = time.perf_counter() - t0

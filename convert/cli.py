@@ -14,7 +14,8 @@ def add_arguments(p):
     p.add_argument("src", metavar="SRC", help="HF checkpoint directory (config.json, safetensors shards, tokenizer)")
     p.add_argument("dst", metavar="DST", help="output directory (Orbax checkpoint + config + tokenizer files)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="parameter dtype (float32 tensors of the release stay float32, MXFP4 experts stay packed)")
+                   help="parameter dtype (float32 tensors of the release stay float32, MXFP4 experts stay packed; "
+                        "default: %(default)s)")
     p.add_argument("--layers", type=int, metavar="N", help="keep only the first N layers")
     p.add_argument("--experts", type=int, metavar="N", help="keep only the first N routed experts per MoE layer")
     p.add_argument("--overwrite", action="store_true", help="replace whatever DST holds")

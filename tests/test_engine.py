@@ -253,7 +253,7 @@ def test_bad_requests(engines):
     eng, _ = engines("k3")
     V = eng.cfg.vocab_size
     cases = [(Request([]), "empty"), (Request([V]), "outside the vocabulary"),
-             (Request([1] * 90, max_tokens=10), "max_len of 96"), (Request([1], max_tokens=0), "max_tokens"),
+             (Request([1] * 90, max_tokens=10), "maximum context length of 96 tokens"), (Request([1], max_tokens=0), "max_tokens"),
              (Request([1], temperature=-1), "temperature"), (Request([1], top_p=0), "top_p"),
              (Request([1], top_k=-2), "top_k"), (Request([1], seed=2**32), "seed"),
              (Request([1], stop_ids=(V + 5,)), "stop ids"), (Request([1], stop_strings=("x",)), "tokenizer"),

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 
 import pytest
 
@@ -40,6 +41,7 @@ def test_demo_command(capsys):
     assert "demo Kimi K3 in the released format" in err and "MXFP4 experts" in err
     assert "Trained on Python's documentation" in err and "held-out loss" in err
     assert "time to first token" in err and "tok/s" in err
+    assert "the first request compiles the prefill and decode programs" in err  # said before the wait
     assert out.strip()  # the streamed text
     assert cli.main(["demo", "--random", "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()
@@ -54,11 +56,29 @@ def test_generate_command(demo_dir, capsys):
     out, err = capsys.readouterr()
     assert out.strip() and "decode" in err
     # no --dtype: the first line says which dtype runs and why
-    assert err.splitlines()[0].startswith("kimi-jax: dtype bfloat16 (automatic: bfloat16, which on the CPU"), err
+    assert err.splitlines()[0] == "kimi-jax: dtype bfloat16 (automatic; --dtype float32 for full precision)", err
     # ids in, ids out (a batch of two, different lengths)
     assert cli.main(["generate", "--model", demo_dir, "--ids", "5,6,7", "--ids", "8,9", "--max-new-tokens", "3"]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("[0] ") and "\n[1] " in out
+
+
+@pytest.mark.slow
+def test_generate_says_what_it_compiles(demo_dir, capsys):
+    """A cold request names each program as it compiles (n of m) and sums them up after the text; the text is held
+    back until the decode program is compiled, so it no longer stops mid-sentence for it. (Shapes of this test
+    alone -- a cache of 512 -- so the programs are compiled here, whatever ran before in this process.)"""
+    argv = ["generate", "--model", demo_dir, "--ids", "5,6,7", "--max-new-tokens", "300", "--stop", "0"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    first = lines.index("kimi-jax: compiling prefill (program 1 of 2)...")
+    assert lines[first + 1] == "kimi-jax: compiling decode loop (program 2 of 2)..."
+    assert re.search(r"^kimi-jax: compiled 2 program\(s\) in [\d.]+s \(prefill [\d.]+s, decode loop [\d.]+s",
+                     err, re.M), err
+    assert len(out.split()) >= 30  # the text came (ids: the tiny model has no text of its own)
+    assert cli.main(argv) == 0  # compiled: nothing to say
+    assert "compiling" not in capsys.readouterr().err
 
 
 def test_make_tiny_checkpoint_takes_text(tmp_path, capsys):
@@ -133,8 +153,8 @@ def test_from_pretrained_default_dtype(demo_dir):
 @pytest.mark.parametrize("argv,msg", [
     (["generate", "--model", "/nonexistent/dir", "--ids", "1"], "no such model directory"),
     (["generate", "--ids", "1,x"], "comma-separated integers"),
-    (["generate", "--ids", "1", "--top-p", "0"], "top_p must be in"),
-    (["generate", "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be positive"),
+    (["generate", "--ids", "1", "--top-p", "0"], "--top-p must be in"),
+    (["generate", "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["generate", "--ids", "5000"], "outside the vocabulary"),
 ])
 def test_generate_command_errors(argv, msg, capsys, demo_dir):
@@ -150,17 +170,16 @@ def test_text_without_tokenizer_files(k3_tiny_a, capsys):
 
 
 def test_chat_session(demo_dir, capsys, monkeypatch):
-    import kimi_jax
     from kimi_jax.text import chat
 
-    results, real = [], kimi_jax.generate
-    monkeypatch.setattr(kimi_jax, "generate", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
+    results, real = [], generate_cli.generate
+    monkeypatch.setattr(generate_cli, "generate", lambda *a, **kw: results.append(real(*a, **kw)) or results[-1])
     args = cli.build_parser().parse_args(["chat", "--model", demo_dir, "--max-new-tokens", "4", "--no-thinking",
                                           "--max-len", "256"])
     long = "word " * 300  # outgrows the 256-token cache: reported, the session goes on
     generate_cli.run_chat(args, stdin=io.StringIO(f"hello\n/reset\n\n{long}\nhi again\n/exit\nnever read\n"))
     out, err = capsys.readouterr()
-    assert out.count("kimi> ") == 3  # three messages tried; the empty line and /reset are not
+    assert out.count("kimi> ") == 2  # two replies; the empty line, /reset and the refused message have none
     assert "the cache holds 256" in err and "/reset starts a new conversation" in err
     assert len(results) == 2  # the long message never reached generation
     # a reply is reported cut exactly when its 4 tokens hold no end of message

@@ -5,9 +5,12 @@ The K3 fixture on data=1, expert=2, model=4: the expert axis spans the two proce
 only its half of the routed experts (from_pretrained(mesh=...)) and the expert exchange crosses processes (gloo).
 """
 
+import pytest
+
 from tests.sharding_run import multi_process, single_process
 
 
+@pytest.mark.slow  # the fast set runs the same K3 mesh over two processes through the server (test_serve_multihost)
 def test_two_processes_match_one_process():
     results = multi_process("k3:ep2tp4")
     one = single_process()

@@ -160,7 +160,7 @@ def test_plan_cli(capsys):
     assert main(["plan", "--model", "k3", "--mesh", "data=1,expert=2,model=8", "--batch", "8", "--context", "4096",
                  "--search", "--chips", "h200,v5p,v7x", "--prefill-chunk", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "prefill-chunk activations" in out and "MoE dispatch rows" in out
+    assert "prefill-chunk activations" in out and "MoE expert exchange (lossless)" in out
     smallest = {line.split()[1]: int(line.split()[2]) for line in out.split("smallest fitting meshes")[1].splitlines()
                 if line.strip().startswith(("NVIDIA", "TPU"))}
     assert smallest == {"H200": 16, "v5p": 32, "v7x": 16}, smallest

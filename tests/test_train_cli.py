@@ -7,6 +7,7 @@ and an exported Kimi Linear load in HF transformers and compute our logits (tran
 
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,50 @@ def test_interrupted_run_resumes_exactly(runs):
     row = a[-1]
     assert len(row["expert_load"]) == 3 and len(row["layer_grad_norm"]) == 4 and len(row["layer_out_rms"]) == 4
     assert np.allclose(np.sum(row["expert_load"], -1), 1.0) and row["attn_res"] and "eval_loss" in row
+
+
+def test_rerun_of_a_finished_run_keeps_its_summary(runs, capsys):
+    """The same command again resumes at the last step, trains nothing, and reports the run's numbers (was: a
+    summary.json rewritten with ``"final_loss": null``)."""
+    model, whole, _ = runs
+    path = os.path.join(whole, "summary.json")
+    with open(path) as f:
+        before = json.load(f)
+    last = _metrics(whole)[-1]
+    assert before["final_loss"] == last["loss"] and before["eval_loss"] == last["eval_loss"] is not None
+    assert _train(model, os.path.join(os.path.dirname(whole), "text.txt"), whole) == 0
+    assert "resumed from step 6" in capsys.readouterr().err
+    with open(path) as f:
+        assert json.load(f) == before
+    assert len(_metrics(whole)) == 6
+
+
+def test_chat_jsonl_is_rendered_in_the_k3_format(tmp_path):
+    """A .jsonl of conversations is tokenized as :func:`kimi_jax.text.chat.encode` renders them (markers as their
+    special ids), after and before the text files around it, in the order given."""
+    from kimi_jax.cli import train as train_cli
+    from kimi_jax.text import chat
+    from kimi_jax.text.tokenizer import load_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    write_demo_tokenizer(tok_dir, vocab_size=1024)
+    tok = load_tokenizer(tok_dir)
+    talks = [{"messages": [{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "reasoning_content": "A greeting.", "content": "Hello!"}]},
+             {"messages": [{"role": "user", "content": "And?"}, {"role": "assistant", "content": "Bye."}],
+              "thinking": False}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(t) + "\n" for t in talks) + "\n")
+    (tmp_path / "a.txt").write_text(_DEMO_TEXT)
+    args = types.SimpleNamespace(data=[str(tmp_path / "a.txt"), str(tmp_path / "chat.jsonl"), str(tmp_path / "a.txt")],
+                                 eval_frac=0.1, seq=8)
+    train_ids, eval_ids = train_cli._data(args, tok, 1024)
+    want = (tok.encode(_DEMO_TEXT) + chat.encode(tok, talks[0]["messages"], add_generation_prompt=False)
+            + chat.encode(tok, talks[1]["messages"], thinking=False, add_generation_prompt=False) + tok.encode(_DEMO_TEXT))
+    assert np.concatenate([train_ids, eval_ids]).tolist() == want
+    assert tok.specials[chat.END_OF_MSG] in train_ids.tolist()
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot"}]}\n')
+    with pytest.raises(ValueError, match=r"--data .*bad.jsonl, line 1: not a conversation"):
+        train_cli._data(types.SimpleNamespace(data=[str(tmp_path / "bad.jsonl")], eval_frac=0.1, seq=8), tok, 1024)
 
 
 def test_export_reloads_and_generates(runs):
@@ -176,3 +221,23 @@ def test_checkpoint_of_another_setup_is_refused_by_name(tmp_path):
         ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((3, 2)), jnp.zeros(4)))
     with pytest.raises(ValueError, match=r"\.b: stored \(4,\) float32, this run has \(4,\) bfloat16"):
         ckpt.restore_latest(mgr, S(jnp.int32(0), jnp.zeros((2, 3)), jnp.zeros(4, jnp.bfloat16)))
+
+
+def test_tiny_k3_trains_with_the_demo_tokenizer(tmp_path, capsys):
+    """``train --model tiny-k3`` encodes text with the demo tokenizer (written into OUT/tokenizer and exported with
+    the model), not silently as bytes; a model directory without tokenizer files says it falls back to bytes."""
+    import argparse
+
+    from kimi_jax.cli import train as train_cli
+
+    out = str(tmp_path / "run")
+    model, raw, tok, tok_dir = train_cli._load(argparse.Namespace(model="tiny-k3", out=out))
+    assert tok_dir == os.path.join(out, "tokenizer") and sorted(os.listdir(tok_dir)) == ["tiktoken.model",
+                                                                                          "tokenizer_config.json"]
+    ids = tok.encode("The quick brown fox")
+    assert len(ids) < len("The quick brown fox") and max(ids) < model.cfg.vocab_size  # BPE merges, inside the vocabulary
+    assert tok.decode(ids) == "The quick brown fox"
+    bare = write_checkpoint(str(tmp_path / "bare"), "k3", num_shards=1)  # no tokenizer files
+    capsys.readouterr()
+    assert isinstance(train_cli._load(argparse.Namespace(model=bare, out=out))[2], train_cli._Bytes)
+    assert "no tokenizer files there; text is encoded as UTF-8 bytes" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.checkpoint.loading import auto_dtype, from_pretrained
+from kimi_jax.cli import progress
 from kimi_jax.cli.demo import build_demo_checkpoint, demo_model_dir
 from kimi_jax.deploy import plan as P
 from kimi_jax.generation.generate import free_memory
@@ -39,6 +41,42 @@ CACHE_ENV = "KIMI_JAX_COMPILE_CACHE"  # a directory, or "off" / "0" / "" to disa
 
 
 # -- arguments ------------------------------------------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's default after its help (argparse's ArgumentDefaultsHelpFormatter, but not where the help already
+    says its default in its own words, and not for switches, whose default is always off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# What the library calls an argument -> the flag that sets it: the library's messages name its Python arguments
+# (``max_len``), a command's user typed flags (``--max-len``). Names with an underscore are replaced wherever they
+# stand; plain words ("slots", "seed") only as the subject of the library's "X must be ..." checks, since they also
+# occur as ordinary words ("8 slots x 2048 tokens").
+FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "max_new_tokens", "prefill_chunk", "snapshot_every", "page_size", "max_len", "top_k", "top_p", "kv_cache",
+    "kda_state", "min_chunk", "temperature", "seed", "slots", "pages")}
+_FLAG_RE = re.compile(r"(?<![\w-])(?:(" + "|".join(n for n in FLAGS if "_" in n) + r")(?![\w-])|("
+                      + "|".join(n for n in FLAGS if "_" not in n) + r")(?= must))")
+
+
+def flag_message(message: str, flags: dict[str, str] = FLAGS) -> str:
+    """``message`` with the library's argument names spelled as the flags that set them."""
+    return _FLAG_RE.sub(lambda m: flags[m.group(1) or m.group(2)], message)
+
+
+@contextlib.contextmanager
+def flag_names():
+    """Errors raised inside (ValueError: the library's refusals) re-raised with flag names (:func:`flag_message`)."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(flag_message(str(e))) from None
 
 
 def dtype_argument(p: argparse.ArgumentParser):
@@ -240,12 +278,13 @@ def model_dir(path, *, random=False, seed=0, keep=None):
 
 
 def resolve_dtype(asked: str) -> str:
-    """The dtype to run, said on stderr first: as asked, or the automatic choice and why."""
+    """The dtype to run, said on stderr in one short line (after the flags are checked, before loading): as asked,
+    or the automatic choice (:func:`kimi_jax.checkpoint.loading.auto_dtype` says why it is bfloat16)."""
     if asked != "auto":
         print(f"kimi-jax: dtype {asked} (--dtype)", file=sys.stderr)
         return asked
-    dtype, why = auto_dtype()
-    print(f"kimi-jax: dtype {dtype.name} (automatic: {why}; --dtype changes it)", file=sys.stderr)
+    dtype, _ = auto_dtype()
+    print(f"kimi-jax: dtype {dtype.name} (automatic; --dtype float32 for full precision)", file=sys.stderr)
     return dtype.name
 
 
@@ -265,7 +304,16 @@ def load_model(path, dtype, check_finite=True, quantize=None, offload=None, mesh
     kinds = check_offload(offload) if offload else ()
     t0 = time.perf_counter()
     kw = dict(run=RunConfig(dtype=jnp.dtype(dtype), offload=kinds)) if kinds else dict(dtype=dtype)
-    model = from_pretrained(path, check_finite=check_finite, quantize=quantize, mesh=mesh, layout=layout,
-                                     **kw)
+    status = progress.Status("kimi-jax: ")
+    status.set(f"loading {path} ({_disk_bytes(path) / 1e9:.2f} GB)...")
+    try:
+        model = from_pretrained(path, check_finite=check_finite, quantize=quantize, mesh=mesh, layout=layout, **kw)
+    finally:
+        status.close()
     tok = load_tokenizer(path) if has_tokenizer(path) else None
     return Loaded(model, tok, time.perf_counter() - t0, dtype, mesh)
+
+
+def _disk_bytes(path) -> int:
+    """Bytes of the files under ``path`` (the weights, in every checkpoint layout, and a few small files)."""
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)

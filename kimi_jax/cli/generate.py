@@ -9,14 +9,15 @@ persistent compilation cache (see :func:`enable_compile_cache`) so the next run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
 import jax
 
-from kimi_jax.cli import common
+from kimi_jax.cli import common, progress
 from kimi_jax.cli.demo import demo_recipe
-from kimi_jax.generation.generate import GenerationError, generate
+from kimi_jax.generation.generate import check_sampling, generate
 from kimi_jax.model.decoder import param_count
 from kimi_jax.parallel import distributed
 from kimi_jax.text import chat
@@ -26,13 +27,15 @@ DEMO_PROMPT = "The for statement"  # the demo model read Python's documentation
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
+    p.formatter_class = common.HelpFormatter
     p.add_argument("--model", help="HF or converted checkpoint directory (default: the shipped demo model)")
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-len", type=int, default=None, help="cache length (default: fits the request)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new, help="most tokens to generate per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="cache length: prompt + new tokens must fit (default: fits the request)")
     p.add_argument("--kv-cache", default=None, choices=["int8"],
                    help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
     p.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
@@ -40,7 +43,7 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
     common.quantize_argument(p)
     p.add_argument("--offload", default=None, metavar="KINDS",
                    help="comma list of experts,kda_state,cache kept in host memory and brought to the device per "
-                        "layer (kimi_jax.model.offload)")
+                        "layer (kimi_jax.model.offload; default: none)")
     common.dtype_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
@@ -49,13 +52,15 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
 
 
 def add_demo_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.formatter_class = common.HelpFormatter
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
     common.dtype_argument(p)
     p.add_argument("--random", action="store_true",
                    help="a random-weight tiny K3 written in the released format instead of the trained demo model")
     p.add_argument("--seed", type=int, default=0, help="with --random: weights seed")
-    p.add_argument("--keep", metavar="DIR", help="with --random: write the checkpoint into DIR and keep it")
+    p.add_argument("--keep", metavar="DIR", help="with --random: write the checkpoint into DIR and keep it "
+                   "(default: a temporary directory)")
     common.compile_cache_arguments(p)
     p.set_defaults(func=run_demo)
 
@@ -63,24 +68,45 @@ def add_demo_arguments(p: argparse.ArgumentParser):
 def add_generate_arguments(p: argparse.ArgumentParser):
     _sampling_arguments(p, 64)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    src.add_argument("--prompt", action="append",
+                     help=f"prompt text (repeat for a batch; default: {DEFAULT_PROMPT!r}, said on stderr)")
     src.add_argument("--ids", action="append", help="prompt token ids, comma-separated (repeat for a batch)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (K3 chat format)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user message (K3 chat format) and print the reply's answer, its "
+                        "thinking first")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: thinking mode off")
+    p.add_argument("--hide-thinking", action="store_true", help="with --chat: print the answer only")
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")
-    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--no-stream", action="store_true", help="print the whole text at the end instead of as it comes")
     p.set_defaults(func=run_generate)
 
 
 def add_chat_arguments(p: argparse.ArgumentParser):
-    _sampling_arguments(p, 256)
+    _sampling_arguments(p, 512)
     # one cache size for the whole conversation: decode compiles once (prefill once per prompt bucket)
     p.set_defaults(max_len=4096)
-    p.add_argument("--system", help="system message")
-    p.add_argument("--no-thinking", action="store_true", help="thinking mode off")
-    p.add_argument("--show-thinking", action="store_true", help="print the reasoning channel as it streams")
+    p.add_argument("--system", help="system message (default: none)")
+    p.add_argument("--no-thinking", action="store_true", help="thinking mode off: the model answers at once")
+    p.add_argument("--hide-thinking", action="store_true",
+                   help="do not print the thinking channel (by default it streams before the answer, dimmed on a "
+                        "terminal)")
     p.set_defaults(func=run_chat)
+
+
+def check_flags(args) -> None:
+    """The generation flags refused by name before anything loads (the library's checks, spelled as flags)."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    max_len = getattr(args, "max_len", None)
+    if max_len is not None and max_len < 2:
+        raise ValueError(f"--max-len must be >= 2, got {max_len}")
+    if max_len is not None and args.max_new_tokens >= max_len:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-len "
+                         f"{max_len} (the cache holds prompt + new tokens)")
+    with common.flag_names():
+        check_sampling(1, getattr(args, "temperature", 0.0), getattr(args, "top_k", 0), getattr(args, "top_p", 1.0),
+                       args.seed)
 
 
 def _rate(n, s):
@@ -95,6 +121,29 @@ def _report(r, label=""):
           f"{t['decode']:.3f}s ({_rate(t['new_tokens'] - len(r.tokens), t['decode'])})", file=sys.stderr)
 
 
+class _Held:
+    """A stream callback that shows nothing until its second call: the first comes right after the prefill, before
+    the decode program compiles (seconds to minutes on a cold start), so holding it back turns a stall in the middle
+    of the text into a wait the status line explains. Then it ends the status line and passes every piece on."""
+
+    def __init__(self, show, status: progress.Status | None):
+        self.show, self.status, self.pending, self.calls = show, status, [], 0
+
+    def __call__(self, tokens, text):
+        self.calls += 1
+        self.pending.append((tokens, text))
+        if self.calls >= 2:
+            self.flush()
+
+    def flush(self):
+        if self.status is not None:
+            self.status.close()
+            self.status = None
+        for tokens, text in self.pending:
+            self.show(tokens, text)
+        self.pending = []
+
+
 def _printer(index: int = 0):
     def stream(tokens, text):
         if text is not None:
@@ -105,11 +154,29 @@ def _printer(index: int = 0):
     return stream
 
 
-def run_demo(args):
-    common.setup_compile_cache(args)
+@contextlib.contextmanager
+def _compiling(expected=("prefill", "decode")):
+    """A status line naming the programs that compile inside the block; yields (the status, the
+    :class:`~kimi_jax.cli.progress.CompileWatch`, whose summary :func:`_say_compiled` prints after the output)."""
+    status = progress.Status("kimi-jax: ")
+    try:
+        with progress.watch_compiles(status, expected=expected) as watch:
+            yield status, watch
+    finally:
+        status.close()
 
+
+def _say_compiled(watch) -> None:
+    if watch.summary():
+        print(f"kimi-jax: {watch.summary()}", file=sys.stderr)
+
+
+def run_demo(args):
     if (args.seed or args.keep) and not args.random:
         raise ValueError("--seed and --keep describe the random model: add --random")
+    check_flags(args)
+    common.setup_compile_cache(args)
+
     with common.model_dir(None, random=args.random, seed=args.seed, keep=args.keep) as path:
         got = common.load_model(path, common.resolve_dtype(args.dtype))
         model, tok, load_s, dtype = got.model, got.tokenizer, got.seconds, got.dtype
@@ -119,12 +186,18 @@ def run_demo(args):
               f"parameters, {cfg.num_layers} layers [{kinds}], {cfg.moe.num_experts} MXFP4 experts, vocab "
               f"{cfg.vocab_size}) loaded from {path} in {load_s:.2f}s; {jax.devices()[0].platform}, {dtype}. "
               f"{_provenance(args.random)}", file=sys.stderr)
+        print("kimi-jax demo: the first request compiles the prefill and decode programs (on a first run, seconds to "
+              "a minute on a CPU; later runs read them from the compilation cache)", file=sys.stderr)
         kw = dict(max_new_tokens=args.max_new_tokens, tokenizer=tok, stop=())  # stop=(): always show the budget
         print(f"> {args.prompt}", file=sys.stderr)
         t0 = time.perf_counter()
-        first = generate(model, args.prompt, stream=_printer(), **kw)
+        with _compiling() as (status, watch):
+            held = _Held(_printer(), status)
+            first = generate(model, args.prompt, stream=held, **kw)
+            held.flush()
         total = time.perf_counter() - t0
         print(file=sys.stderr)
+        _say_compiled(watch)
         print(f"first request (compiles prefill + decode, or loads them from the compilation cache): time to first "
               f"token {first.timings['prefill']:.2f}s, total {total:.2f}s", file=sys.stderr)
         again = generate(model, args.prompt, **kw)
@@ -137,16 +210,27 @@ def _provenance(random: bool) -> str:
         return "Random weights: the text is noise."
 
     r = demo_recipe()
-    return (f"Trained on Python's documentation ({r['train_tokens'] / 1e6:.1f}M tokens seen, held-out loss "
-            f"{r['heldout_loss']:.2f} nats/token): it writes in that style, and knows little.")
+    return (f"Trained on Python's documentation and chats about it ({r['train_tokens'] / 1e6:.1f}M tokens seen, "
+            f"held-out loss {r['heldout_loss']:.2f} nats/token): it writes in that style, and knows little.")
+
+
+def _ids(args) -> list[list[int]] | None:
+    """The ``--ids`` prompts, parsed (None without ``--ids``); a malformed one is refused naming it."""
+    if not args.ids:
+        return None
+    out = []
+    for s in args.ids:
+        try:
+            out.append([int(t) for t in s.replace(" ", "").split(",") if t])
+        except ValueError:
+            raise ValueError(f"--ids {s!r}: expected comma-separated integers") from None
+    return out
 
 
 def _prompts(args, tok):
-    if args.ids:
-        try:
-            return [[int(t) for t in s.replace(" ", "").split(",") if t] for s in args.ids]
-        except ValueError:
-            raise ValueError(f"--ids: expected comma-separated integers, got {args.ids}") from None
+    ids = _ids(args)
+    if ids is not None:
+        return ids
     texts = args.prompt or [DEFAULT_PROMPT]
     if tok is None:
         raise ValueError("text prompts need tokenizer files (tiktoken.model or tokenizer.json) in the model "
@@ -160,7 +244,8 @@ def _prompts(args, tok):
 def _require_chat(tok):
     missing = [m for m in (chat.OPEN, chat.CLOSE, chat.SEP, chat.END_OF_MSG) if m not in tok.specials]
     if missing:
-        raise ValueError(f"the K3 chat format needs the Kimi tokenizer's markers; this tokenizer lacks {missing}")
+        raise ValueError(f"the K3 chat format needs the Kimi tokenizer's markers; this tokenizer lacks "
+                         f"{', '.join(missing)}")
 
 
 def _load_for(args, path, *, batch: int, context: int):
@@ -172,7 +257,19 @@ def _load_for(args, path, *, batch: int, context: int):
                              layout=args.layout)
 
 
+def _check_generate_flags(args) -> None:
+    check_flags(args)
+    _ids(args)
+    if (args.no_thinking or args.hide_thinking) and not args.chat:
+        raise ValueError("--no-thinking and --hide-thinking describe a chat reply: add --chat")
+    if args.chat and args.ids:
+        raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
+    if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
+        print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
+
+
 def run_generate(args):
+    _check_generate_flags(args)
     common.setup_compile_cache(args)
     common.setup_processes(args)
 
@@ -183,26 +280,121 @@ def run_generate(args):
         prompts = _prompts(args, tok)
         speak = common.leader()  # several processes compute together; process 0 prints
         # one prompt, one process: streamed; several processes print whole replies (the tokens are gathered)
-        stream = None if (args.no_stream or len(prompts) > 1 or jax.process_count() > 1) else _printer()
-        r = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=stream,
-                              max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
-        if not speak:
+        streamed = not (args.no_stream or len(prompts) > 1 or jax.process_count() > 1)
+        reply = _ChatReply(tok, not args.no_thinking, not args.hide_thinking) if args.chat else None
+        with _compiling() as (status, watch), common.flag_names():
+            held = _Held(reply.stream if reply else _printer(), status) if streamed else None
+            r = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=held,
+                         max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
+            if held is not None:
+                held.flush()
+        if speak:
+            _print_generated(args, r, tok, prompts, reply, streamed)
+            _say_compiled(watch)
+
+
+def _print_generated(args, r, tok, prompts, reply, streamed: bool) -> None:
+    if streamed:
+        if reply is not None:
+            reply.end()
+        print()
+    else:
+        for i in range(len(prompts)):
+            out = r.text[i] if r.text is not None else " ".join(map(str, r.tokens[i]))
+            if args.chat:
+                out = chat.parse_reply(tok, r.tokens[i], thinking=not args.no_thinking).content
+            print(f"[{i}] {out}" if len(prompts) > 1 else out)
+    if args.chat and tok is not None:
+        for i, ids in enumerate(r.tokens):
+            got = chat.parse_reply(tok, ids, thinking=not args.no_thinking)
+            print(f"[{i}] reasoning: {got.reasoning!r}\n[{i}] answer: {got.content!r}", file=sys.stderr)
+    _report(r)
+
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # SGR faint / reset: the thinking printed dimmer than the answer
+
+
+class _ChatReply:
+    """One chat reply streamed to stdout as it is generated: the thinking channel first (after ``[thinking]``, dim
+    on a terminal; left out with ``show_thinking=False``), then the answer on its own line. Each call re-reads the
+    reply so far (:func:`kimi_jax.text.chat.parse_reply` splits it by marker ids) and prints what is new."""
+
+    def __init__(self, tok, thinking: bool, show_thinking: bool, out=None):
+        self.tok, self.thinking, self.show_thinking = tok, thinking, show_thinking
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty()
+        self.stop = {tok.specials[chat.END_OF_MSG]}
+        self.ids: list[int] = []
+        self.thought = self.said = 0  # characters of each channel printed
+        self.in_thought = False
+
+    def _write(self, text: str):
+        self.out.write(text)
+        self.out.flush()
+
+    def stream(self, tokens, _text):
+        self.ids.extend(tokens[0])
+        got = chat.parse_reply(self.tok, [t for t in self.ids if t not in self.stop], thinking=self.thinking)
+        if self.show_thinking and len(got.reasoning) > self.thought and not self.said:
+            if not self.in_thought:
+                self._write((DIM if self.tty else "") + "[thinking] ")
+                self.in_thought = True
+            self._write(got.reasoning[self.thought:])
+            self.thought = len(got.reasoning)
+        if len(got.content) > self.said:
+            self._close_thought()
+            self._write(got.content[self.said:])
+            self.said = len(got.content)
+
+    def _close_thought(self):
+        if self.in_thought:
+            self._write((PLAIN if self.tty else "") + "\n")
+            self.in_thought = False
+
+    def end(self):
+        self._close_thought()
+
+
+def _turn(args, model, tok, history, thinking: bool, live: bool, first: bool):
+    """One reply of the conversation ``history`` (streamed when ``live``): its :class:`Generation` (None when the
+    conversation outgrew the cache: said, and the session goes on), the :class:`_ChatReply` and the compile watch."""
+    ids = chat.encode(tok, history, thinking=thinking)
+    reply = _ChatReply(tok, thinking, not args.hide_thinking)
+
+    def show(tokens, text):
+        if not reply.ids:
+            print("kimi> ", end="", flush=True)
+        reply.stream(tokens, text)
+
+    try:
+        # the first reply compiles the decode loop too; a later one at most the prefill of a longer conversation
+        with _compiling(("prefill", "decode") if first else ()) as (status, watch), common.flag_names():
+            held = _Held(show, status) if live else None
+            r = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, stop=sorted(reply.stop), seed=args.seed, tokenizer=tok, stream=held,
+                         max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
+            if held is not None:
+                held.flush()
+    except ValueError as e:  # e.g. the conversation outgrew the cache: keep the session alive
+        print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
+        return None, reply, None
+    return r, reply, watch
+
+
+def _chat_lines(stdin, speak: bool):
+    """The user's lines (shared with every process), prompted with ``you>``; ends at EOF or /exit."""
+    while True:
+        if speak:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = distributed.share_text(stdin.readline() if speak else None)
+        if not line or line.strip() == "/exit":
             return
-        if stream is not None:
-            print()
-        else:
-            for i in range(len(prompts)):
-                out = r.text[i] if r.text is not None else " ".join(map(str, r.tokens[i]))
-                print(f"[{i}] {out}" if len(prompts) > 1 else out)
-        if args.chat and tok is not None:
-            for i, ids in enumerate(r.tokens):
-                reply = chat.parse_reply(tok, ids, thinking=not args.no_thinking)
-                print(f"[{i}] reasoning: {reply.reasoning!r}\n[{i}] answer: {reply.content!r}", file=sys.stderr)
-        _report(r)
+        yield line.rstrip("\n")
 
 
 def run_chat(args, stdin=None):
+    check_flags(args)
     common.setup_compile_cache(args)
     common.setup_processes(args)
 
@@ -217,57 +409,39 @@ def run_chat(args, stdin=None):
         if tok is None:
             raise ValueError(f"{path}: chat needs tokenizer files (tiktoken.model + tokenizer_config.json)")
         _require_chat(tok)
-        stop = [tok.specials[chat.END_OF_MSG]]
         history = [{"role": "system", "content": args.system}] if args.system else []
         if speak:
             print("kimi-jax chat: type a message; /reset clears the conversation, /exit (or EOF) quits.",
                   file=sys.stderr)
-        while True:
-            if speak:
-                print("you> ", end="", file=sys.stderr, flush=True)
-            line = distributed.share_text(stdin.readline() if speak else None)
-            if not line or line.strip() == "/exit":
-                break
-            line = line.rstrip("\n")
+        replied = False
+        for line in _chat_lines(stdin, speak):
             if line.strip() == "/reset":
                 history = history[:1] if args.system else []
                 continue
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line})
-            ids = chat.encode(tok, history, thinking=thinking)
-            shown = {"think": 0, "answer": 0}
-            got: list[int] = []
-
-            def stream(tokens, _text):
-                got.extend(tokens[0])
-                reply = chat.parse_reply(tok, [t for t in got if t not in stop], thinking=thinking)
-                if args.show_thinking and len(reply.reasoning) > shown["think"]:
-                    sys.stderr.write(reply.reasoning[shown["think"]:])
-                    shown["think"] = len(reply.reasoning)
-                if len(reply.content) > shown["answer"]:
-                    sys.stdout.write(reply.content[shown["answer"]:])
-                    shown["answer"] = len(reply.content)
-                sys.stdout.flush()
-
-            if speak:
-                print("kimi> ", end="", flush=True)
-            try:
-                r = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, tokenizer=tok,
-                                      stream=stream if live else None, max_len=args.max_len, kv_cache=args.kv_cache,
-                                      kda_state=args.kda_state)
-            except GenerationError as e:  # e.g. the conversation outgrew the cache: keep the session alive
-                if speak:
-                    print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
+            r, shown, watch = _turn(args, model, tok, history, thinking, live, first=not replied)
+            replied = True
+            if r is None:
                 history.pop()
                 continue
             reply = chat.parse_reply(tok, r.tokens[0], thinking=thinking)
             history.append({"role": "assistant", "content": reply.content, "reasoning_content": reply.reasoning,
                             **({"tool_calls": [{"function": c} for c in reply.tool_calls]} if reply.tool_calls else {})})
-            if not speak:
-                continue
-            print("" if live else reply.content)
-            if not reply.finished:
-                print(f"[reply cut at {args.max_new_tokens} tokens]", file=sys.stderr)
-            _report(r)
+            if speak:
+                _end_turn(args, r, reply, shown, live)
+                _say_compiled(watch)
+
+
+def _end_turn(args, r, reply, shown: _ChatReply, live: bool) -> None:
+    if live:
+        shown.end()
+        print()
+    else:
+        print(f"kimi> {reply.content}")
+    if not reply.finished:
+        where = "in its thinking, before any answer" if not reply.content else "in its answer"
+        print(f"[reply cut at {args.max_new_tokens} tokens, {where}: --max-new-tokens raises the budget]",
+              file=sys.stderr)
+    _report(r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kimi_jax.cli import common
 from kimi_jax.deploy import aot, offload
 from kimi_jax.deploy.plan import CHIPS, GB, Plan, format_plan, make_plan, search
 from kimi_jax.model import config as C
@@ -16,12 +17,14 @@ from kimi_jax.serving import validate
 
 
 def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
+    pl.formatter_class = common.HelpFormatter
     pl.add_argument("--model", default="k3", help="preset (k3, kimi-linear-48b-a3b, kimi-dense) or model directory")
     pl.add_argument("--mesh", default="data=1,expert=64,model=8", help="AXIS=N,... over data, expert, model")
     pl.add_argument("--layout", default="tp_ep", help="sharding table: tp_ep or wide_ep")
     pl.add_argument("--batch", type=int, default=8, help="concurrent sequences")
     pl.add_argument("--context", type=int, default=131072, help="cache length per sequence (tokens)")
-    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="activation / parameter dtype planned")
     pl.add_argument("--kernels", default="pallas", choices=["pallas", "reference"],
                     help="reference = jnp kernels (CPU): adds their dequant / upcast workspace")
     pl.add_argument("--hbm-bandwidth", type=float, default=None, help="bytes/s for an extra roofline line")

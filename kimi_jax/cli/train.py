@@ -2,8 +2,11 @@
 
     kimi-jax train --model DIR --data a.txt b.txt --steps 300 --out runs/x [--lora 8]
 
-Text is tokenized with the model directory's tokenizer (else as UTF-8 bytes) and the last ``--eval-frac`` of it is
-held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step), so a run
+Text is tokenized with the model directory's tokenizer (``tiny-k3``: the demo tokenizer; a directory without
+tokenizer files: UTF-8 bytes, said on stderr); a ``.jsonl`` file holds conversations,
+one ``{"messages": [...]}`` a line (optional ``"thinking"``: false, ``"thinking_effort"``), rendered in the K3 chat
+format (:func:`kimi_jax.text.chat.encode`: markers as their special ids, thinking and answer channels). The files'
+tokens follow each other in the order given and the last ``--eval-frac`` of them is held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step), so a run
 resumed from its checkpoint (``OUT/checkpoints``, rerun the same command) sees exactly the batches it would have.
 Every step's metrics -- loss, gradient norm, learning rate, per-layer gradient and output norms, expert load, AttnRes
 weights -- go to ``OUT/metrics.jsonl``; the final model goes to ``OUT/model`` in the released layout (MXFP4
@@ -29,35 +32,40 @@ from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.cli import common
 from kimi_jax.model import config as C
 from kimi_jax.model.decoder import KimiModel
-from kimi_jax.text.tokenizer import has_tokenizer, load_tokenizer
+from kimi_jax.text import chat
+from kimi_jax.text.tokenizer import Tokenizer, has_tokenizer, load_tokenizer, write_demo_tokenizer
 from kimi_jax.training import checkpoint as ckpt
 from kimi_jax.training.export import export_hf
 
 
 def add_train_arguments(p):
+    p.formatter_class = common.HelpFormatter
     p.add_argument("--model", required=True, help="model directory (HF layout or converted) or 'tiny-k3' (random)")
-    p.add_argument("--data", nargs="+", required=True, help="UTF-8 text files")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="UTF-8 text files, and .jsonl files of chat conversations ({\"messages\": [...]} a line, "
+                        "rendered in the K3 chat format); the held-out part is the end of the last file")
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps (the schedule's length)")
     p.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, model/")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train rank-R LoRA adapters only (0: full)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2R)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="windows per optimizer step")
     p.add_argument("--seq", type=int, default=128, help="tokens per training window")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 10)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="compute dtype (master weights are float32 either way)")
     p.add_argument("--remat", action="store_true", help="rematerialise each layer in the backward pass")
     p.add_argument("--balance-rate", type=float, default=1e-3, help="router correction-bias step per update")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     p.add_argument("--eval-frac", type=float, default=0.1, help="fraction of the text held out for eval")
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted, leaving a checkpoint (rerun to resume)")
-    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the exported model's floating tensors")
+    p.add_argument("--seed", type=int, default=0, help="seed of the windows drawn each step (and of LoRA's init)")
     common.parallel_arguments(p)
     p.set_defaults(func=run)
 
@@ -71,10 +79,13 @@ class _Bytes:
 
 def _load(args):
     """(model, raw config dict, tokenizer, tokenizer source directory or None)."""
-    if args.model == "tiny-k3":
+    if args.model == "tiny-k3":  # the random tiny K3 gets the demo tokenizer, exported with the model
         raw = C.tiny_k3_config_dict()
         model = KimiModel(C.from_dict(raw), param_dtype=jnp.float32)
-        return model, raw, _Bytes(), None
+        tok_dir = os.path.join(args.out, "tokenizer")
+        if not has_tokenizer(tok_dir):
+            write_demo_tokenizer(tok_dir, vocab_size=model.cfg.vocab_size)
+        return model, raw, load_tokenizer(tok_dir), tok_dir
     if not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r}: not a model directory (or 'tiny-k3')")
     with open(os.path.join(args.model, "config.json")) as f:
@@ -82,6 +93,8 @@ def _load(args):
     model = from_pretrained(args.model, dtype="float32", progress=False)
     if has_tokenizer(args.model):
         return model, raw, load_tokenizer(args.model), args.model
+    print(f"--model {args.model}: no tokenizer files there; text is encoded as UTF-8 bytes (ids 0-255) and the "
+          f"exported model has no tokenizer", file=sys.stderr)
     return model, raw, _Bytes(), None
 
 
@@ -105,10 +118,37 @@ def _eval_batches(ids: np.ndarray, batch: int, seq: int):
     return [np.stack([ids[s:s + seq] for s in starts[i * batch:(i + 1) * batch]]) for i in range(n)]
 
 
+def _conversations(path: str, tok) -> list[int]:
+    """The token ids of a ``.jsonl`` file of conversations in the K3 chat format, one after another."""
+    if not isinstance(tok, Tokenizer) or any(m not in tok.specials for m in (chat.OPEN, chat.SEP, chat.END_OF_MSG)):
+        raise ValueError(f"--data {path}: chat conversations need a tokenizer with the K3 chat markers (the model "
+                         f"directory's tiktoken.model)")
+    ids: list[int] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids += chat.encode(tok, row["messages"], thinking=row.get("thinking", True),
+                                   thinking_effort=row.get("thinking_effort", "max"), add_generation_prompt=False)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"--data {path}, line {n}: not a conversation ({type(e).__name__}: {e})") from None
+    return ids
+
+
 def _data(args, tok, vocab: int):
     """(training ids, held-out ids) of the ``--data`` files."""
-    text = "\n".join(open(f, encoding="utf-8").read() for f in args.data)
-    ids = np.asarray(tok.encode(text), np.int32)
+    parts, texts = [], []
+    for f in args.data:  # consecutive text files are joined by a newline and tokenized together, as one text
+        if f.endswith(".jsonl"):
+            parts += [tok.encode("\n".join(texts))] if texts else []
+            parts.append(_conversations(f, tok))
+            texts = []
+        else:
+            texts.append(open(f, encoding="utf-8").read())
+    parts += [tok.encode("\n".join(texts))] if texts else []
+    ids = np.asarray([i for p in parts for i in p], np.int32)
     if ids.size and int(ids.max()) >= vocab:
         raise ValueError(f"token id {int(ids.max())} >= vocab size {vocab}")
     cut = int(len(ids) * (1 - args.eval_frac))
@@ -137,6 +177,15 @@ def _trim_metrics(path: str, step: int) -> None:
         rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
     with open(path, "w") as f:
         f.writelines(rows)
+
+
+def _last_row(path: str) -> dict:
+    """The last row of ``metrics.jsonl`` (empty if there is none)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [line for line in f if line.strip()]
+    return json.loads(rows[-1]) if rows else {}
 
 
 def _host(metrics) -> dict:
@@ -211,6 +260,8 @@ def run(args):
         print(f"stopped at step {int(state.step)} of {args.steps}; rerun the command to resume", file=sys.stderr)
         return 0
     out = _export(trainer, state, raw, tok_dir, args)
+    # the last logged step, not this process's last: a rerun of a finished run trains nothing and reports the same
+    last = _last_row(os.path.join(args.out, "metrics.jsonl")) or last
     summary = {"steps": int(state.step), "final_loss": last.get("loss"), "eval_loss": last.get("eval_loss"),
                "unigram_entropy": h1, "model": out}
     with open(os.path.join(args.out, "summary.json"), "w") as f:

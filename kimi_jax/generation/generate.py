@@ -189,7 +189,7 @@ def _per_prompt_values(n: int, max_new_tokens, temperature, top_k, top_p):
     temperature float32, top_k int64, top_p float32)."""
     budget = _per_seq(max_new_tokens, n, "max_new_tokens", np.int64)
     if np.any(budget <= 0):
-        raise GenerationError(f"max_new_tokens must be positive, got {budget.tolist()}")
+        raise GenerationError(f"max_new_tokens must be positive, got {_shown(budget)}")
     return (budget, *check_sampling(n, temperature, top_k, top_p))
 
 

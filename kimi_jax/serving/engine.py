@@ -308,12 +308,13 @@ class Engine:
 
     # -- compiled programs ----------------------------------------------------------------------------------------
 
-    def warmup(self) -> None:
+    def warmup(self, progress=None) -> None:
         """Compile every program the engine runs (each prefill bucket fresh and continued, each decode shape, the
-        snapshot and page functions) on an idle engine, so serving never compiles."""
+        snapshot and page functions) on an idle engine, so serving never compiles. ``progress(what, n, m)``: called
+        before each of the ``m`` programs (the n-th), to say what a long start waits for."""
         if self.scheduler.busy:
             raise EngineError("warmup needs an idle engine")
-        self.executor.warmup()
+        self.executor.warmup(progress)
         self._warm_compiles = steps.backend_compiles()
 
     def stats(self) -> dict:

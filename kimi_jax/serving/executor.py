@@ -221,27 +221,50 @@ class Executor:
 
     # -- compiled programs ----------------------------------------------------------------------------------------
 
-    def warmup(self) -> None:
+    def warmup(self, progress=None) -> None:
         """Compile every program a plan can run (each prefill bucket fresh and continued, each decode row bucket and
         table width, the snapshot and page functions, host round trips included) on slot 0 and page 0, leaving the
-        state as it was. Every process runs the same warm-up: the programs hold collectives on a mesh."""
+        state as it was. Every process runs the same warm-up: the programs hold collectives on a mesh.
+        ``progress(what, n, m)``, when given, is called before each of the ``m`` programs runs (the n-th)."""
+        steps_ = self._warmup_steps()
+        for n, (what, run) in enumerate(steps_, 1):
+            if progress is not None:
+                progress(what, n, len(steps_))
+            run()
+        jax.block_until_ready(self.cache)
+
+    def _warmup_steps(self) -> list:
+        """(what it compiles, a call that runs it) for every program of :meth:`warmup`, in order."""
         sh = self.shapes
         samp = self._sampling([None], [0])
+        out = []
+
+        def prefill(T, width, fresh):
+            self.cache, *_ = self.programs.prefill_chunk(
+                self.params, self.cache, self.table[:1, :width], np.int32(0), np.zeros((1, T), np.int32),
+                np.int32(0), samp, fresh=fresh, record=self.record)
+
+        def decode(b, width):
+            rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
+            self.cache, *_ = self.programs.decode_step(
+                self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
+                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, record=self.record)
+
+        def snapshots():
+            state = self.programs.take_state(self.cache, np.int32(0))
+            for snap in (state, to_device(to_host(state))):
+                self.cache = self.programs.put_state(self.cache, np.int32(0), snap, np.int32(0))
+
+        def pages():
+            self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))
+            page = to_device(to_host(self.programs.take_page(self.cache, np.int32(0))))
+            self.cache = self.programs.put_page(self.cache, np.int32(0), page)
+
         for T in sh.buckets:
             for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):
-                self.cache, *_ = self.programs.prefill_chunk(
-                    self.params, self.cache, self.table[:1, :width], np.int32(0), np.zeros((1, T), np.int32),
-                    np.int32(0), samp, fresh=fresh, record=self.record)
+                out.append((f"prefill of {T} tokens ({'fresh' if fresh else 'continued'})",
+                            lambda T=T, width=width, fresh=fresh: prefill(T, width, fresh)))
         for b in sh.row_buckets:
-            rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
             for width in sh.widths:
-                self.cache, *_ = self.programs.decode_step(
-                    self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
-                    np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, record=self.record)
-        state = self.programs.take_state(self.cache, np.int32(0))
-        for snap in (state, to_device(to_host(state))):
-            self.cache = self.programs.put_state(self.cache, np.int32(0), snap, np.int32(0))
-        self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))
-        page = to_device(to_host(self.programs.take_page(self.cache, np.int32(0))))
-        self.cache = self.programs.put_page(self.cache, np.int32(0), page)
-        jax.block_until_ready(self.cache)
+                out.append((f"decode step of {b} rows x {width} pages", lambda b=b, width=width: decode(b, width)))
+        return out + [("prefix snapshots", snapshots), ("page copies", pages)]

@@ -4,13 +4,19 @@
     POST /v1/completions       prompt: text or token ids
     POST /v1/chat/completions  messages in the K3 chat format; reasoning_content / content / tool_calls
     GET  /v1/models            the one served model
-    GET  /health               200 while serving (with the engine's stats), 503 once shutting down
+    GET  /health               200 while serving (with the engine's stats); 503 while starting (``{"status":
+                               "starting", "stage": "loading" | "compiling", "detail", "elapsed_s"}``) and once
+                               shutting down
 
 The model runs on the engine's thread. A handler parses the body, tokenizes in a worker thread, submits, and
 only awaits the handle's events (:meth:`Handle.aevents`), so the event loop never waits on the model. A client
 that goes away -- mid-stream or while waiting for a whole reply -- cancels its request, which frees its slot.
 Shutdown (SIGTERM, SIGINT): uvicorn stops accepting connections and waits for the requests in flight, then the
 lifespan handler stops the engine with ``drain=True``.
+
+A server can answer before its engine exists (:func:`build_app` without one, :meth:`_Server.ready` when it is up):
+``kimi-jax serve`` listens while the model loads and the engine compiles, so a probe learns the server is starting
+(503) instead of waiting on a connection nobody answers; every other endpoint answers 503 then too.
 
 Every answer is made inside the endpoints (:func:`_answers`): a refusal is an OpenAI error, a body too deep or
 holding an integer past 64 bits a 400 naming it, a client that left (mid-body or while waiting) a 499 nobody reads,
@@ -28,17 +34,20 @@ import logging
 import signal
 import socket
 import threading
+import time
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kimi_jax.serving import protocol
 from kimi_jax.serving.engine import EngineError, EngineStopped, Request
 from kimi_jax.serving.protocol import Params, ProtocolError
+from kimi_jax.serving.validate import max_model_len
 
 log = logging.getLogger("kimi_jax.serving.server")
 MAX_DEPTH = 64  # JSON nesting a request body may have (the deepest valid one, a tool schema, is far shallower)
@@ -145,11 +154,43 @@ def _answers(endpoint):
     return run
 
 
+class Startup:
+    """What a server without its engine yet is doing, for ``/health`` and the 503s of the other endpoints: the stage
+    (``loading``, ``compiling``) and a detail (which program, n of m), set from the thread that starts the engine."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.stage, self.detail = "loading", ""
+        self._lock = threading.Lock()
+
+    def set(self, stage: str, detail: str = "") -> None:
+        with self._lock:
+            self.stage, self.detail = stage, detail
+
+    def body(self) -> dict:
+        with self._lock:
+            return {"status": "starting", "stage": self.stage, "detail": self.detail,
+                    "elapsed_s": round(time.monotonic() - self.t0, 1)}
+
+
 class _Server:
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, startup: Startup | None = None):
         self.engine, self.name = engine, model_name
+        self.startup = startup or Startup()
         self.created = protocol.now()
         self.stopping = False
+
+    def ready(self, engine) -> None:
+        """The engine is up (started, compiled): from now on requests go to it."""
+        self.engine = engine
+
+    def _starting(self) -> None:
+        """Refuse a request while there is no engine yet (503, saying what the start is doing)."""
+        if self.engine is None:
+            b = self.startup.body()
+            raise ProtocolError(f"the server is starting ({b['stage']}{': ' + b['detail'] if b['detail'] else ''}, "
+                                f"{b['elapsed_s']:.0f}s so far); retry when GET /health answers 200", status=503,
+                                type="service_unavailable")
 
     # -- plumbing -------------------------------------------------------------------------------------------------
 
@@ -157,9 +198,11 @@ class _Server:
     async def lifespan(self, app):
         yield
         self.stopping = True  # uvicorn has drained the connections by now; stop the engine the same way
-        await asyncio.to_thread(self.engine.stop, True)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop, True)
 
     async def _params(self, request: HTTPRequest, parse) -> Params:
+        self._starting()
         p = parse(_parse_body(await request.body()))
         if p.model is not None and p.model != self.name:
             raise ProtocolError(f"the model {p.model!r} does not exist; this server serves {self.name!r}",
@@ -176,7 +219,7 @@ class _Server:
             stop_ids = (*eng.default_stop_ids(), *p.stop_token_ids) if p.stop_token_ids else None
         max_tokens = p.max_tokens
         if max_tokens is None:  # completions: OpenAI's 16; chat: what the cache (and the context) has left
-            room = min(eng.max_len, eng.cfg.max_position_embeddings or eng.max_len) - len(prompt)
+            room = max_model_len(eng.cfg, eng.max_len) - len(prompt)
             max_tokens = max(1, room) if p.chat else 16
         return eng.submit(Request(prompt=list(prompt), max_tokens=max_tokens, temperature=p.temperature,
                                   top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=stop_ids,
@@ -204,10 +247,12 @@ class _Server:
 
     @_answers
     async def models(self, request: HTTPRequest) -> Response:
+        self._starting()
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     @_answers
     async def model(self, request: HTTPRequest) -> Response:
+        self._starting()
         name = request.path_params["name"]
         if name != self.name:
             raise ProtocolError(f"the model {name!r} does not exist; this server serves {self.name!r}", status=404,
@@ -216,10 +261,12 @@ class _Server:
 
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "kimi-jax",
-                "max_model_len": self.engine.max_len}
+                "max_model_len": max_model_len(self.engine.cfg, self.engine.max_len)}
 
     @_answers
     async def health(self, request: HTTPRequest) -> Response:
+        if self.engine is None:
+            return JSONResponse({**self.startup.body(), "model": self.name}, status_code=503)
         status = "stopping" if self.stopping else "ok"
         return JSONResponse({"status": status, "model": self.name, **self.engine.stats()},
                             status_code=503 if self.stopping else 200)
@@ -326,9 +373,11 @@ async def _http_error(request, e: HTTPException) -> Response:
                         status_code=e.status_code)
 
 
-def build_app(engine, model_name: str) -> Starlette:
-    """The app for a started ``engine``; its shutdown stops the engine (draining what is in flight)."""
-    srv = _Server(engine, model_name)
+def build_app(engine, model_name: str, startup: Startup | None = None) -> Starlette:
+    """The app for a started ``engine``, or (None) for one still starting: ``app.state.server.ready(engine)`` hands
+    it over, ``startup`` says meanwhile what the start is doing. Its shutdown stops the engine (draining what is in
+    flight)."""
+    srv = _Server(engine, model_name, startup)
     routes = [
         Route("/v1/completions", srv.completions, methods=["POST"]),
         Route("/v1/chat/completions", srv.chat_completions, methods=["POST"]),
@@ -364,9 +413,28 @@ def make_server(app, *, log_level: str = "info"):
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=5))
 
 
-def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
-    """Serve on ``sock`` until SIGINT / SIGTERM; returns after the graceful shutdown (requests in flight finish)."""
+def serve(app, sock: socket.socket, *, log_level: str = "info", start=None) -> None:
+    """Serve on ``sock`` until SIGINT / SIGTERM; returns after the graceful shutdown (requests in flight finish).
+
+    ``start``: a callable run on a thread of its own while the server already answers (loading the model and
+    compiling the engine, then ``app.state.server.ready(engine)``). If it raises, the server shuts down and the
+    exception is raised here; a shutdown before it finished leaves it behind (a daemon thread: the process exits)."""
     server = make_server(app, log_level=log_level)
+    failed: list[BaseException] = []
+    if start is not None:
+        def starting():
+            try:
+                start()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which reports it
+                failed.append(e)
+                server.should_exit = True
+        threading.Thread(target=starting, name="kimi-jax-start", daemon=True).start()
+    _run(server, sock)
+    if failed:
+        raise failed[0]
+
+
+def _run(server, sock: socket.socket) -> None:
     if threading.current_thread() is not threading.main_thread():
         server.run(sockets=[sock])
         return

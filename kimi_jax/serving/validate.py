@@ -43,6 +43,14 @@ def shapes(*, slots: int, max_len: int, page_size: int, pages: int | None, prefi
                   batch_invariant=bool(batch_invariant))
 
 
+def max_model_len(cfg, max_len: int) -> int:
+    """The most tokens (prompt + max_tokens) one request may have: the engine's cache length, or the model's context
+    (``max_position_embeddings``) where that is shorter. One number, so every refusal and ``/v1/models`` name the
+    same limit whichever of the two sets it."""
+    context = cfg.max_position_embeddings
+    return int(max_len) if context is None else min(int(max_len), int(context))
+
+
 def check_request(request: Request, cfg, shapes: Shapes, tokenizer) -> Request:
     """``request`` validated and normalised (stop ids resolved, seed drawn); raises :class:`EngineError`."""
     V = cfg.vocab_size
@@ -58,13 +66,11 @@ def check_request(request: Request, cfg, shapes: Shapes, tokenizer) -> Request:
     if int(request.max_tokens) < 1:
         raise EngineError(f"max_tokens must be >= 1, got {request.max_tokens}")
     total = len(prompt) + int(request.max_tokens)
-    context = cfg.max_position_embeddings
-    if context is not None and total > context:
-        raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds "
-                          f"the model's context of {context} tokens")
-    if total > shapes.max_len:
-        raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds "
-                          f"the engine's max_len of {shapes.max_len} tokens")
+    limit = max_model_len(cfg, shapes.max_len)
+    if total > limit:
+        raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
+                          f"maximum context length of {limit} tokens (max_model_len): shorten the prompt or lower "
+                          "max_tokens")
     if -(-total // shapes.page_size) > shapes.n_pages:
         raise EngineError(f"prompt + max_tokens = {total} tokens needs more pages than the pool holds "
                           f"({shapes.n_pages} of {shapes.page_size} tokens)")
