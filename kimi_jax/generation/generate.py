@@ -52,6 +52,7 @@ from kimi_jax.generation.sampling import (  # noqa: F401 (re-exported: the engin
     argmax,
     sample,
 )
+from kimi_jax.generation import speculative as speculative_mod
 from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
@@ -479,16 +480,26 @@ class Generator:
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
                  stream: Callable[[list[list[int]], list[str] | None], None] | None = None, stream_every: int = 8,
-                 record_logits: bool = False) -> Generation:
+                 record_logits: bool = False, speculative=None) -> Generation:
         """Generate for one prompt or a batch of prompts of different lengths.
 
         ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``: one value or one per prompt. ``stop``: ids
         that end a sequence (default :meth:`default_stop`; ``()`` for none). ``stream(new_tokens, new_text)``
         is called every ``stream_every`` decode steps with each sequence's new tokens (and text).
+        ``speculative``: a drafter (``"ngram[:k=4,max_n=3,min_n=1]"`` or :class:`~kimi_jax.generation.speculative.
+        NGram`): drafted tokens checked by one forward per step (:mod:`kimi_jax.generation.speculative`); greedy
+        output is plain greedy output token for token. ``timings["speculative"]`` has the acceptance.
         """
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
+        drafter = speculative_mod.parse(speculative)
+        if drafter is not None:
+            if np.any(temp > 0):
+                raise GenerationError("speculative decoding is greedy only so far (temperature 0); got temperature "
+                                      f"{_shown(temp)}")
+            if stream is not None or record_logits:
+                raise GenerationError("speculative decoding: no stream= or record_logits=True yet")
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits)  # refuses what cannot fit
 
@@ -497,7 +508,13 @@ class Generator:
         st.count.block_until_ready()
         t1 = time.perf_counter()
         max_budget = int(budget.max())
-        if stream is None:
+        spec = None
+        if drafter is not None:
+            spec = speculative_mod.decode(self.graphdef, self.params,
+                                          speculative_mod.start(st, tokens, lengths, st.out.shape[1]), samp,
+                                          np.int32(max_budget), drafter=drafter)
+            st = spec.dec
+        elif stream is None:
             st = decode(self.graphdef, self.params, st, samp, np.int32(max_budget))
         else:
             st = self._decode_streaming(st, samp, len(ids), stop, stream, stream_every)
@@ -505,6 +522,13 @@ class Generator:
         t2 = time.perf_counter()
         out = self._result(st, ids, stop, record_logits, B, T, t1 - t0, t2 - t1)
         out.timings.update(prefill_chunk=plan.chunk, prefill_calls=plan.calls)
+        if spec is not None:
+            n = len(ids)
+            steps, drafted, accepted = (_host(a)[:n] for a in (spec.steps, spec.drafted, spec.accepted))
+            out.timings["speculative"] = {
+                "verify_steps": int(steps.max()), "drafted": int(drafted.sum()), "accepted": int(accepted.sum()),
+                # new tokens per verify forward (1: no draft ever accepted), over the decode part
+                "tokens_per_step": float((_host(st.count)[:n] - 1).sum() / max(1, steps.sum()))}
         return out
 
     def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
@@ -643,7 +667,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
              stop: Sequence[int] | None = None, seed: int = 0, tokenizer: Tokenizer | str | None = None,
              stream=None, stream_every: int = 8, max_len: int | None = None, record_logits: bool = False,
              kv_cache: str | None = None, kda_state=None, prefill_chunk: int = PREFILL_CHUNK,
-             memory_budget: int | None = None) -> Generation:
+             memory_budget: int | None = None, speculative=None) -> Generation:
     """Generate from a :class:`~kimi_jax.model.KimiModel`: see :meth:`Generator.generate`.
 
     ``prompts``: a string, a list of token ids, or a list of either (different lengths are fine). ``tokenizer``:
@@ -668,4 +692,5 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
         gen = per_model[key] = Generator(model, tokenizer, max_len=max_len, kv_cache=kv_cache, kda_state=kda_state,
                                          prefill_chunk=prefill_chunk, memory_budget=memory_budget)
     return gen.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                        seed=seed, stream=stream, stream_every=stream_every, record_logits=record_logits)
+                        seed=seed, stream=stream, stream_every=stream_every, record_logits=record_logits,
+                        speculative=speculative)

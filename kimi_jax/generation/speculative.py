@@ -1,0 +1,175 @@
+"""Speculative decoding: a drafter proposes up to ``k`` tokens per sequence, one forward of the target over the
+``k + 1`` positions checks them, and the accepted prefix (plus the target's own next token) is kept.
+
+Everything runs inside one compiled ``lax.while_loop``, as the plain decode loop does (:func:`kimi_jax.generation.
+generate.decode`): the drafter, the verify forward, the acceptance and the cache commit are traced, so the host is
+not in the loop per step and a warm generator never recompiles.
+
+* **Drafter: prompt lookup (n-gram).** Each sequence's history (prompt + output so far) lives on the device. The
+  longest recent suffix of ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) is looked up in the history; the
+  most recent earlier occurrence proposes the tokens that followed it. No weights.
+* **Verify.** The target runs over ``[last token, d_1 .. d_k]`` continuing the cache (``prefix=True``), with the KDA
+  layers in verify mode (:func:`kimi_jax.model.cache.for_verify`): they run the decode recurrence over the positions
+  but leave their state and conv tails as they were, recording the recurrence's inputs.
+* **Greedy acceptance.** ``t_i`` is the target's argmax after position ``i``; drafts are accepted while ``d_{i+1} ==
+  t_i``; the sequence gains ``t_0 .. t_a`` (``a`` accepted drafts), cut at a stop id or the budget exactly as the
+  plain loop cuts. So the output equals plain greedy decoding token for token (up to the float rounding of a
+  ``k + 1``-row forward against a one-row one).
+* **Commit.** The cache keeps exactly the positions of the kept tokens: the KDA entries replay the recurrence over
+  the kept prefix from the recorded inputs (:func:`kimi_jax.model.attention.commit_verified`; the later positions
+  made inert, which leaves the state bit for bit), the attention rows past the new length stay written but unread
+  (the next call writes over them first), the lengths say where each sequence ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from kimi_jax.generation.sampling import DecodeState, Sampling, argmax
+from kimi_jax.model.attention import commit_verified
+from kimi_jax.model.cache import for_verify
+
+
+class SpeculativeError(ValueError):
+    """A speculative-decoding setting that cannot be used: names the setting and what would be valid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram:
+    """Prompt-lookup drafting: up to ``k`` tokens that followed the most recent earlier occurrence of the history's
+    last ``n`` tokens, ``n`` from ``max_n`` down to ``min_n``."""
+
+    k: int = 4
+    max_n: int = 3
+    min_n: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.k <= 16:
+            raise SpeculativeError(f"ngram k={self.k}: draft 1 to 16 tokens per step")
+        if not 1 <= self.min_n <= self.max_n <= 8:
+            raise SpeculativeError(f"ngram min_n={self.min_n}, max_n={self.max_n}: need 1 <= min_n <= max_n <= 8")
+
+
+def parse(spec) -> NGram | None:
+    """``speculative=`` as given to ``generate``: None, an :class:`NGram`, or a string ``"ngram"`` /
+    ``"ngram:k=4,max_n=3,min_n=1"``."""
+    if spec is None or isinstance(spec, NGram):
+        return spec
+    if not isinstance(spec, str):
+        raise SpeculativeError(f"speculative={spec!r}: give 'ngram[:k=N,max_n=N,min_n=N]' or an NGram")
+    name, _, rest = spec.partition(":")
+    if name != "ngram":
+        raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram'")
+    kw = {}
+    for part in filter(None, rest.split(",")):
+        m = re.fullmatch(r"(k|max_n|min_n)=(\d+)", part.strip())
+        if not m:
+            raise SpeculativeError(f"speculative={spec!r}: {part!r} is not one of k=N, max_n=N, min_n=N")
+        kw[m.group(1)] = int(m.group(2))
+    return NGram(**kw)
+
+
+@struct.dataclass
+class SpecState:
+    """The plain loop's state plus what drafting and its statistics need."""
+
+    dec: DecodeState
+    hist: jax.Array  # [B, L] int32: prompt then new tokens; row b valid up to hlen[b]
+    hlen: jax.Array  # [B] int32
+    steps: jax.Array  # [B] int32: verify forwards that sequence took part in
+    drafted: jax.Array  # [B] int32: draft tokens proposed
+    accepted: jax.Array  # [B] int32: draft tokens accepted
+
+
+def ngram_draft(hist_BL, hlen_B, room_B, drafter: NGram):
+    """(drafts ``[B, k]`` int32, draft lengths ``[B]``): for each row, the tokens after the most recent earlier
+    occurrence of its last ``n`` tokens (largest ``n`` that matches), at most ``room`` of them and only tokens the
+    history holds."""
+    B, L = hist_BL.shape
+    k = drafter.k
+    pos = jnp.arange(L)[None, :]  # candidate start j of an earlier occurrence
+    best_start = jnp.full((B,), -1, jnp.int32)
+    found = jnp.zeros((B,), bool)
+    for n in range(drafter.max_n, drafter.min_n - 1, -1):
+        ok = (pos + n < hlen_B[:, None]) & (hlen_B[:, None] >= n + 1)  # continuation exists, suffix is not itself
+        for i in range(n):
+            want = jnp.take_along_axis(hist_BL, jnp.clip(hlen_B - n + i, 0, L - 1)[:, None], axis=1)  # [B, 1]
+            got = jnp.take_along_axis(hist_BL, jnp.clip(pos + i, 0, L - 1), axis=1)  # [B, L]
+            ok &= got == want
+        last = jnp.max(jnp.where(ok, pos, -1), axis=1).astype(jnp.int32)  # the most recent occurrence
+        take = ~found & (last >= 0)
+        best_start = jnp.where(take, last + n, best_start)  # where the proposal starts
+        found |= take
+    idx = best_start[:, None] + jnp.arange(k)[None, :]
+    drafts = jnp.take_along_axis(hist_BL, jnp.clip(idx, 0, L - 1), axis=1)
+    avail = jnp.where(found, jnp.clip(hlen_B - best_start, 0, k), 0)
+    return drafts, jnp.minimum(avail, room_B).astype(jnp.int32)
+
+
+def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
+    """The speculative loop's state after a prefill: the history holds each prompt and its first new token."""
+    B, T = prompt_BT.shape
+    L = T + out_len
+    hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))
+    rows = jnp.arange(B)
+    hist = hist.at[rows, lengths_B].set(dec.token, mode="drop")
+    hlen = lengths_B + dec.count
+    zeros = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731 (three buffers: the state is donated)
+    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros())
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter"), donate_argnames=("state",))
+def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, drafter: NGram) -> SpecState:
+    """Up to ``max_steps`` (traced) verify steps in one ``while_loop``, greedy rows only; stops early when every
+    sequence is done. ``state`` is donated."""
+    model = nnx.merge(graphdef, params)
+    k = drafter.k
+
+    def cond(carry):
+        i, st = carry
+        return (i < max_steps) & ~jnp.all(st.dec.done)
+
+    def body(carry):
+        i, st = carry
+        d = st.dec
+        B, out_len = d.out.shape
+        active = ~d.done
+        start_B = d.cache.lengths
+        S = out_len  # the decode state's output capacity is the cache length
+        # drafting beyond the budget or the cache is wasted: the step keeps at most budget - count tokens
+        room = jnp.clip(jnp.minimum(samp.budget - d.count - 1, S - start_B - 1), 0, k)
+        drafts, dlen = ngram_draft(st.hist, st.hlen, jnp.where(active, room, 0), drafter)
+        x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
+        res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True)
+        V = res.logits.shape[-1]
+        t = argmax(res.logits.reshape(-1, V)).reshape(B, k + 1)  # the target's token after each position
+        agree = (drafts == t[:, :k]) & (jnp.arange(k)[None] < dlen[:, None])
+        a = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # leading accepted drafts
+        # the new tokens t_0 .. t_a, cut after a stop id or at the budget, as the plain loop cuts
+        j = jnp.arange(k + 1)[None]
+        is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1)
+        stop_before = jnp.cumsum(is_stop.astype(jnp.int32), axis=1) - is_stop.astype(jnp.int32)
+        keep = (j <= a[:, None]) & (stop_before == 0) & (d.count[:, None] + j < samp.budget[:, None])
+        keep &= active[:, None]
+        n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
+        rows = jnp.arange(B)[:, None]
+        out = d.out.at[rows, jnp.where(keep, d.count[:, None] + j, out_len)].set(t, mode="drop")
+        hist = st.hist.at[rows, jnp.where(keep, st.hlen[:, None] + j, st.hist.shape[1])].set(t, mode="drop")
+        last = jnp.take_along_axis(t, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+        token = jnp.where(n_new > 0, last, d.token)
+        count = d.count + n_new
+        stopped = jnp.any(keep & is_stop, axis=1)
+        done = d.done | (active & (stopped | (count >= samp.budget)))
+        cache = commit_verified(res.cache, start_B, jnp.where(active, n_new, 0), model.run)
+        dec = DecodeState(cache, token, out, count, done, d.logits)
+        st = SpecState(dec, hist, st.hlen + n_new, st.steps + active.astype(jnp.int32),
+                       st.drafted + jnp.where(active, dlen, 0), st.accepted + jnp.where(active, jnp.minimum(a, n_new), 0))
+        return i + 1, st
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
