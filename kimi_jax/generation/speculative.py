@@ -35,6 +35,10 @@ from kimi_jax.generation.sampling import DecodeState, Sampling, argmax
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
 
+EMA = 0.3  # weight of the latest step in a row's acceptance rate
+MIN_RATE = 0.15  # below this a row stops drafting ...
+PROBE = 8  # ... except every PROBE-th step
+
 
 class SpeculativeError(ValueError):
     """A speculative-decoding setting that cannot be used: names the setting and what would be valid."""
@@ -85,6 +89,7 @@ class SpecState:
     steps: jax.Array  # [B] int32: verify forwards that sequence took part in
     drafted: jax.Array  # [B] int32: draft tokens proposed
     accepted: jax.Array  # [B] int32: draft tokens accepted
+    rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
 
 
 def ngram_draft(hist_BL, hlen_B, room_B, drafter: NGram):
@@ -120,8 +125,8 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
     rows = jnp.arange(B)
     hist = hist.at[rows, lengths_B].set(dec.token, mode="drop")
     hlen = lengths_B + dec.count
-    zeros = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731 (three buffers: the state is donated)
-    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros())
+    zeros = lambda: jnp.zeros((B,), jnp.int32)
+    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter"), donate_argnames=("state",))
@@ -135,41 +140,65 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         i, st = carry
         return (i < max_steps) & ~jnp.all(st.dec.done)
 
-    def body(carry):
-        i, st = carry
-        d = st.dec
-        B, out_len = d.out.shape
-        active = ~d.done
-        start_B = d.cache.lengths
-        S = out_len  # the decode state's output capacity is the cache length
-        # drafting beyond the budget or the cache is wasted: the step keeps at most budget - count tokens
-        room = jnp.clip(jnp.minimum(samp.budget - d.count - 1, S - start_B - 1), 0, k)
-        drafts, dlen = ngram_draft(st.hist, st.hlen, jnp.where(active, room, 0), drafter)
+    def verify(d: DecodeState, drafts, dlen, active):
+        """One forward over [last token, drafts]: (cache committed over the kept positions, targets [B, k + 1],
+        accepted drafts [B], kept tokens [B, k + 1] bool)."""
+        B = drafts.shape[0]
         x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
         res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True)
         V = res.logits.shape[-1]
         t = argmax(res.logits.reshape(-1, V)).reshape(B, k + 1)  # the target's token after each position
         agree = (drafts == t[:, :k]) & (jnp.arange(k)[None] < dlen[:, None])
         a = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # leading accepted drafts
-        # the new tokens t_0 .. t_a, cut after a stop id or at the budget, as the plain loop cuts
+        keep = _kept(d, t, a, active)
+        n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
+        return commit_verified(res.cache, d.cache.lengths, n_new, model.run), t, a, keep
+
+    def plain(d: DecodeState, drafts, dlen, active):
+        """No row drafted: the plain loop's one-position step (the same program as :func:`generate.decode`'s)."""
+        B = drafts.shape[0]
+        res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True)
+        t = jnp.concatenate([argmax(res.logits[:, 0])[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
+        a = jnp.zeros((B,), jnp.int32)
+        return res.cache, t, a, _kept(d, t, a, active)
+
+    def _kept(d: DecodeState, t, a, active):
+        """Which of t_0 .. t_k the sequence gains: t_0 .. t_a, cut after a stop id or at the budget, as the plain
+        loop cuts."""
         j = jnp.arange(k + 1)[None]
-        is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1)
-        stop_before = jnp.cumsum(is_stop.astype(jnp.int32), axis=1) - is_stop.astype(jnp.int32)
+        is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1).astype(jnp.int32)
+        stop_before = jnp.cumsum(is_stop, axis=1) - is_stop
         keep = (j <= a[:, None]) & (stop_before == 0) & (d.count[:, None] + j < samp.budget[:, None])
-        keep &= active[:, None]
+        return keep & active[:, None]
+
+    def body(carry):
+        i, st = carry
+        d = st.dec
+        B, out_len = d.out.shape
+        active = ~d.done
+        # drafting beyond the budget or the cache is wasted: the step keeps at most budget - count tokens (the
+        # decode state's output capacity is the cache length)
+        room = jnp.clip(jnp.minimum(samp.budget - d.count - 1, out_len - d.cache.lengths - 1), 0, k)
+        # a row whose drafts were mostly rejected lately drafts nothing (probing again every PROBE steps), so that a
+        # step where no row drafts is the plain one-position step: a bad drafter costs little
+        hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
+        drafts, dlen = ngram_draft(st.hist, st.hlen, jnp.where(active & hopeful, room, 0), drafter)
+        cache, t, a, keep = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
         rows = jnp.arange(B)[:, None]
+        j = jnp.arange(k + 1)[None]
         out = d.out.at[rows, jnp.where(keep, d.count[:, None] + j, out_len)].set(t, mode="drop")
         hist = st.hist.at[rows, jnp.where(keep, st.hlen[:, None] + j, st.hist.shape[1])].set(t, mode="drop")
         last = jnp.take_along_axis(t, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
         token = jnp.where(n_new > 0, last, d.token)
         count = d.count + n_new
-        stopped = jnp.any(keep & is_stop, axis=1)
-        done = d.done | (active & (stopped | (count >= samp.budget)))
-        cache = commit_verified(res.cache, start_B, jnp.where(active, n_new, 0), model.run)
-        dec = DecodeState(cache, token, out, count, done, d.logits)
-        st = SpecState(dec, hist, st.hlen + n_new, st.steps + active.astype(jnp.int32),
-                       st.drafted + jnp.where(active, dlen, 0), st.accepted + jnp.where(active, jnp.minimum(a, n_new), 0))
+        is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1)
+        done = d.done | (active & (jnp.any(keep & is_stop, axis=1) | (count >= samp.budget)))
+        drafted = dlen > 0
+        rate = jnp.where(drafted, (1 - EMA) * st.rate + EMA * a / jnp.maximum(dlen, 1), st.rate)
+        st = SpecState(DecodeState(cache, token, out, count, done, d.logits), hist, st.hlen + n_new,
+                       st.steps + active.astype(jnp.int32), st.drafted + dlen,
+                       st.accepted + jnp.minimum(a, n_new), rate)
         return i + 1, st
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]

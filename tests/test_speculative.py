@@ -1,0 +1,115 @@
+"""Speculative decoding in ``generate`` (kimi_jax/generation/speculative.py): greedy output equals plain greedy
+output token for token, and the cache after verification equals the plain run's.
+
+Random-weight models rarely repeat themselves, so besides the n-gram drafter the tests use an *oracle* drafter: it
+proposes the plain run's own next tokens with one deliberately wrong token at a position that moves from step to
+step, so every acceptance length from 0 to k occurs and the KDA state must be rolled back after each rejection.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.checkpoint.synthetic import write_checkpoint
+from kimi_jax.generation import speculative
+from kimi_jax.generation.generate import GenerationError, Generator
+from kimi_jax.model.cache import KDACache
+
+
+def test_ngram_draft_proposes_what_followed_the_latest_match():
+    # history 5 6 7 8 9 | 5 6 7 1 2 | 5 6 7  -> the suffix "5 6 7" last occurred at 5..7 followed by 1 2 5 6 7
+    hist = jnp.array([[5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7, 0, 0, 0],
+                      [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # nothing repeats: no draft
+                      [4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)  # "4 4 4" at 0..2: one known
+    hlen = jnp.array([13, 4, 4])
+    drafts, dlen = speculative.ngram_draft(hist, hlen, jnp.array([4, 4, 2]), speculative.NGram(k=4, max_n=3))
+    assert dlen.tolist() == [4, 0, 1]
+    assert drafts[0].tolist() == [1, 2, 5, 6] and drafts[2, 0] == 4
+
+
+def test_spec_strings_and_errors():
+    assert speculative.parse("ngram") == speculative.NGram()
+    assert speculative.parse("ngram:k=6,max_n=4,min_n=2") == speculative.NGram(k=6, max_n=4, min_n=2)
+    for bad, fragment in [("eagle", "unknown drafter"), ("ngram:k=0", "k=0"), ("ngram:x=1", "'x=1'"),
+                          ("ngram:min_n=3,max_n=2", "min_n=3")]:
+        with pytest.raises(speculative.SpeculativeError, match=fragment):
+            speculative.parse(bad)
+
+
+def _oracle(monkeypatch, plain_new: list[list[int]], prompt_lens: list[int], B: int, k: int):
+    """Replace the n-gram drafter by one that proposes the plain run's next tokens, wrong at position
+    (tokens so far) mod (k + 1) (no wrong token when that is k: all k accepted)."""
+    N = max(len(t) for t in plain_new) + k + 1
+    table = np.zeros((B, N), np.int32)
+    for b, t in enumerate(plain_new):
+        table[b, : len(t)] = t
+    plen = np.zeros((B,), np.int32)
+    plen[: len(prompt_lens)] = prompt_lens
+    table, plen = jnp.asarray(table), jnp.asarray(plen)
+
+    def draft(hist, hlen, room, drafter):
+        c = hlen - plen  # new tokens so far
+        idx = c[:, None] + jnp.arange(drafter.k)[None]
+        d = jnp.take_along_axis(table, jnp.clip(idx, 0, N - 1), axis=1)
+        wrong = (c % (drafter.k + 1))[:, None] == jnp.arange(drafter.k)[None]
+        return jnp.where(wrong, d + 1, d), jnp.minimum(room, drafter.k).astype(jnp.int32)
+
+    monkeypatch.setattr(speculative, "ngram_draft", draft)
+
+
+def _kda_entries(cache):
+    return [e for e in (*cache.layers, *cache.stack) if isinstance(e, KDACache)]
+
+
+@pytest.fixture(scope="module")
+def families(k3_tiny_a, tmp_path_factory):
+    out = {"k3": k3_tiny_a}
+    for family in ("kimi_linear", "llama"):
+        out[family] = write_checkpoint(str(tmp_path_factory.mktemp(family)), family, dtype="float32")
+    return out
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi_linear", "llama"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
+    model = kimi_jax.from_pretrained(families[family], dtype="float32", progress=False)
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(n)).tolist() for n in rng.integers(3, 40, batch)]
+    budgets = [int(n) for n in rng.integers(8, 24, batch)]
+    gen = Generator(model, None, max_len=96)
+    plain = gen.generate(prompts, budgets, stop=())
+    B = plain.timings["batch_bucket"]
+    plain_cache = gen._caches[B]
+    k = 3 if batch == 1 else 4  # a drafter setting of its own per case: the patched drafter is traced afresh
+    _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], B, k)
+    spec = gen.generate(prompts, budgets, stop=(), speculative=speculative.NGram(k=k, max_n=2 + batch % 3))
+    assert spec.tokens == plain.tokens
+    s = spec.timings["speculative"]
+    assert s["accepted"] > 0 and s["tokens_per_step"] > 1.5, s  # the oracle's drafts were used
+    spec_cache = gen._caches[B]
+    np.testing.assert_array_equal(np.asarray(spec_cache.lengths), np.asarray(plain_cache.lengths))
+    for a, b in zip(_kda_entries(plain_cache), _kda_entries(spec_cache)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
+
+
+def test_ngram_drafter_on_the_k3_fixture_equals_plain(k3_tiny_a):
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    rng = np.random.default_rng(0)
+    base = rng.integers(3, 500, 10).tolist()
+    prompts = [base * 4, rng.integers(3, 500, 25).tolist(), base[:4] * 7]
+    gen = Generator(model, None, max_len=128)
+    plain = gen.generate(prompts, 32, stop=())
+    spec = gen.generate(prompts, 32, stop=(), speculative="ngram:k=4")
+    assert spec.tokens == plain.tokens and spec.timings["speculative"]["drafted"] > 0
+
+
+def test_refusals(k3_tiny_a):
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    gen = Generator(model, None, max_len=64)
+    with pytest.raises(GenerationError, match="greedy only"):
+        gen.generate([[1, 2, 3]], 4, temperature=0.7, speculative="ngram")
+    with pytest.raises(speculative.SpeculativeError, match="unknown drafter"):
+        gen.generate([[1, 2, 3]], 4, speculative="medusa")
