@@ -210,7 +210,8 @@ def _provenance(random: bool) -> str:
         return "Random weights: the text is noise."
 
     r = demo_recipe()
-    return (f"Trained on Python's documentation and chats about it ({r['train_tokens'] / 1e6:.1f}M tokens seen, "
+    chats = " and chats about it" if r.get("chat_conversations") else ""  # the recipe's RECIPE.json says which
+    return (f"Trained on Python's documentation{chats} ({r['train_tokens'] / 1e6:.1f}M tokens seen, "
             f"held-out loss {r['heldout_loss']:.2f} nats/token): it writes in that style, and knows little.")
 
 
