@@ -71,8 +71,14 @@ def families(k3_tiny_a, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["k3", "kimi_linear", "llama"])
-@pytest.mark.parametrize("batch", [1, 8])
+def _cases():  # K3 at batch 8 in the default set, the other five -m slow (15-40 s each on 2 cores)
+    for family in ("k3", "kimi_linear", "llama"):
+        for batch in (1, 8):
+            slow = (family, batch) != ("k3", 8)
+            yield pytest.param(family, batch, id=f"{family}-{batch}", marks=pytest.mark.slow if slow else ())
+
+
+@pytest.mark.parametrize("family,batch", list(_cases()))
 def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
     model = kimi_jax.from_pretrained(families[family], dtype="float32", progress=False)
     rng = np.random.default_rng(batch)
@@ -113,3 +119,22 @@ def test_refusals(k3_tiny_a):
         gen.generate([[1, 2, 3]], 4, temperature=0.7, speculative="ngram")
     with pytest.raises(speculative.SpeculativeError, match="unknown drafter"):
         gen.generate([[1, 2, 3]], 4, speculative="medusa")
+
+
+def test_cli_speculative_gives_the_golden_greedy_tokens(k3_tiny_a, k3_golden, capsys):
+    """``kimi-jax generate --speculative ngram`` with token ids in, float32: the fixture's golden greedy tokens (a
+    reference implementation's)."""
+    from kimi_jax.cli import main
+
+    golden = k3_golden["greedy_tokens"]
+    argv = ["generate", "--model", k3_tiny_a, "--dtype", "float32", "--no-compile-cache", "--speculative", "ngram:k=3",
+            "--max-new-tokens", str(golden.shape[1]), "--stop", "0"]
+    for row in k3_golden["input_ids"].tolist():
+        argv += ["--ids", ",".join(map(str, row))]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    got = [[int(t) for t in line.split("] ", 1)[1].split()] for line in out.out.splitlines()]
+    np.testing.assert_array_equal(np.array(got), golden)
+    assert "drafted tokens accepted" in out.err
+    assert main(["generate", "--model", k3_tiny_a, "--ids", "1,2", "--speculative", "ngram:k=99"]) == 2
+    assert "k=99" in capsys.readouterr().err

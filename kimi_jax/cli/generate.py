@@ -17,6 +17,7 @@ import jax
 
 from kimi_jax.cli import common, progress
 from kimi_jax.cli.demo import demo_recipe
+from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import check_sampling, generate
 from kimi_jax.model.decoder import param_count
 from kimi_jax.parallel import distributed
@@ -76,6 +77,9 @@ def add_generate_arguments(p: argparse.ArgumentParser):
                         "thinking first")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: thinking mode off")
     p.add_argument("--hide-thinking", action="store_true", help="with --chat: print the answer only")
+    p.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="speculative decoding, greedy only: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and "
+                        "output so far (prompt lookup); the output is the plain greedy output (default: off)")
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end instead of as it comes")
@@ -265,6 +269,10 @@ def _check_generate_flags(args) -> None:
         raise ValueError("--no-thinking and --hide-thinking describe a chat reply: add --chat")
     if args.chat and args.ids:
         raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
+    if args.speculative:
+        speculative.parse(args.speculative)  # a wrong spec is named before anything loads
+        if args.temperature > 0:
+            raise ValueError(f"--speculative is greedy only so far: drop --temperature {args.temperature}")
     if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
         print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
 
@@ -281,18 +289,23 @@ def run_generate(args):
         prompts = _prompts(args, tok)
         speak = common.leader()  # several processes compute together; process 0 prints
         # one prompt, one process: streamed; several processes print whole replies (the tokens are gathered)
-        streamed = not (args.no_stream or len(prompts) > 1 or jax.process_count() > 1)
+        streamed = not (args.no_stream or args.speculative or len(prompts) > 1 or jax.process_count() > 1)
         reply = _ChatReply(tok, not args.no_thinking, not args.hide_thinking) if args.chat else None
         with _compiling() as (status, watch), common.flag_names():
             held = _Held(reply.stream if reply else _printer(), status) if streamed else None
             r = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=held,
-                         max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
+                         max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state,
+                         speculative=args.speculative)
             if held is not None:
                 held.flush()
         if speak:
             _print_generated(args, r, tok, prompts, reply, streamed)
             _say_compiled(watch)
+            if args.speculative:
+                s = r.timings["speculative"]
+                print(f"speculative ({args.speculative}): {s['accepted']} of {s['drafted']} drafted tokens accepted; "
+                      f"{s['tokens_per_step']:.2f} new tokens per forward", file=sys.stderr)
 
 
 def _print_generated(args, r, tok, prompts, reply, streamed: bool) -> None:
