@@ -101,6 +101,7 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow  # the default set runs the n-gram drafter on the fixture through the CLI (golden tokens)
 def test_ngram_drafter_on_the_k3_fixture_equals_plain(k3_tiny_a):
     model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
     rng = np.random.default_rng(0)
