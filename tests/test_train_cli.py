@@ -111,11 +111,22 @@ def test_chat_jsonl_is_rendered_in_the_k3_format(tmp_path):
     (tmp_path / "a.txt").write_text(_DEMO_TEXT)
     args = types.SimpleNamespace(data=[str(tmp_path / "a.txt"), str(tmp_path / "chat.jsonl"), str(tmp_path / "a.txt")],
                                  eval_frac=0.1, seq=8)
-    train_ids, eval_ids = train_cli._data(args, tok, 1024)
-    want = (tok.encode(_DEMO_TEXT) + chat.encode(tok, talks[0]["messages"], add_generation_prompt=False)
-            + chat.encode(tok, talks[1]["messages"], thinking=False, add_generation_prompt=False) + tok.encode(_DEMO_TEXT))
+    train_ids, eval_ids, anchors = train_cli._data(args, tok, 1024)
+    text = tok.encode(_DEMO_TEXT)
+    first = chat.encode(tok, talks[0]["messages"], add_generation_prompt=False)
+    second = chat.encode(tok, talks[1]["messages"], thinking=False, add_generation_prompt=False)
+    want = text + first + second + text
     assert np.concatenate([train_ids, eval_ids]).tolist() == want
     assert tok.specials[chat.END_OF_MSG] in train_ids.tolist()
+    # a window never starts inside a conversation: there it starts at the conversation's first token (its markers)
+    a, b = len(text), len(text) + len(first)
+    want_anchors = list(range(a)) + [a] * len(first) + [b] * len(second) + list(range(b + len(second), len(train_ids)))
+    assert anchors.tolist() == want_anchors
+    assert train_ids[a] == tok.specials[chat.OPEN] and train_ids[b] == tok.specials[chat.OPEN]
+    starts = {int(w[0]) for step in range(50) for w in train_cli.windows(
+        np.arange(len(train_ids)), 8, 8, 0, step, anchors)}  # windows of positions: their first is the start
+    assert not starts & (set(range(a + 1, b)) | set(range(b + 1, b + len(second))))
+    assert {a, b} <= starts and starts - {a, b}  # conversations and text are both drawn
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot"}]}\n')
     with pytest.raises(ValueError, match=r"--data .*bad.jsonl, line 1: not a conversation"):
         train_cli._data(types.SimpleNamespace(data=[str(tmp_path / "bad.jsonl")], eval_frac=0.1, seq=8), tok, 1024)

@@ -6,7 +6,8 @@ Text is tokenized with the model directory's tokenizer (``tiny-k3``: the demo to
 tokenizer files: UTF-8 bytes, said on stderr); a ``.jsonl`` file holds conversations,
 one ``{"messages": [...]}`` a line (optional ``"thinking"``: false, ``"thinking_effort"``), rendered in the K3 chat
 format (:func:`kimi_jax.text.chat.encode`: markers as their special ids, thinking and answer channels). The files'
-tokens follow each other in the order given and the last ``--eval-frac`` of them is held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step), so a run
+tokens follow each other in the order given and the last ``--eval-frac`` of them is held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step) (one that would start inside a
+conversation starts at its beginning, so the model learns to end a message only where it sees the chat markers), so a run
 resumed from its checkpoint (``OUT/checkpoints``, rerun the same command) sees exactly the batches it would have.
 Every step's metrics -- loss, gradient norm, learning rate, per-layer gradient and output norms, expert load, AttnRes
 weights -- go to ``OUT/metrics.jsonl``; the final model goes to ``OUT/model`` in the released layout (MXFP4
@@ -105,10 +106,16 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def windows(ids: np.ndarray, batch: int, seq: int, seed: int, step: int) -> np.ndarray:
-    """``[batch, seq]`` windows at random offsets, a function of (seed, step) only."""
+def windows(ids: np.ndarray, batch: int, seq: int, seed: int, step: int,
+            anchors: np.ndarray | None = None) -> np.ndarray:
+    """``[batch, seq]`` windows at random offsets, a function of (seed, step) only. With ``anchors`` (see
+    :func:`_data`) an offset inside a conversation moves back to the conversation's first token, so every window that
+    holds part of a conversation holds its chat markers from the start: the model never learns to end a message from
+    text alone, and a plain-text prompt is continued as text."""
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(ids) - seq + 1, batch)
+    if anchors is not None:
+        starts = anchors[starts]
     return np.stack([ids[s:s + seq] for s in starts])
 
 
@@ -118,36 +125,48 @@ def _eval_batches(ids: np.ndarray, batch: int, seq: int):
     return [np.stack([ids[s:s + seq] for s in starts[i * batch:(i + 1) * batch]]) for i in range(n)]
 
 
-def _conversations(path: str, tok) -> list[int]:
-    """The token ids of a ``.jsonl`` file of conversations in the K3 chat format, one after another."""
+def _conversations(path: str, tok) -> list[list[int]]:
+    """The token ids of each conversation of a ``.jsonl`` file, in the K3 chat format."""
     if not isinstance(tok, Tokenizer) or any(m not in tok.specials for m in (chat.OPEN, chat.SEP, chat.END_OF_MSG)):
         raise ValueError(f"--data {path}: chat conversations need a tokenizer with the K3 chat markers (the model "
                          f"directory's tiktoken.model)")
-    ids: list[int] = []
+    talks: list[list[int]] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                ids += chat.encode(tok, row["messages"], thinking=row.get("thinking", True),
-                                   thinking_effort=row.get("thinking_effort", "max"), add_generation_prompt=False)
+                talks.append(chat.encode(tok, row["messages"], thinking=row.get("thinking", True),
+                                   thinking_effort=row.get("thinking_effort", "max"), add_generation_prompt=False))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"--data {path}, line {n}: not a conversation ({type(e).__name__}: {e})") from None
-    return ids
+    return talks
 
 
 def _data(args, tok, vocab: int):
-    """(training ids, held-out ids) of the ``--data`` files."""
-    parts, texts = [], []
+    """(training ids, held-out ids, anchors) of the ``--data`` files: ``anchors[p]`` is the first position of the
+    conversation that training position ``p`` falls in, and ``p`` itself in text (what :func:`windows` starts at)."""
+    parts, talks, texts = [], [], []  # talks: (offset, length) of each conversation in the joined ids
+    at = 0
+
+    def add(ids):
+        nonlocal at
+        parts.append(ids)
+        at += len(ids)
+
     for f in args.data:  # consecutive text files are joined by a newline and tokenized together, as one text
         if f.endswith(".jsonl"):
-            parts += [tok.encode("\n".join(texts))] if texts else []
-            parts.append(_conversations(f, tok))
+            if texts:
+                add(tok.encode("\n".join(texts)))
+            for conv in _conversations(f, tok):
+                talks.append((at, len(conv)))
+                add(conv)
             texts = []
         else:
             texts.append(open(f, encoding="utf-8").read())
-    parts += [tok.encode("\n".join(texts))] if texts else []
+    if texts:
+        add(tok.encode("\n".join(texts)))
     ids = np.asarray([i for p in parts for i in p], np.int32)
     if ids.size and int(ids.max()) >= vocab:
         raise ValueError(f"token id {int(ids.max())} >= vocab size {vocab}")
@@ -155,7 +174,10 @@ def _data(args, tok, vocab: int):
     if cut < args.seq or len(ids) - cut < args.seq:
         raise ValueError(f"{len(ids)} tokens of text: too few for windows of --seq {args.seq} in both the training "
                          f"and the held-out part (--eval-frac {args.eval_frac})")
-    return ids[:cut], ids[cut:]
+    anchors = np.arange(cut)
+    for start, n in talks:
+        anchors[start:min(start + n, cut)] = start
+    return ids[:cut], ids[cut:], anchors
 
 
 def _export(trainer, state, raw, tok_dir, args) -> str:
@@ -202,7 +224,7 @@ def run(args):
         raise ValueError("train --mesh auto: the plan sizes serving, not training; give --mesh data=D,expert=E,model=M")
     mesh = common.make_mesh(args, "", batch=args.batch, context=args.seq, dtype=args.dtype)
     model, raw, tok, tok_dir = _load(args)
-    train_ids, eval_ids = _data(args, tok, model.cfg.vocab_size)
+    train_ids, eval_ids, anchors = _data(args, tok, model.cfg.vocab_size)
     h1 = unigram_entropy(train_ids)
     print(f"{len(train_ids)} training tokens, {len(eval_ids)} held out; unigram entropy {h1:.3f} nats", file=sys.stderr)
 
@@ -240,7 +262,7 @@ def run(args):
     bar = tqdm(range(start, stop), initial=start, total=args.steps, desc="train", file=sys.stderr)
     last = {}
     for i in bar:
-        b = jnp.asarray(windows(train_ids, args.batch, args.seq, args.seed, i))
+        b = jnp.asarray(windows(train_ids, args.batch, args.seq, args.seed, i, anchors))
         state, metrics = step_fn(state, training.Batch(b, jnp.ones_like(b)))
         row = {"step": i + 1, **_host(metrics)}
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
