@@ -113,11 +113,74 @@ def test_ngram_drafter_on_the_k3_fixture_equals_plain(k3_tiny_a):
     assert spec.tokens == plain.tokens and spec.timings["speculative"]["drafted"] > 0
 
 
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _check_draws(got, p, what):
+    """Each empirical frequency of ``got`` (token ids) within 5 binomial standard deviations of ``p``."""
+    n = len(got)
+    freq = np.bincount(got, minlength=len(p)) / n
+    sd = np.sqrt(p * (1 - p) / n) + 1e-12
+    assert np.all(np.abs(freq - p) <= 5 * sd + 1e-9), f"{what}: {freq.round(4)} vs {p.round(4)} ({n} draws)"
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_rejection_sampling_keeps_the_samplers_distribution(top_k):
+    """Sampled rows: the first kept token has the target's distribution (softmax(logits / T), top-k renormalised,
+    computed here in numpy); given that the first draft was accepted the second has p_1's; a draft token is kept
+    exactly when accepted. 20000 rows of the same logits, each row its own random stream."""
+    B, V, T = 20000, 6, 0.8
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, V)).astype(np.float32) * 1.5
+    drafts = np.array([int(np.argsort(logits[0])[-2]), int(np.argsort(logits[1])[-1])], np.int32)  # likely, not certain
+    samp = kimi_jax.generation.sampling.Sampling(
+        temperature=jnp.full((B,), T, jnp.float32), top_k=jnp.full((B,), top_k, jnp.int32),
+        top_p=jnp.ones((B,), jnp.float32), budget=jnp.full((B,), 10, jnp.int32), stop=jnp.full((1,), -1, jnp.int32),
+        seed=jnp.uint32(7))
+    t, a = jax.jit(speculative.accept_drafts)(jnp.broadcast_to(logits, (B, 3, V)), jnp.broadcast_to(drafts, (B, 2)),
+                                              jnp.full((B,), 2, jnp.int32), samp, jnp.zeros((B,), jnp.int32))
+    t, a = np.asarray(t), np.asarray(a)
+
+    def target(row):
+        z = logits[row] / T
+        if top_k:
+            z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+        return _softmax(z)
+
+    _check_draws(t[:, 0], target(0), "first token")
+    assert np.array_equal(t[:, 0] == drafts[0], a >= 1)  # kept as the draft exactly when accepted
+    second = t[a >= 1, 1]
+    _check_draws(second, target(1), "second token, first accepted")
+    assert np.array_equal(second == drafts[1], a[a >= 1] == 2)
+    assert 0.05 < np.mean(a >= 1) < 0.95 and np.mean(a == 2) > 0.02  # every branch taken
+    if top_k:
+        assert np.all(np.isin(t[:, 0], np.argsort(logits[0])[-top_k:]))
+
+
+def test_sampled_speculative_generation_is_reproducible_and_greedy_when_cold(k3_tiny_a, monkeypatch):
+    """Temperature > 0 runs through rejection sampling: a near-zero temperature with the oracle drafter (every
+    acceptance length) gives the plain greedy tokens, so the sampled path keeps the right tokens in the right places;
+    the same seed gives the same tokens."""
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    gen = Generator(model, None, max_len=96)
+    base = np.random.default_rng(1).integers(3, 500, 8).tolist()
+    prompts = [base * 4, base[:5] * 5]
+    greedy = gen.generate(prompts, 24, stop=())
+    with monkeypatch.context() as m:
+        _oracle(m, greedy.tokens, [len(p) for p in prompts], greedy.timings["batch_bucket"], 5)
+        cold = gen.generate(prompts, 24, stop=(), temperature=1e-4, speculative=speculative.NGram(k=5, max_n=1))
+    assert cold.tokens == greedy.tokens
+    assert cold.timings["speculative"]["accepted"] > 0 and cold.timings["speculative"]["tokens_per_step"] > 1.5
+    one = gen.generate(prompts, 24, stop=(), temperature=1.0, seed=3, speculative="ngram:k=4")
+    two = gen.generate(prompts, 24, stop=(), temperature=1.0, seed=3, speculative="ngram:k=4")
+    assert one.tokens == two.tokens and all(len(x) == 24 for x in one.tokens)
+
+
 def test_refusals(k3_tiny_a):
     model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
     gen = Generator(model, None, max_len=64)
-    with pytest.raises(GenerationError, match="greedy only"):
-        gen.generate([[1, 2, 3]], 4, temperature=0.7, speculative="ngram")
     with pytest.raises(speculative.SpeculativeError, match="unknown drafter"):
         gen.generate([[1, 2, 3]], 4, speculative="medusa")
 

@@ -78,8 +78,9 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--no-thinking", action="store_true", help="with --chat: thinking mode off")
     p.add_argument("--hide-thinking", action="store_true", help="with --chat: print the answer only")
     p.add_argument("--speculative", default=None, metavar="SPEC",
-                   help="speculative decoding, greedy only: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and "
-                        "output so far (prompt lookup); the output is the plain greedy output (default: off)")
+                   help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and output so "
+                        "far (prompt lookup); greedy output is the plain greedy output, sampled output (--temperature) "
+                        "has the plain sampler's distribution (rejection sampling) (default: off)")
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end instead of as it comes")
@@ -271,8 +272,6 @@ def _check_generate_flags(args) -> None:
         raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
     if args.speculative:
         speculative.parse(args.speculative)  # a wrong spec is named before anything loads
-        if args.temperature > 0:
-            raise ValueError(f"--speculative is greedy only so far: drop --temperature {args.temperature}")
     if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
         print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
 

@@ -488,16 +488,14 @@ class Generator:
         is called every ``stream_every`` decode steps with each sequence's new tokens (and text).
         ``speculative``: a drafter (``"ngram[:k=4,max_n=3,min_n=1]"`` or :class:`~kimi_jax.generation.speculative.
         NGram`): drafted tokens checked by one forward per step (:mod:`kimi_jax.generation.speculative`); greedy
-        output is plain greedy output token for token. ``timings["speculative"]`` has the acceptance.
+        output is plain greedy output token for token, sampled output has the plain sampler's distribution
+        (rejection sampling). ``timings["speculative"]`` has the acceptance.
         """
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
         drafter = speculative_mod.parse(speculative)
         if drafter is not None:
-            if np.any(temp > 0):
-                raise GenerationError("speculative decoding is greedy only so far (temperature 0); got temperature "
-                                      f"{_shown(temp)}")
             if stream is not None or record_logits:
                 raise GenerationError("speculative decoding: no stream= or record_logits=True yet")
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)

@@ -11,10 +11,16 @@ not in the loop per step and a warm generator never recompiles.
 * **Verify.** The target runs over ``[last token, d_1 .. d_k]`` continuing the cache (``prefix=True``), with the KDA
   layers in verify mode (:func:`kimi_jax.model.cache.for_verify`): they run the decode recurrence over the positions
   but leave their state and conv tails as they were, recording the recurrence's inputs.
-* **Greedy acceptance.** ``t_i`` is the target's argmax after position ``i``; drafts are accepted while ``d_{i+1} ==
-  t_i``; the sequence gains ``t_0 .. t_a`` (``a`` accepted drafts), cut at a stop id or the budget exactly as the
-  plain loop cuts. So the output equals plain greedy decoding token for token (up to the float rounding of a
-  ``k + 1``-row forward against a one-row one).
+* **Acceptance** (:func:`accept_drafts`). Greedy rows: ``t_i`` is the target's argmax after position ``i``; drafts are
+  accepted while ``d_{i+1} == t_i``, so the output equals plain greedy decoding token for token (up to the float
+  rounding of a ``k + 1``-row forward against a one-row one). Sampled rows (temperature > 0): rejection sampling
+  (Leviathan et al. 2023, Chen et al. 2023) against the distribution the plain sampler draws from (temperature, top-k,
+  top-p: :func:`kimi_jax.generation.sampling.probabilities`). A prompt-lookup draft is one token for certain (its
+  proposal puts all its mass on it), so ``d_{i+1}`` is accepted with probability ``p_i(d_{i+1})``; at the first
+  rejection the token is drawn from ``p_i`` without ``d_{i+1}`` (renormalised), and when every draft is accepted the
+  next is drawn from ``p_a``: each kept token has exactly the plain sampler's distribution given the ones before
+  it (not the same draws: the random numbers are used differently). The sequence gains ``t_0 .. t_a`` (``a``
+  accepted drafts), cut at a stop id or the budget exactly as the plain loop cuts.
 * **Commit.** The cache keeps exactly the positions of the kept tokens: the KDA entries replay the recurrence over
   the kept prefix from the recorded inputs (:func:`kimi_jax.model.attention.commit_verified`; the later positions
   made inert, which leaves the state bit for bit), the attention rows past the new length stay written but unread
@@ -31,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kimi_jax.generation.sampling import DecodeState, Sampling, argmax
+from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, probabilities, sample, step_keys
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
 
@@ -117,6 +123,40 @@ def ngram_draft(hist_BL, hlen_B, room_B, drafter: NGram):
     return drafts, jnp.minimum(avail, room_B).astype(jnp.int32)
 
 
+def accept_drafts(logits_BKV, drafts_BK, dlen_B, samp: Sampling, count_B):
+    """(tokens ``[B, k + 1]``, accepted drafts ``[B]``) of one verify forward: ``logits[:, i]`` is the target after
+    position ``i`` (the last token, then the drafts); the row gains ``tokens[:, :a + 1]``. Greedy rows take the
+    argmax and accept the drafts that equal it; rows with temperature > 0 accept by rejection sampling (module
+    docstring), keyed by (seed, row, the index of the new token) as the plain sampler is."""
+    B, K1, V = logits_BKV.shape
+    k = K1 - 1
+    j = jnp.arange(k)[None]
+    t = argmax(logits_BKV.reshape(-1, V)).reshape(B, K1)
+    agree = (drafts_BK == t[:, :k]) & (j < dlen_B[:, None])
+    a = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+    temp = samp.temperature
+
+    def rejection():
+        probs = jax.vmap(jax.vmap(probabilities, (0, None, None, None)))(logits_BKV, temp, samp.top_k, samp.top_p)
+        keys = jax.vmap(lambda i: step_keys(samp.seed, count_B + i), out_axes=1)(jnp.arange(K1))  # [B, k + 1]
+        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys[:, :k])
+        p_draft = jnp.take_along_axis(probs[:, :k], drafts_BK[..., None], axis=-1)[..., 0]  # [B, k]
+        ok = (u < p_draft) & (j < dlen_B[:, None])
+        a_s = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        rows = jnp.arange(B)
+        p_a = probs[rows, a_s]  # [B, V]: the distribution after the accepted drafts
+        rejected = jnp.take_along_axis(drafts_BK, jnp.minimum(a_s, k - 1)[:, None], axis=1)[:, 0]
+        p_a = jnp.where((a_s < dlen_B)[:, None] & (jnp.arange(V)[None] == rejected[:, None]), 0.0, p_a)
+        # the residual's mass is p_a(not the draft) > 0 whenever the draft was rejected (u < 1 accepts p = 1)
+        last = jax.vmap(lambda key, p: jax.random.categorical(key, jnp.log(p)))(keys[rows, a_s], p_a)
+        drafted = jnp.concatenate([drafts_BK, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        t_s = jnp.where(jnp.arange(K1)[None] < a_s[:, None], drafted, last[:, None].astype(jnp.int32))
+        sampled = temp > 0
+        return jnp.where(sampled[:, None], t_s, t), jnp.where(sampled, a_s, a)
+
+    return jax.lax.cond(jnp.any(temp > 0), rejection, lambda: (t, a))
+
+
 def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
     """The speculative loop's state after a prefill: the history holds each prompt and its first new token."""
     B, T = prompt_BT.shape
@@ -131,8 +171,7 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter"), donate_argnames=("state",))
 def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, drafter: NGram) -> SpecState:
-    """Up to ``max_steps`` (traced) verify steps in one ``while_loop``, greedy rows only; stops early when every
-    sequence is done. ``state`` is donated."""
+    """Up to ``max_steps`` (traced) verify steps in one ``while_loop``; stops early when every sequence is done. ``state`` is donated."""
     model = nnx.merge(graphdef, params)
     k = drafter.k
 
@@ -146,10 +185,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         B = drafts.shape[0]
         x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
         res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True)
-        V = res.logits.shape[-1]
-        t = argmax(res.logits.reshape(-1, V)).reshape(B, k + 1)  # the target's token after each position
-        agree = (drafts == t[:, :k]) & (jnp.arange(k)[None] < dlen[:, None])
-        a = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # leading accepted drafts
+        t, a = accept_drafts(res.logits.astype(jnp.float32), drafts, dlen, samp, d.count)
         keep = _kept(d, t, a, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
         return commit_verified(res.cache, d.cache.lengths, n_new, model.run), t, a, keep
@@ -158,7 +194,12 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         """No row drafted: the plain loop's one-position step (the same program as :func:`generate.decode`'s)."""
         B = drafts.shape[0]
         res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True)
-        t = jnp.concatenate([argmax(res.logits[:, 0])[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
+        logits = res.logits[:, 0].astype(jnp.float32)
+        first = jax.lax.cond(jnp.any(samp.temperature > 0),
+                             lambda: sample(logits, step_keys(samp.seed, d.count), samp.temperature, samp.top_k,
+                                            samp.top_p),
+                             lambda: argmax(logits))
+        t = jnp.concatenate([first[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
         a = jnp.zeros((B,), jnp.int32)
         return res.cache, t, a, _kept(d, t, a, active)
 
