@@ -14,7 +14,7 @@ import pytest
 import kimi_jax
 from kimi_jax.checkpoint.synthetic import write_checkpoint
 from kimi_jax.generation import speculative
-from kimi_jax.generation.generate import GenerationError, Generator
+from kimi_jax.generation.generate import Generator
 from kimi_jax.model.cache import KDACache
 
 

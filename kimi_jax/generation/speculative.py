@@ -182,7 +182,6 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
     def verify(d: DecodeState, drafts, dlen, active):
         """One forward over [last token, drafts]: (cache committed over the kept positions, targets [B, k + 1],
         accepted drafts [B], kept tokens [B, k + 1] bool)."""
-        B = drafts.shape[0]
         x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
         res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True)
         t, a = accept_drafts(res.logits.astype(jnp.float32), drafts, dlen, samp, d.count)
