@@ -101,6 +101,40 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("family", ["k3", pytest.param("kimi_linear", marks=pytest.mark.slow)])
+def test_kda_state_after_one_rejected_draft_equals_plain(families, family, monkeypatch):
+    """One verify step whose second draft is wrong (the oracle drafter at one new token so far) keeps two tokens, the
+    second a stop id, so the run ends there. The KDA recurrent state then equals the plain run's after the same two
+    one-position steps within 1e-6 (float32); the conv tails (the layers' projected inputs of the last positions)
+    within 1e-5, the rounding of a 4-row forward's products against 1-row ones, grown over the layers."""
+    model = kimi_jax.from_pretrained(families[family], dtype="float32", progress=False)
+    rng = np.random.default_rng(5)
+    gen = Generator(model, None, max_len=64)
+    for _ in range(5):  # a prompt whose third new token does not occur among the first two
+        prompts = [rng.integers(3, model.cfg.vocab_size, 23).tolist()]
+        first = gen.generate(prompts, 3, stop=()).tokens[0]
+        if first[2] not in first[:2]:
+            break
+    stop = (first[2],)
+    plain = gen.generate(prompts, 10, stop=stop)  # the prefill's token, then two decode steps, the last a stop
+    assert plain.tokens[0] == first
+    B = plain.timings["batch_bucket"]
+    plain_cache = gen._caches[B]
+    _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], B, 3)
+    spec = gen.generate(prompts, 10, stop=stop, speculative=speculative.NGram(k=3, max_n=1, min_n=1))
+    assert spec.tokens == plain.tokens
+    assert spec.timings["speculative"] == {"verify_steps": 1, "drafted": 3, "accepted": 1, "tokens_per_step": 2.0}
+    spec_cache = gen._caches[B]
+    np.testing.assert_array_equal(np.asarray(spec_cache.lengths), np.asarray(plain_cache.lengths))
+    worst = {"state": 0.0, "conv": 0.0}
+    for a, b in zip(_kda_entries(plain_cache), _kda_entries(spec_cache)):
+        for name in ("state", "conv_q", "conv_k", "conv_v"):
+            diff = np.abs(np.asarray(getattr(b, name))[:1] - np.asarray(getattr(a, name))[:1])
+            key = "state" if name == "state" else "conv"
+            worst[key] = max(worst[key], float(diff.max()))
+    assert worst["state"] <= 1e-6 and worst["conv"] <= 1e-5, worst
+
+
 @pytest.mark.slow  # the default set runs the n-gram drafter on the fixture through the CLI (golden tokens)
 def test_ngram_drafter_on_the_k3_fixture_equals_plain(k3_tiny_a):
     model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
