@@ -19,5 +19,5 @@ gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command
   set -e
   pip install -q '$REPO' 'jax[tpu]'
   kimi-jax serve --model $MODEL --mesh data=1,expert=8,model=8 --coordinator auto \
-    --slots $SLOTS --max-len $MAX_LEN --host 0.0.0.0 --port $PORT --dtype bfloat16
+    --slots $SLOTS --max-len $MAX_LEN --host 0.0.0.0 --port $PORT --dtype bfloat16 --scan-layers
 "

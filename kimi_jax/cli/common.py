@@ -111,6 +111,13 @@ def parallel_arguments(p: argparse.ArgumentParser):
     p.add_argument("--process-id", type=int, default=None, help="with --coordinator: this process's index")
 
 
+def scan_argument(p: argparse.ArgumentParser):
+    p.add_argument("--scan-layers", action="store_true",
+                   help="the repeating run of layers as one scan over stacked weights: compiles several times faster "
+                        "(full K3 on a pod: minutes instead of most of an hour); on some chips the compiler copies "
+                        "the stacked weights per step (`kimi-jax plan --compile ... --scan-layers` shows the bytes)")
+
+
 # -- the compilation cache ------------------------------------------------------------------------------------------
 
 
@@ -297,17 +304,20 @@ class Loaded:
     mesh: object = None
 
 
-def load_model(path, dtype, check_finite=True, quantize=None, offload=None, mesh=None, layout="tp_ep") -> Loaded:
+def load_model(path, dtype, check_finite=True, quantize=None, offload=None, mesh=None, layout="tp_ep",
+               scan_layers: bool = False) -> Loaded:
     """The model (on ``mesh`` when given: each process reads only its shards) and its tokenizer. ``quantize``: a
     weight format (refused by name before any weight is read when it does not fit); ``offload``:
-    ``"experts,kda_state,cache"`` or a part of it. ``dtype``: as :func:`resolve_dtype` returned it."""
+    ``"experts,kda_state,cache"`` or a part of it; ``scan_layers``: the repeating layers stacked and scanned.
+    ``dtype``: as :func:`resolve_dtype` returned it."""
     kinds = check_offload(offload) if offload else ()
     t0 = time.perf_counter()
     kw = dict(run=RunConfig(dtype=jnp.dtype(dtype), offload=kinds)) if kinds else dict(dtype=dtype)
     status = progress.Status("kimi-jax: ")
     status.set(f"loading {path} ({_disk_bytes(path) / 1e9:.2f} GB)...")
     try:
-        model = from_pretrained(path, check_finite=check_finite, quantize=quantize, mesh=mesh, layout=layout, **kw)
+        model = from_pretrained(path, check_finite=check_finite, quantize=quantize, mesh=mesh, layout=layout,
+                                scan_layers=scan_layers, **kw)
     finally:
         status.close()
     tok = load_tokenizer(path) if has_tokenizer(path) else None

@@ -50,6 +50,7 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
                    help="load weights holding NaN / Inf (or MXFP4 NaN scale bytes) instead of refusing them")
     common.compile_cache_arguments(p)
     common.parallel_arguments(p)
+    common.scan_argument(p)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser):
@@ -260,7 +261,7 @@ def _load_for(args, path, *, batch: int, context: int):
     dtype = common.resolve_dtype(args.dtype)
     mesh = common.make_mesh(args, path, batch=batch, context=context, dtype=dtype, quantize=args.quantize)
     return common.load_model(path, dtype, not args.no_check_finite, args.quantize, args.offload, mesh=mesh,
-                             layout=args.layout)
+                             layout=args.layout, scan_layers=args.scan_layers)
 
 
 def _check_generate_flags(args) -> None:

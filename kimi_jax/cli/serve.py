@@ -63,6 +63,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                    help="uvicorn's log level (its access log at info)")
     common.compile_cache_arguments(p)
     common.parallel_arguments(p)
+    common.scan_argument(p)
     p.add_argument("--peer-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="on several processes: a process silent this long counts as gone (every other exits 1)")
     p.set_defaults(func=run_serve)
@@ -136,7 +137,8 @@ def _start_engine(args, path: str, name: str, where: str, startup):
     ``/health`` reports); process 0's engine is started (its thread runs), the others' only compiled."""
     dtype = common.resolve_dtype(args.dtype)
     mesh = common.make_mesh(args, path, batch=args.slots, context=args.max_len, dtype=dtype, quantize=args.quantize)
-    got = common.load_model(path, dtype, not args.no_check_finite, args.quantize, mesh=mesh, layout=args.layout)
+    got = common.load_model(path, dtype, not args.no_check_finite, args.quantize, mesh=mesh, layout=args.layout,
+                            scan_layers=args.scan_layers)
     with common.flag_names():
         engine = Engine(got.model, got.tokenizer, slots=args.slots, max_len=args.max_len,
                         prefill_chunk=args.prefill_chunk, page_size=args.page_size, pages=args.pages,
