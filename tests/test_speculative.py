@@ -220,6 +220,28 @@ def test_sampled_speculative_generation_is_reproducible_and_greedy_when_cold(k3_
     assert one.tokens == two.tokens and all(len(x) == 24 for x in one.tokens)
 
 
+def test_streamed_speculative_output_is_the_whole_output(k3_tiny_a, monkeypatch):
+    """``stream=`` with a drafter: each call hands over the tokens its verify steps kept (several per step when
+    drafts are accepted), and the streamed pieces join up to the returned tokens, which are the plain greedy ones."""
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    gen = Generator(model, None, max_len=96)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 500, 9).tolist(), rng.integers(3, 500, 20).tolist()]
+    plain = gen.generate(prompts, 20, stop=())
+    _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], plain.timings["batch_bucket"], 2)
+    pieces = [[], []]
+
+    def stream(new, text):
+        assert text is None
+        for i, t in enumerate(new):
+            pieces[i] += t
+
+    spec = gen.generate(prompts, 20, stop=(), stream=stream, stream_every=2,
+                        speculative=speculative.NGram(k=2, max_n=2, min_n=2))
+    assert spec.tokens == plain.tokens and pieces == plain.tokens
+    assert spec.timings["speculative"]["accepted"] > 0
+
+
 def test_refusals(k3_tiny_a):
     model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
     gen = Generator(model, None, max_len=64)

@@ -289,7 +289,7 @@ def run_generate(args):
         prompts = _prompts(args, tok)
         speak = common.leader()  # several processes compute together; process 0 prints
         # one prompt, one process: streamed; several processes print whole replies (the tokens are gathered)
-        streamed = not (args.no_stream or args.speculative or len(prompts) > 1 or jax.process_count() > 1)
+        streamed = not (args.no_stream or len(prompts) > 1 or jax.process_count() > 1)
         reply = _ChatReply(tok, not args.no_thinking, not args.hide_thinking) if args.chat else None
         with _compiling() as (status, watch), common.flag_names():
             held = _Held(reply.stream if reply else _printer(), status) if streamed else None

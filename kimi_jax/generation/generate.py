@@ -496,8 +496,8 @@ class Generator:
         stop = self._check_request(ids, budget, stop, seed, stream_every)
         drafter = speculative_mod.parse(speculative)
         if drafter is not None:
-            if stream is not None or record_logits:
-                raise GenerationError("speculative decoding: no stream= or record_logits=True yet")
+            if record_logits:
+                raise GenerationError("speculative decoding: no record_logits=True yet")
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits)  # refuses what cannot fit
 
@@ -508,9 +508,12 @@ class Generator:
         max_budget = int(budget.max())
         spec = None
         if drafter is not None:
-            spec = speculative_mod.decode(self.graphdef, self.params,
-                                          speculative_mod.start(st, tokens, lengths, st.out.shape[1]), samp,
-                                          np.int32(max_budget), drafter=drafter)
+            spec = speculative_mod.start(st, tokens, lengths, st.out.shape[1])
+            if stream is None:
+                spec = speculative_mod.decode(self.graphdef, self.params, spec, samp, np.int32(max_budget),
+                                              drafter=drafter)
+            else:
+                spec = self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter)
             st = spec.dec
         elif stream is None:
             st = decode(self.graphdef, self.params, st, samp, np.int32(max_budget))
@@ -576,10 +579,11 @@ class Generator:
                         pad(budget, 0, np.int32), stop_arr, np.uint32(seed))
         return B, T, tokens, lengths, samp
 
-    def _decode_streaming(self, st: DecodeState, samp: Sampling, n: int, stop: list[int], stream,
-                          stream_every: int) -> DecodeState:
+    def _decode_streaming(self, st, samp: Sampling, n: int, stop: list[int], stream, stream_every: int,
+                          drafter=None):
         """Decode ``stream_every`` steps per compiled call until every sequence is done, handing each call's new
-        tokens (and text, stop ids left out) of the ``n`` real sequences to ``stream``."""
+        tokens (and text, stop ids left out) of the ``n`` real sequences to ``stream``. With a ``drafter``, ``st`` is
+        a :class:`~kimi_jax.generation.speculative.SpecState` and each step a verify step."""
         decoders = [self.tokenizer.stream_decoder() for _ in range(n)] if self.tokenizer else None
         sent = np.zeros((n,), np.int64)
 
@@ -594,10 +598,15 @@ class Generator:
             if any(new) or (final and text and any(text)):
                 stream(new, text)
 
-        emit(st)
-        while not bool(np.all(_host(st.done))):
-            st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
-            emit(st, final=bool(np.all(_host(st.done))))
+        dec = (lambda s: s.dec) if drafter is not None else (lambda s: s)
+        emit(dec(st))
+        while not bool(np.all(_host(dec(st).done))):
+            if drafter is not None:
+                st = speculative_mod.decode(self.graphdef, self.params, st, samp, np.int32(stream_every),
+                                            drafter=drafter)
+            else:
+                st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
+            emit(dec(st), final=bool(np.all(_host(dec(st).done))))
         return st
 
     def _result(self, st: DecodeState, ids: list[list[int]], stop: list[int], record_logits: bool, B: int, T: int,
