@@ -62,9 +62,6 @@ def _turns(text: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the shipped demo model is trained on documentation only and does not close "
-                   "its thinking channel within the budget; the chat-trained recipe is not shipped yet "
-                   "(docs/training.md)")
 def test_chat_with_the_defaults_answers_on_a_terminal():
     term = Terminal([sys.executable, "-c", "import sys; from kimi_jax.cli import main; sys.exit(main())", "chat"])
     try:

@@ -567,10 +567,9 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
 def test_serve_command_starts_answered_and_chats():
     """``kimi-jax serve`` on the shipped demo model: /health answers 503 "starting" (naming the stage) from the moment
     the port is bound, stderr numbers the programs it compiles, and once up the README's ``openai`` chat example --
-    defaults, thinking on, 64 tokens, sampled -- gets a non-empty reply. Was: a connection nobody answered for the
-    whole compile. (The shipped demo model was trained on documentation only and rarely leaves the thinking channel,
-    so the reply is in ``reasoning_content``; its ``content`` is often empty. The recipe with K3-format chats,
-    ``scripts/make_demo_model.py``, answers in ``content`` but is not shipped yet: see docs/training.md.)"""
+    defaults, thinking on, 64 tokens, sampled -- gets a reply with non-empty ``content`` (the demo model is trained on
+    K3-format chats: it closes its thinking channel and answers). Was: a connection nobody answered for the whole
+    compile."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-c", "import sys; from kimi_jax.cli import main; sys.exit(main())", "serve", "--port", "0",
            "--slots", "1", "--max-len", "512", "--prefill-chunk", "64", "--log-level", "warning"]
@@ -598,7 +597,7 @@ def test_serve_command_starts_answered_and_chats():
         got = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
         print(f"\nthe README's openai example: {got.choices[0].message}")
         message = got.choices[0].message
-        assert (message.content or "").strip() or (message.reasoning_content or "").strip(), message
+        assert (message.content or "").strip(), message
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         reader.join(10)
