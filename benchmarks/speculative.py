@@ -6,7 +6,8 @@ Linear benchmark model, batch 1 and 8, on a prompt whose answer repeats its inpu
 Each repeat runs plain then speculative (alternating which goes first) on the same batch with the same greedy
 settings, so both see the same machine; the table gives medians of the paired tokens/s, the ratio, the acceptance
 (drafted tokens accepted, and new tokens per verify forward) and whether the speculative tokens equal the plain ones
-(greedy: they must, up to the rounding of a multi-position forward in bfloat16). Results go to
+(greedy: in float32 they must; in bfloat16 a multi-position forward rounds differently from a one-position step, so
+an argmax between two near-equal logits can flip, as it can between batch sizes). Results go to
 ``benchmarks/results/speculative.json`` with the commit.
 
 * ``demo``: the shipped demo model (``kimi_jax/assets/k3-demo``, a small K3 trained on Python's documentation), text
@@ -73,6 +74,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec", default="ngram:k=4", help="the drafter (generate's speculative=)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="default: from_pretrained's automatic choice (bfloat16)")
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax", "kimi-linear-bench"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "speculative.json"))
     args = ap.parse_args(argv)
@@ -88,7 +91,8 @@ def main(argv=None):
                             cwd=HERE).stdout.strip()
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f}; jax {jax.__version__}; commit {commit}; "
-          f"{args.spec}, {args.new} new tokens, median of {args.repeats} paired repeats", flush=True)
+          f"{args.spec}, {args.new} new tokens, dtype {args.dtype or 'automatic'}, median of {args.repeats} paired "
+          f"repeats", flush=True)
     rows = []
     for name in args.models.split(","):
         if name == "demo":
@@ -102,7 +106,7 @@ def main(argv=None):
             path, tok = decode.build_weights(args.weights, decode.BENCH_CONFIG), False
         else:
             raise SystemExit(f"--models: unknown {name!r} (demo, bench)")
-        model = kimi_jax.from_pretrained(path, progress=False)
+        model = kimi_jax.from_pretrained(path, dtype=args.dtype, progress=False)
         tokenizer = load_tokenizer(path) if tok else None
         for kind in ("repeat", "free"):
             for b in (int(x) for x in args.batches.split(",")):
@@ -140,7 +144,7 @@ def main(argv=None):
               f"{r['same_tokens']} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"commit": commit, "spec": args.spec, "new": args.new, "repeats": args.repeats,
+        json.dump({"commit": commit, "spec": args.spec, "dtype": args.dtype or "automatic", "new": args.new, "repeats": args.repeats,
                    "cores": os.cpu_count(), "load_average": load[0], "when": time.strftime("%Y-%m-%d %H:%M"),
                    "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
