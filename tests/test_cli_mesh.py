@@ -1,6 +1,6 @@
 """``--mesh`` on the commands that run a model (kimi_jax/cli/common.py): ``kimi-jax generate`` on 8 simulated CPU
 devices gives one device's tokens (and the K3 fixture's golden ones), ``--mesh auto`` takes the plan's layout for the
-devices present, ``--scan-layers`` runs the same model scanned, and the process flags refuse what cannot work, naming it. The 8-device runs share one subprocess
+devices present, ``--scan-layers`` runs the same model scanned and ``--speculative`` gives the same tokens, and the process flags refuse what cannot work, naming it. The 8-device runs share one subprocess
 (jax must see the devices from its first import)."""
 
 import numpy as np
@@ -22,17 +22,20 @@ def run(*extra):
 one = run()
 mesh = run("--mesh", "data=1,expert=2,model=4")
 scanned = run("--mesh", "data=1,expert=2,model=4", "--scan-layers")
+spec = run("--mesh", "data=1,expert=2,model=4", "--speculative", "ngram:k=3")
 auto = common.auto_mesh({path!r}, "tp_ep", batch=8, context=4096, dtype="float32")
-print("ERRS", (one, mesh, scanned, auto))
+print("ERRS", (one, mesh, scanned, spec, auto))
 """
 
 
 def test_generate_on_a_mesh_equals_one_device(k3_tiny_a, k3_golden, capfd):
     ids = [",".join(map(str, row)) for row in k3_golden["input_ids"].tolist()]
-    one, mesh, scanned, auto = script_on_cpu_devices(SCRIPT.format(path=k3_tiny_a, a=ids[0], b=ids[1]), devices=8)
+    one, mesh, scanned, spec, auto = script_on_cpu_devices(SCRIPT.format(path=k3_tiny_a, a=ids[0], b=ids[1]),
+                                                           devices=8)
     assert one == k3_golden["greedy_tokens"].tolist()  # a reference implementation's greedy tokens
     assert mesh == one
     assert scanned == one  # --scan-layers: the repeating layers stacked, sharded and scanned
+    assert spec == one  # speculative decoding on the mesh: the verify forward and the KDA commit sharded
     # the fixture fits every layout; the plan's least memory per device: experts and heads split furthest
     assert auto["data"] == 1 and auto["expert"] * auto["model"] == 8, auto
 
