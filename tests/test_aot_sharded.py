@@ -141,3 +141,18 @@ def test_generator_programs_compile_for_tpu():
         dec = decode.lower(graphdef, params, state, samp, rep((), jnp.int32)).compile()
     assert pre.as_text().count(t.marker) == expected_kernels(cfg)
     assert dec.as_text().count(t.marker) == expected_kernels(cfg)  # one decode step inside the loop body
+
+
+@pytest.mark.parametrize("target", ["tpu", pytest.param("gpu", marks=pytest.mark.slow)])
+def test_speculative_loop_compiles(target):
+    """``generate``'s speculative decode loop (n-gram drafting, the verify forward over k + 1 positions with the KDA
+    layers in verify mode, the commit, and the plain step for when nobody drafts: one ``while_loop``) compiles for
+    the sharded tiny K3 with the default kernels: both forwards keep their Pallas kernels."""
+    from kimi_jax.generation.speculative import NGram
+
+    cfg = config.from_dict(MODELS["k3"]())
+    t = aot.parse_target(TARGETS[target])
+    m = aot.target_mesh(t, *MESHES["mix"])
+    r = compile_lib.compile_speculative(cfg, m, batch=BATCH, context=CACHE, drafter=NGram(k=3))
+    assert r["pallas_calls"] >= 2 * expected_kernels(cfg), r  # the verify forward's and the plain step's
+    assert r["argument"] > 0 and r["temp"] >= 0

@@ -10,6 +10,7 @@ import sys
 from kimi_jax.cli import common
 from kimi_jax.deploy import aot, offload
 from kimi_jax.deploy.plan import CHIPS, GB, Plan, format_plan, make_plan, search
+from kimi_jax.generation import speculative
 from kimi_jax.model import config as C
 from kimi_jax.model.run import check_offload
 from kimi_jax.parallel import sharding
@@ -65,6 +66,9 @@ def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--page-size", type=int, default=64, help="with --serve: tokens per page of the attention cache")
     pl.add_argument("--pages", type=int, default=None,
                     help="with --serve: pages in the pool (default: every slot at --max-len, plus half again)")
+    pl.add_argument("--speculative", default=None, metavar="SPEC",
+                    help="with --compile (not --serve): also compile generate's speculative decode loop with this "
+                         "drafter ('ngram[:k=4,...]'): the verify forward over k + 1 positions per sequence")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=run)
@@ -82,6 +86,9 @@ def _plan(args) -> int:
     """``kimi-jax plan``. Returns the exit status: with ``--compile``, 0 only
     when every compiled program fits the target's HBM."""
     target = None
+    drafter = speculative.parse(args.speculative)  # a wrong spec is named at once
+    if drafter is not None and (not args.compile or args.serve):
+        raise ValueError("--speculative compiles generate's speculative decode loop: it needs --compile, not --serve")
     if args.compile:
         target = aot.parse_target(args.compile)  # before any slow work: an unknown target fails at once
         aot.cpu_runtime()  # before the plan's first jnp call starts JAX's backends
@@ -166,7 +173,8 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None) -> int:
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, prefill_chunk=chunk,
               implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize,
-              kv_cache=args.kv_cache, kda_state=args.kda_state, serve=serve)
+              kv_cache=args.kv_cache, kda_state=args.kda_state, serve=serve,
+              speculative=speculative.parse(args.speculative))
     res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
@@ -174,8 +182,15 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None) -> int:
     print(f"\ncompiled for {target.text}: {devices} device(s) of {aot.target_devices(target)[0].device_kind}, "
           f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels, {layers}")
     plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
+    if args.speculative:
+        # the verify forward's activations are a decode step's over k + 1 positions; the loop also holds each
+        # sequence's output and token history (int32, 3 x context); the drafter has no weights
+        k = speculative.parse(args.speculative).k
+        plan_act["speculative"] = p.activation_total * (k + 1) + args.batch * 3 * args.context * 4
     titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
-              "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)"}
+              "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)",
+              "speculative": f"speculative decode loop ({args.speculative}: verify over [{args.batch}, "
+                             f"{speculative.parse(args.speculative).k + 1 if args.speculative else 0}] ids)"}
     if serve is not None:
         titles = {"decode": f"serving decode step ({serve.slots} slots, page table of {serve.pages_per_seq} pages)",
                   "prefill": f"serving prefill chunk ([1, {chunk}] ids after cached ones)"}

@@ -22,7 +22,7 @@ import numpy as np
 from jax._src import xla_bridge
 from jax.experimental import topologies
 
-from kimi_jax.deploy.compile import compile_serve, compile_step
+from kimi_jax.deploy.compile import compile_serve, compile_speculative, compile_step
 from kimi_jax.parallel import sharding
 
 GIB = 2**30
@@ -162,11 +162,13 @@ def is_hbm_oom(error: Exception) -> bool:
 def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: int, context: int,
                   dtype="bfloat16", prefill_chunk: int = 0, implementation: str | None = None,
                   scan_layers: bool = False, quantize: str | None = None, kv_cache: str | None = None,
-                  kda_state=None, serve=None) -> dict:
+                  kda_state=None, serve=None, speculative=None) -> dict:
     """Compile one decode step and (``prefill_chunk`` > 0) one fresh prefill of ``[batch, prefill_chunk]`` ids
     for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache (``kv_cache`` / ``kda_state``:
     its storage options, :func:`kimi_jax.model.cache.cache_shapes`). ``serve``: the serving engine's programs over
     its paged cache instead (a :class:`kimi_jax.serving.stepplan.Shapes`; :func:`compile.compile_serve`).
+    ``speculative``: a drafter (:class:`kimi_jax.generation.speculative.NGram`): ``generate``'s speculative decode
+    loop too, as ``"speculative"`` (:func:`compile.compile_speculative`).
 
     Returns ``{"decode": r, "prefill": r}``; each ``r`` holds the per-device ``argument`` / ``output`` / ``alias`` /
     ``temp`` / ``peak`` bytes, ``compile_seconds``, ``hbm`` (bytes per device) and ``fits``. A program the compiler
@@ -192,6 +194,13 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
         except Exception as e:  # every refusal is a result here; compile_step raises for callers who want it
             r = _refused(e, hbm)
         out[name] = _fit(r, hbm)
+    if speculative is not None:
+        try:
+            r = compile_speculative(cfg, mesh, layout, batch=batch, context=context, drafter=speculative,
+                                    kv_cache=kv_cache, kda_state=kda_state, **kw)
+        except Exception as e:  # a refusal is a result, as above
+            r = _refused(e, hbm)
+        out["speculative"] = _fit(r, hbm)
     return out
 
 

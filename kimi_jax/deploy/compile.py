@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kimi_jax.generation import speculative
+from kimi_jax.generation.sampling import DecodeState, Sampling
 from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
 from kimi_jax.model.decoder import abstract_model
@@ -118,6 +120,31 @@ def compile_step(cfg, mesh, layout="tp_ep", *, batch: int, context: int, tokens:
         compiled = jax.jit(step, donate_argnums=(2,), out_shardings=out_shardings,
                            keep_unused=True).lower(states, ids, cache).compile()
     return _report(compiled, time.perf_counter() - t0, bool(check_offload(offload)))
+
+
+def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, drafter, dtype="bfloat16",
+                        implementation: str | None = None, scan_layers: bool = False, quantize: str | None = None,
+                        kv_cache: str | None = None, kda_state=None) -> dict:
+    """Compile ``generate``'s speculative decode loop (:func:`kimi_jax.generation.speculative.decode`: the n-gram
+    ``drafter``, the verify forward over ``k + 1`` positions with the KDA layers in verify mode, the acceptance and
+    the cache commit, and the plain one-position step for when no row drafts, in one ``while_loop``) for ``batch``
+    sequences in a cache of ``context`` positions, a history of ``2 * context`` tokens (prompt + output). Reports as
+    :func:`compile_step` does."""
+    graphdef, states, _, cache, _ = step_inputs(
+        cfg, mesh, layout, batch=batch, context=context, dtype=dtype, implementation=implementation,
+        scan_layers=scan_layers, quantize=quantize, kv_cache=kv_cache, kda_state=kda_state)
+    whole = NamedSharding(mesh, PartitionSpec())
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
+    i32, f32, B = jnp.int32, jnp.float32, batch
+    dec = DecodeState(cache, arg((B,), i32), arg((B, context), i32), arg((B,), i32), arg((B,), jnp.bool_))
+    state = speculative.SpecState(dec, arg((B, 2 * context), i32), arg((B,), i32), arg((B,), i32), arg((B,), i32),
+                                  arg((B,), i32), arg((B,), f32))
+    samp = Sampling(arg((B,), f32), arg((B,), i32), arg((B,), f32), arg((B,), i32), arg((4,), i32),
+                    arg((), jnp.uint32))
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
+        compiled = speculative.decode.lower(graphdef, *states, state, samp, arg((), i32), drafter=drafter).compile()
+    return _report(compiled, time.perf_counter() - t0, False)
 
 
 def compile_serve(cfg, mesh, layout="tp_ep", *, shapes, dtype="bfloat16", implementation: str | None = None,
