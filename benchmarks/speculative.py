@@ -18,8 +18,8 @@ an argmax between two near-equal logits can flip, as it can between batch sizes)
   *free* random ids. Random weights do not continue a repetition, so this row measures what speculation costs when
   it cannot help.
 
-The peer (llama.cpp's ``llama-lookup`` on the same prompts) is not run yet: the shared llama.cpp build
-(``../shared/bench/llamacpp``) builds only its benchmark tools.
+The peer (llama.cpp's ``llama-lookup`` on the same prompts) is not run yet: the llama.cpp build the decode
+benchmarks compare against has only llama.cpp's benchmark tools.
 """
 
 from __future__ import annotations
