@@ -128,18 +128,26 @@ def accept_drafts(logits_BKV, drafts_BK, dlen_B, samp: Sampling, count_B):
     position ``i`` (the last token, then the drafts); the row gains ``tokens[:, :a + 1]``. Greedy rows take the
     argmax and accept the drafts that equal it; rows with temperature > 0 accept by rejection sampling (module
     docstring), keyed by (seed, row, the index of the new token) as the plain sampler is."""
+    K1 = logits_BKV.shape[1]
+    keys = lambda: jax.vmap(lambda i: step_keys(samp.seed, count_B + i), out_axes=1)(jnp.arange(K1))  # noqa: E731
+    return accept(logits_BKV, drafts_BK, dlen_B, samp.temperature, samp.top_k, samp.top_p, keys)
+
+
+def accept(logits_BKV, drafts_BK, dlen_B, temperature_B, top_k_B, top_p_B, keys):
+    """:func:`accept_drafts` with the sampling values per row and ``keys()`` giving the ``[B, k + 1]`` PRNG keys of
+    the positions' new tokens (called only when some row samples): the serving engine keys by request."""
     B, K1, V = logits_BKV.shape
     k = K1 - 1
     j = jnp.arange(k)[None]
     t = argmax(logits_BKV.reshape(-1, V)).reshape(B, K1)
     agree = (drafts_BK == t[:, :k]) & (j < dlen_B[:, None])
     a = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
-    temp = samp.temperature
+    temp = temperature_B
 
     def rejection():
-        probs = jax.vmap(jax.vmap(probabilities, (0, None, None, None)))(logits_BKV, temp, samp.top_k, samp.top_p)
-        keys = jax.vmap(lambda i: step_keys(samp.seed, count_B + i), out_axes=1)(jnp.arange(K1))  # [B, k + 1]
-        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys[:, :k])
+        probs = jax.vmap(jax.vmap(probabilities, (0, None, None, None)))(logits_BKV, temp, top_k_B, top_p_B)
+        keys_BK = keys()
+        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys_BK[:, :k])
         p_draft = jnp.take_along_axis(probs[:, :k], drafts_BK[..., None], axis=-1)[..., 0]  # [B, k]
         ok = (u < p_draft) & (j < dlen_B[:, None])
         a_s = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
@@ -148,7 +156,7 @@ def accept_drafts(logits_BKV, drafts_BK, dlen_B, samp: Sampling, count_B):
         rejected = jnp.take_along_axis(drafts_BK, jnp.minimum(a_s, k - 1)[:, None], axis=1)[:, 0]
         p_a = jnp.where((a_s < dlen_B)[:, None] & (jnp.arange(V)[None] == rejected[:, None]), 0.0, p_a)
         # the residual's mass is p_a(not the draft) > 0 whenever the draft was rejected (u < 1 accepts p = 1)
-        last = jax.vmap(lambda key, p: jax.random.categorical(key, jnp.log(p)))(keys[rows, a_s], p_a)
+        last = jax.vmap(lambda key, p: jax.random.categorical(key, jnp.log(p)))(keys_BK[rows, a_s], p_a)
         drafted = jnp.concatenate([drafts_BK, jnp.zeros((B, 1), jnp.int32)], axis=1)
         t_s = jnp.where(jnp.arange(K1)[None] < a_s[:, None], drafted, last[:, None].astype(jnp.int32))
         sampled = temp > 0

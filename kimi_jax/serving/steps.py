@@ -5,6 +5,8 @@
   sequence (no cache read: the plain prefill form); otherwise it continues what the cache holds for the slot.
 * :func:`decode_step`: one token for every slot at once; inactive slots (``active`` False) feed length 0, which
   leaves their KDA state, conv tails and pages untouched.
+* :func:`verify_step`: speculative decoding's step: each slot's drafted tokens checked in one forward, the accepted
+  ones and the next token kept, the cache committed over exactly those (not yet driven by the scheduler).
 * :func:`take_state` / :func:`put_state`: a slot's KDA state and conv tails out of the cache (a prefix snapshot) and
   back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool; :func:`take_page` /
   :func:`put_page`: one page of every pool out (to host memory) and back.
@@ -24,8 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import sample
-from kimi_jax.model.cache import Cache, KDACache
+from kimi_jax.model.attention import commit_verified
+from kimi_jax.model.cache import Cache, KDACache, for_verify
 
 
 @struct.dataclass
@@ -85,6 +89,29 @@ def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, 
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp)
     return constrain(new), *replicate((tok, logp, logits if record else None))
+
+
+def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling, *,
+                constrain=lambda c: c, replicate=lambda x: x):
+    """One speculative step over every slot: ``tokens [B, k + 1]`` is each slot's last token then up to ``k`` drafted
+    ones (``dlen [B]`` of them real), checked by one forward over the ``k + 1`` positions, written through the page
+    table (the scheduler allocates pages for all of them), with the KDA layers in verify mode; the accepted drafts
+    and the target's next token are kept (greedy slots: the drafts equal to the argmax; sampled slots: rejection
+    sampling, keyed by the request's seed and token index as :func:`choose` is) and the cache committed over exactly
+    those positions (:func:`kimi_jax.model.attention.commit_verified`). Inactive slots feed nothing and keep
+    everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B])
+    -- stop ids and budgets are the scheduler's to apply."""
+    model = nnx.merge(graphdef, params)
+    K1 = tokens_BK.shape[1]
+    res = model(tokens_BK, cache=for_verify(cache, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
+                page_table=page_table)
+    keys = lambda: jax.vmap(lambda s, n: jax.vmap(  # noqa: E731
+        lambda i: jax.random.fold_in(jax.random.key(s), n + i))(jnp.arange(K1)))(samp.seed, samp.count)
+    t, a = speculative.accept(res.logits.astype(jnp.float32), tokens_BK[:, 1:], dlen_B, samp.temperature, samp.top_k,
+                              samp.top_p, keys)
+    kept = jnp.where(active_B, a + 1, 0)
+    new = commit_verified(res.cache, cache.lengths, kept, model.run)
+    return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0)))
 
 
 def _rows_view(cache: Cache, rows):
