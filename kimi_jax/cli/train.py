@@ -6,9 +6,11 @@ Text is tokenized with the model directory's tokenizer (``tiny-k3``: the demo to
 tokenizer files: UTF-8 bytes, said on stderr); a ``.jsonl`` file holds conversations,
 one ``{"messages": [...]}`` a line (optional ``"thinking"``: false, ``"thinking_effort"``), rendered in the K3 chat
 format (:func:`kimi_jax.text.chat.encode`: markers as their special ids, thinking and answer channels). The files'
-tokens follow each other in the order given and the last ``--eval-frac`` of them is held out. Each step draws ``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step) (one that would start inside a
-conversation starts at its beginning, so the model learns to end a message only where it sees the chat markers), so a run
-resumed from its checkpoint (``OUT/checkpoints``, rerun the same command) sees exactly the batches it would have.
+tokens follow each other in the order given and the last ``--eval-frac`` of them is held out. Each step draws
+``--batch`` windows of ``--seq`` tokens from a generator seeded by (seed, step) (one that would start inside a
+conversation starts at its beginning, so the model learns to end a message only where it sees the chat markers), so
+a run resumed from its checkpoint (``OUT/checkpoints``, rerun the same command) sees exactly the batches it would
+have.
 Every step's metrics -- loss, gradient norm, learning rate, per-layer gradient and output norms, expert load, AttnRes
 weights -- go to ``OUT/metrics.jsonl``; the final model goes to ``OUT/model`` in the released layout (MXFP4
 experts re-quantized, LoRA merged) with the tokenizer files, readable by ``kimi_jax.from_pretrained``.
@@ -138,7 +140,8 @@ def _conversations(path: str, tok) -> list[list[int]]:
             try:
                 row = json.loads(line)
                 talks.append(chat.encode(tok, row["messages"], thinking=row.get("thinking", True),
-                                   thinking_effort=row.get("thinking_effort", "max"), add_generation_prompt=False))
+                                         thinking_effort=row.get("thinking_effort", "max"),
+                                         add_generation_prompt=False))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"--data {path}, line {n}: not a conversation ({type(e).__name__}: {e})") from None
     return talks

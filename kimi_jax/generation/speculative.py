@@ -179,7 +179,8 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter"), donate_argnames=("state",))
 def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, drafter: NGram) -> SpecState:
-    """Up to ``max_steps`` (traced) verify steps in one ``while_loop``; stops early when every sequence is done. ``state`` is donated."""
+    """Up to ``max_steps`` (traced) verify steps in one ``while_loop``; stops early when every sequence is done.
+    ``state`` is donated."""
     model = nnx.merge(graphdef, params)
     k = drafter.k
 
