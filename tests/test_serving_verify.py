@@ -59,7 +59,7 @@ def test_verify_step_keeps_the_decode_steps_tokens_and_cache(k3_tiny_a, scan):
     # speculative: one verify step; slot 0's second draft is wrong, slot 1's three are right
     drafts = np.array([[toks[0][1], toks[0][2] + 1, 5], toks[1][1:4]], np.int32)
     x = jnp.asarray(np.concatenate([np.array(first, np.int32)[:, None], drafts], axis=1))
-    spec, t, kept, accepted = verify(params, cache, table, x, jnp.asarray([3, 3], jnp.int32), jnp.asarray([True, True]),
+    spec, t, kept, accepted, _ = verify(params, cache, table, x, jnp.asarray([3, 3], jnp.int32), jnp.asarray([True, True]),
                                      _samp())
     assert kept.tolist() == [2, 4] and accepted.tolist() == [1, 3]
     assert [np.asarray(t)[b, :int(kept[b])].tolist() for b in range(SLOTS)] == [toks[0][1:3], toks[1][1:5]]

@@ -24,6 +24,7 @@ import time
 import jax
 
 from kimi_jax.cli import common, progress
+from kimi_jax.generation import speculative
 from kimi_jax.serving import server, validate
 from kimi_jax.serving.engine import Engine
 
@@ -55,6 +56,10 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     common.quantize_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them")
+    p.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts each reply's next tokens from its "
+                        "prompt and reply so far; a step where some request drafted checks every slot's drafts in one "
+                        "forward (greedy replies unchanged; default: off)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each request's output independent of the others in flight (one decode program over every "
                         "slot and the whole page table; prefix hits on chunk boundaries only): greedy replies are the "
@@ -89,6 +94,10 @@ def run_serve(args):
                         compact_decode=True, batch_invariant=args.batch_invariant)
     if not args.peer_timeout > 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
+    if args.speculative:
+        speculative.parse(args.speculative)  # a wrong spec is named before anything loads
+        if args.batch_invariant:
+            raise ValueError("--speculative: not with --batch-invariant yet")
     common.setup_compile_cache(args)
     common.setup_processes(args)
 
@@ -144,7 +153,8 @@ def _start_engine(args, path: str, name: str, where: str, startup):
                         prefill_chunk=args.prefill_chunk, page_size=args.page_size, pages=args.pages,
                         prefix_cache_bytes=int(args.prefix_cache_gb * 1e9),
                         prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every,
-                        batch_invariant=args.batch_invariant, peer_timeout=args.peer_timeout)
+                        batch_invariant=args.batch_invariant, peer_timeout=args.peer_timeout,
+                        speculative=args.speculative)
     on = "one device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     _say(f"{where}{name} loaded in {got.seconds:.1f}s ({dtype}, {on}); compiling the engine's programs "
          f"({args.slots} slots, max_len {args.max_len})")

@@ -35,6 +35,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, probabilities, sample, step_keys
@@ -121,6 +122,25 @@ def ngram_draft(hist_BL, hlen_B, room_B, drafter: NGram):
     drafts = jnp.take_along_axis(hist_BL, jnp.clip(idx, 0, L - 1), axis=1)
     avail = jnp.where(found, jnp.clip(hlen_B - best_start, 0, k), 0)
     return drafts, jnp.minimum(avail, room_B).astype(jnp.int32)
+
+
+def ngram_draft_host(hist, room: int, drafter: NGram) -> list[int]:
+    """:func:`ngram_draft` for one sequence on the host (the serving scheduler drafts there: the drafts travel in
+    its step plans): the tokens after the most recent earlier occurrence of the history's last ``n`` tokens (largest
+    ``n`` that matches), at most ``room`` and ``k`` of them."""
+    h = np.asarray(hist, np.int64)
+    L, room = len(h), min(int(room), drafter.k)
+    if room <= 0:
+        return []
+    for n in range(drafter.max_n, drafter.min_n - 1, -1):
+        if L < n + 1:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(h[: L - 1], n)  # occurrences with a continuation
+        hit = np.flatnonzero((windows == h[L - n:]).all(axis=1))
+        if hit.size:
+            start = int(hit[-1]) + n
+            return h[start: start + room].tolist()
+    return []
 
 
 def accept_drafts(logits_BKV, drafts_BK, dlen_B, samp: Sampling, count_B):

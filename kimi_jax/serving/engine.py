@@ -45,6 +45,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from kimi_jax.generation import speculative as speculative_mod
 from kimi_jax.generation.generate import default_stop_ids
 from kimi_jax.serving import multihost, steps
 from kimi_jax.serving.events import Completion, Event, Handle, Request
@@ -79,16 +80,24 @@ class Engine:
     decode step at full width (``benchmarks/serve.py --batch-invariant``).
     ``record_logits``: keep every step's float32 logits on the handles (tests). ``peer_timeout``: on several
     processes, seconds without a heartbeat after which a process counts as gone (:mod:`kimi_jax.serving.multihost`).
+    ``speculative``: a drafter (``"ngram[:k=4,max_n=3,min_n=1]"``, :mod:`kimi_jax.generation.speculative`): the
+    scheduler drafts each decoding slot's next tokens from its prompt and reply (prompt lookup) and a step in which
+    some slot drafted is one verify forward over every slot (:func:`kimi_jax.serving.steps.verify_step`); greedy
+    replies are the plain engine's, sampled ones have its distribution (rejection sampling).
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
                  page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
                  compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
-                 peer_timeout: float = 20.0):
+                 peer_timeout: float = 20.0, speculative=None):
+        drafter = speculative_mod.parse(speculative)
+        if drafter is not None and (batch_invariant or record_logits):
+            raise EngineError("speculative decoding: not with batch_invariant or record_logits yet")
         self.shapes = engine_shapes(slots=slots, max_len=max_len, page_size=page_size, pages=pages,
                                     prefill_chunk=prefill_chunk, min_chunk=min_chunk, snapshot_every=snapshot_every,
-                                    compact_decode=compact_decode, batch_invariant=batch_invariant)
+                                    compact_decode=compact_decode, batch_invariant=batch_invariant,
+                                    spec_k=0 if drafter is None else drafter.k)
         if not peer_timeout > 0:
             raise EngineError(f"peer_timeout must be > 0 seconds, got {peer_timeout}")
         sh = self.shapes
@@ -100,7 +109,7 @@ class Engine:
             raise EngineError(str(e)) from None
         self.scheduler = Scheduler(sh, tokenizer, prefix_cache_bytes=prefix_cache_bytes,
                                    prefix_host_bytes=prefix_host_bytes, snap_bytes=self.executor.snap_bytes,
-                                   page_bytes=self.executor.page_bytes)
+                                   page_bytes=self.executor.page_bytes, drafter=drafter)
         # several processes: process 0 schedules and sends its plans; the others follow (see `follow`)
         self.leader = jax.process_index() == 0
         self.channel = self.watchdog = None

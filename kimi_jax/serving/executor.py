@@ -28,7 +28,7 @@ from kimi_jax.parallel.sharding import paged_cache_shardings
 from kimi_jax.serving import steps
 from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, DropPages, DropState, Prefill, PutState,
                                        RestorePages, SetPages, Shapes, Snapshot, SpillPages, SpillState, StepPlan,
-                                       Stop)
+                                       Stop, Verify)
 
 
 class CacheTooLarge(ValueError):
@@ -138,7 +138,7 @@ class Executor:
 
     def run(self, plan: StepPlan):
         """Apply ``plan``'s ops in order. Returns its compute op's (tokens, log-probabilities, logits or None) as
-        device arrays (replicated), or None."""
+        device arrays (replicated) -- a verify step's (tokens, kept, accepted, log-probabilities) -- or None."""
         out = None
         for op in plan.ops:
             got = self._apply[type(op)](self, op)
@@ -212,12 +212,22 @@ class Executor:
             self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows, record=self.record)
         return tok, logp, logits
 
+    def _verify(self, op: Verify):
+        tokens, dlen, counts, live = op.columns()
+        table = np.zeros((len(live), op.width), np.int32)
+        table[live] = self.table[live, : op.width]
+        samp = self._sampling([k if ok else None for k, ok in enumerate(live)], counts)
+        self.cache, tok, kept, accepted, logp = self.programs.verify_step(
+            self.params, self.cache, table, tokens, dlen, live, samp)
+        return tok, kept, accepted, logp
+
     def _stop(self, op: Stop):
         pass
 
     _apply = {Admit: _admit, SetPages: _set_pages, ClearRow: _clear_row, Snapshot: _snapshot, PutState: _put_state,
               SpillState: _spill_state, DropState: _drop_state, CopyPage: _copy_page, SpillPages: _spill_pages,
-              RestorePages: _restore_pages, DropPages: _drop_pages, Prefill: _prefill, Decode: _decode, Stop: _stop}
+              RestorePages: _restore_pages, DropPages: _drop_pages, Prefill: _prefill, Decode: _decode, Verify: _verify,
+              Stop: _stop}
 
     # -- compiled programs ----------------------------------------------------------------------------------------
 
@@ -250,6 +260,13 @@ class Executor:
                 self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
                 np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, record=self.record)
 
+        def verify(width):
+            k1 = sh.spec_k + 1
+            self.cache, *_ = self.programs.verify_step(
+                self.params, self.cache, np.zeros((sh.slots, width), np.int32), np.zeros((sh.slots, k1), np.int32),
+                np.zeros((sh.slots,), np.int32), np.zeros((sh.slots,), bool),
+                self._sampling([None] * sh.slots, [0] * sh.slots))
+
         def snapshots():
             state = self.programs.take_state(self.cache, np.int32(0))
             for snap in (state, to_device(to_host(state))):
@@ -267,4 +284,8 @@ class Executor:
         for b in sh.row_buckets:
             for width in sh.widths:
                 out.append((f"decode step of {b} rows x {width} pages", lambda b=b, width=width: decode(b, width)))
+        if sh.spec_k:
+            for width in sh.widths:
+                out.append((f"speculative verify step of {sh.spec_k} drafts x {width} pages",
+                            lambda width=width: verify(width)))
         return out + [("prefix snapshots", snapshots), ("page copies", pages)]

@@ -23,14 +23,15 @@ import time
 
 import numpy as np
 
+from kimi_jax.generation import speculative
 from kimi_jax.serving.detokenize import TextStream
 from kimi_jax.serving.events import Event, Handle
 from kimi_jax.serving.pages import PagePool, PrefixCache, PrefixEntry
 from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, Op, Prefill, PutState, RestorePages,
-                                       SetPages, Shapes, StepPlan, Stop)
+                                       SetPages, Shapes, StepPlan, Stop, Verify)
 
 COUNTERS = ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
-            "finished")
+            "finished", "spec_steps", "spec_drafted", "spec_accepted")
 
 
 @dataclasses.dataclass
@@ -46,6 +47,9 @@ class Slot:
     decoding: bool = False
     last: int = 0  # last sampled token: the next decode input
     out: list[int] = dataclasses.field(default_factory=list)
+    extra: int = 0  # positions the cache holds past the tokens handed out (a verify step's, after a stop)
+    rate: float = 1.0  # recent share of its drafts accepted (speculative decoding)
+    verifies: int = 0  # verify steps it took part in
 
 
 class Scheduler:
@@ -53,8 +57,8 @@ class Scheduler:
     (for the prefix cache's budgets); both budgets 0: no prefix cache."""
 
     def __init__(self, shapes: Shapes, tokenizer, *, prefix_cache_bytes: int, prefix_host_bytes: int,
-                 snap_bytes: int, page_bytes: int):
-        self.shapes, self.tokenizer = shapes, tokenizer
+                 snap_bytes: int, page_bytes: int, drafter=None):
+        self.shapes, self.tokenizer, self.drafter = shapes, tokenizer, drafter
         self.budgets = (int(prefix_cache_bytes), int(prefix_host_bytes))
         self.snap_bytes, self.page_bytes = snap_bytes, page_bytes
         self.waiting: collections.deque[Handle] = collections.deque()
@@ -234,6 +238,10 @@ class Scheduler:
         active = [i for i, s in enumerate(self.running) if s is not None and s.decoding]
         if not active:
             return None
+        if self.drafter is not None:
+            plan = self._verify_plan(active)
+            if plan is not None:
+                return plan
         for i in active:
             self._cover(i, self.running[i], self.running[i].pos + 1)
         b = sh.rows(len(active))
@@ -246,13 +254,61 @@ class Scheduler:
         self.counters["decode_steps"] += 1
         return self._plan()
 
-    def decoded(self, plan: StepPlan, tok, logp, logits) -> None:
-        """``plan``'s decode step drew ``tok [B]`` for its rows."""
+    def _verify_plan(self, active: list[int]) -> StepPlan | None:
+        """A verify step over every slot when some decoding slot has drafts (its prompt and reply looked up; a slot
+        whose drafts were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
+        sh, k = self.shapes, self.shapes.spec_k
+        drafts = {}
+        for i in active:
+            s = self.running[i]
+            room = min(k, s.handle.request.max_tokens - len(s.out) - 1)
+            if s.rate >= speculative.MIN_RATE or s.verifies % speculative.PROBE == 0:
+                d = speculative.ngram_draft_host(s.prompt + s.out, room, self.drafter)
+                if d:
+                    drafts[i] = d
+        if not drafts:
+            return None
+        tokens = np.zeros((sh.slots, k + 1), np.int64)
+        dlen, counts, live = (np.zeros((sh.slots,), np.int64) for _ in range(3))
+        for i in active:
+            s, d = self.running[i], drafts.get(i, [])
+            self._cover(i, s, s.pos + 1 + len(d))  # within its reservation: room leaves the budget's last token
+            tokens[i, 0], tokens[i, 1:1 + len(d)] = s.last, d
+            dlen[i], counts[i], live[i] = len(d), len(s.out), 1
+        width = sh.width(max(len(self.running[i].pages) for i in active))
+        self._emit(Verify.make(width, tokens, dlen, counts, live))
+        self.counters["decode_steps"] += 1
+        self.counters["spec_steps"] += 1
+        self.counters["spec_drafted"] += int(dlen.sum())
+        return self._plan()
+
+    def decoded(self, plan: StepPlan, *out) -> None:
+        """``plan``'s decode step drew ``tok [B]`` for its rows (``out``: tokens, log-probabilities, logits), or its
+        verify step kept ``tokens[b, :kept[b]]`` (``out``: tokens, kept, accepted, log-probabilities)."""
+        if isinstance(plan.compute, Verify):
+            return self._verified(plan, *out)
+        tok, logp, logits = out
         rows, _, _, live = plan.compute.columns()
         for k in np.flatnonzero(live):
             i = int(rows[k])
             self.running[i].pos += 1
             self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
+
+    def _verified(self, plan: StepPlan, tok, kept, accepted, logp) -> None:
+        _, dlen, _, live = plan.compute.columns()
+        for i in np.flatnonzero(live):
+            i = int(i)
+            s, n = self.running[i], int(kept[i])
+            s.verifies += 1
+            if dlen[i]:
+                s.rate = (1 - speculative.EMA) * s.rate + speculative.EMA * float(accepted[i]) / float(dlen[i])
+            self.counters["spec_accepted"] += int(accepted[i])
+            for j in range(n):
+                s.pos += 1
+                s.extra = n - 1 - j
+                self._accept(i, int(tok[i, j]), float(logp[i, j]), None)
+                if self.running[i] is not s:  # finished (a stop, the budget): the rest is dropped
+                    break
 
     # -- tokens out -----------------------------------------------------------------------------------------------
 
@@ -274,7 +330,7 @@ class Scheduler:
         s.handle.push(Event([tok], [logp] if req.logprobs else None, text, reason))
         if reason is not None:
             # the conversation so far: a follow-up turn's prefix (not batch-invariant: decode steps computed it)
-            if self.prefix is not None and len(s.out) > 1 and not self.shapes.batch_invariant:
+            if self.prefix is not None and len(s.out) > 1 and not self.shapes.batch_invariant and not s.extra:
                 fed = s.prompt + s.out[:-1]  # the last token drawn never entered the cache
                 self.prefix.insert(fed, s.pages[: -(-len(fed) // self.shapes.page_size)], i)
             self._release(i)

@@ -55,6 +55,7 @@ class Shapes:
     snapshot_every: int
     compact_decode: bool = True
     batch_invariant: bool = False
+    spec_k: int = 0  # speculative decoding: up to this many drafted tokens per slot and step (0: off)
 
     @property
     def pages_per_seq(self) -> int:
@@ -232,6 +233,31 @@ class Decode(Op):
 
 
 @dataclasses.dataclass(frozen=True)
+class Verify(Op):
+    """One speculative step over every slot: per slot its ``k + 1`` input tokens (the last drawn, then the drafts),
+    how many of the drafts are real, the tokens its request has drawn and whether it is live. ``width``: page-table
+    entries read."""
+
+    code: ClassVar[int] = 15
+    tail: ClassVar[str] = "table"
+    width: int
+    k1: int
+    table: tuple[int, ...]  # [k1 + 3, B] flattened: tokens (k1 rows), draft lengths, counts, live
+
+    @classmethod
+    def make(cls, width: int, tokens, dlen, counts, live) -> "Verify":
+        tokens = np.asarray(tokens, np.int64)  # [B, k1]
+        table = np.concatenate([tokens.T, np.stack([np.asarray(dlen), np.asarray(counts), np.asarray(live)])])
+        return cls(width, tokens.shape[1], tuple(table.astype(np.int64).reshape(-1).tolist()))
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens int32 ``[B, k1]``, draft lengths, counts int32 ``[B]``, live bool ``[B]``)."""
+        t = np.asarray(self.table, np.int64).reshape(self.k1 + 3, -1)
+        return (t[: self.k1].T.astype(np.int32).copy(), t[self.k1].astype(np.int32), t[self.k1 + 1].astype(np.int32),
+                t[self.k1 + 2].astype(bool))
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop(Op):
     """The engine stopped: followers return."""
 
@@ -239,8 +265,8 @@ class Stop(Op):
 
 
 OPS = {cls.code: cls for cls in (Admit, SetPages, ClearRow, Snapshot, PutState, SpillState, DropState, CopyPage,
-                                 SpillPages, RestorePages, DropPages, Prefill, Decode, Stop)}
-COMPUTE = (Prefill, Decode)  # the ops that run the model (at most one per plan: its result is the plan's)
+                                 SpillPages, RestorePages, DropPages, Prefill, Decode, Verify, Stop)}
+COMPUTE = (Prefill, Decode, Verify)  # the ops that run the model (at most one per plan: its result is the plan's)
 
 
 def _f32_bits(x: float) -> int:

@@ -6,7 +6,7 @@
 * :func:`decode_step`: one token for every slot at once; inactive slots (``active`` False) feed length 0, which
   leaves their KDA state, conv tails and pages untouched.
 * :func:`verify_step`: speculative decoding's step: each slot's drafted tokens checked in one forward, the accepted
-  ones and the next token kept, the cache committed over exactly those (not yet driven by the scheduler).
+  ones and the next token kept, the cache committed over exactly those (the engine's ``speculative=``).
 * :func:`take_state` / :func:`put_state`: a slot's KDA state and conv tails out of the cache (a prefix snapshot) and
   back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool; :func:`take_page` /
   :func:`put_page`: one page of every pool out (to host memory) and back.
@@ -99,8 +99,8 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     and the target's next token are kept (greedy slots: the drafts equal to the argmax; sampled slots: rejection
     sampling, keyed by the request's seed and token index as :func:`choose` is) and the cache committed over exactly
     those positions (:func:`kimi_jax.model.attention.commit_verified`). Inactive slots feed nothing and keep
-    everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B])
-    -- stop ids and budgets are the scheduler's to apply."""
+    everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B],
+    the tokens' log-probabilities [B, k + 1]) -- stop ids and budgets are the scheduler's to apply."""
     model = nnx.merge(graphdef, params)
     K1 = tokens_BK.shape[1]
     res = model(tokens_BK, cache=for_verify(cache, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
@@ -111,7 +111,8 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
                               samp.top_p, keys)
     kept = jnp.where(active_B, a + 1, 0)
     new = commit_verified(res.cache, cache.lengths, kept, model.run)
-    return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0)))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(res.logits.astype(jnp.float32), axis=-1), t[..., None], axis=-1)
+    return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0), logp[..., 0]))
 
 
 def _rows_view(cache: Cache, rows):
@@ -193,6 +194,7 @@ class Programs(NamedTuple):
     copy_page: Callable
     take_page: Callable
     put_page: Callable
+    verify_step: Callable
 
 
 _compiles = [0]
@@ -237,5 +239,6 @@ def programs(graphdef, cache_sharding=None, replicated=None) -> Programs:
             jax.jit(functools.partial(put_state, **kw), **cached),
             jax.jit(functools.partial(copy_page, **kw), **cached),
             jax.jit(take_page),
-            jax.jit(functools.partial(put_page, **kw), **cached))
+            jax.jit(functools.partial(put_page, **kw), **cached),
+            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), **cached))
     return _PROGRAMS[key]

@@ -21,7 +21,8 @@ class EngineStopped(EngineError):
 
 
 def shapes(*, slots: int, max_len: int, page_size: int, pages: int | None, prefill_chunk: int, min_chunk: int,
-           snapshot_every: int | None, compact_decode: bool, batch_invariant: bool = False) -> Shapes:
+           snapshot_every: int | None, compact_decode: bool, batch_invariant: bool = False,
+           spec_k: int = 0) -> Shapes:
     """The engine's static shapes from its options (default pool: every slot at ``max_len``, plus half again for the
     prefix cache)."""
     for name, v in (("slots", slots), ("max_len", max_len), ("page_size", page_size),
@@ -40,7 +41,7 @@ def shapes(*, slots: int, max_len: int, page_size: int, pages: int | None, prefi
     return Shapes(slots=int(slots), max_len=int(max_len), page_size=int(page_size),
                   n_pages=int(pages) if pages else int(slots) * pages_per_seq * 3 // 2, chunk=int(prefill_chunk),
                   min_chunk=int(min_chunk), snapshot_every=snapshot_every, compact_decode=bool(compact_decode),
-                  batch_invariant=bool(batch_invariant))
+                  batch_invariant=bool(batch_invariant), spec_k=int(spec_k))
 
 
 def max_model_len(cfg, max_len: int) -> int:

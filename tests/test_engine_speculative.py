@@ -1,0 +1,129 @@
+"""Speculative decoding in the serving engine (``Engine(speculative=...)``: the scheduler drafts, a verify step over
+every slot checks): greedy replies equal the plain engine's and the K3 fixture's golden tokens (float32), with requests
+of mixed lengths in flight (chunked prefill), a prefix hit, a stop id inside a verify step's kept tokens, and a
+cancellation.
+
+Random-weight models rarely repeat themselves, so the scheduler's prompt-lookup drafter is replaced by an *oracle*
+that proposes each request's plain reply with one wrong token at a position that moves from step to step: every
+acceptance length occurs, and the KDA state is rolled back after each rejection.
+"""
+
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.generation import speculative
+from kimi_jax.serving import scheduler as scheduler_mod
+from kimi_jax.serving.engine import Engine, EngineError, Request
+
+SHAPES = dict(slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, compact_decode=False)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def model(k3_tiny_a):
+    return kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return Engine(model, **SHAPES, prefix_cache_bytes=0)
+
+
+def _prompts(V, lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, V, n).tolist() for n in lengths]
+
+
+def _oracle(monkeypatch, replies: dict):
+    """The drafter proposes ``replies[prompt]`` from the tokens drawn so far, wrong at (tokens so far) mod (k + 1)."""
+    def draft(hist, room, drafter):
+        for prompt, reply in replies.items():
+            if tuple(hist[: len(prompt)]) == prompt and len(hist) > len(prompt):
+                c = len(hist) - len(prompt)
+                d = list(reply[c: c + min(room, drafter.k)])
+                wrong = c % (drafter.k + 1)
+                if wrong < len(d):
+                    d[wrong] += 1
+                return d
+        return []
+
+    monkeypatch.setattr(scheduler_mod.speculative, "ngram_draft_host", draft)
+
+
+def test_host_drafter_matches_the_device_drafter():
+    """The scheduler's n-gram lookup (numpy, per sequence) proposes what the compiled one does."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    d = speculative.NGram(k=4, max_n=3, min_n=1)
+    hist = rng.integers(0, 5, (64, 40))  # a small vocabulary: matches of every length
+    hlen = rng.integers(1, 41, 64)
+    room = rng.integers(0, 6, 64)
+    drafts, dlen = speculative.ngram_draft(jnp.asarray(hist, jnp.int32), jnp.asarray(hlen, jnp.int32),
+                                           jnp.asarray(room, jnp.int32), d)
+    for b in range(64):
+        host = speculative.ngram_draft_host(hist[b, : hlen[b]], int(room[b]), d)
+        assert host == np.asarray(drafts)[b, : int(dlen[b])].tolist(), b
+
+
+def test_speculative_engine_equals_the_plain_engine(model, plain, k3_golden, monkeypatch):
+    V = model.cfg.vocab_size
+    fixture = k3_golden["input_ids"].tolist()
+    others = _prompts(V, (70, 5), seed=1)  # a 3-chunk prompt in flight beside them
+    prompts = fixture + others
+    want = plain.generate(prompts, max_tokens=16, stop_ids=())
+    eng = Engine(model, **SHAPES, speculative=speculative.NGram(k=K))
+    eng.warmup()
+    _oracle(monkeypatch, {tuple(p): w.tokens for p, w in zip(prompts, want)})
+    got = eng.generate(prompts, max_tokens=16, stop_ids=())
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    np.testing.assert_array_equal(np.array([g.tokens for g in got[:2]]), k3_golden["greedy_tokens"])
+    st = eng.stats()
+    assert st["spec_steps"] > 0 and st["spec_accepted"] > 0 and st["compiles_after_warmup"] == 0, st
+    assert st["decode_steps"] < 15 * len(prompts)  # fewer forwards than tokens
+
+    # a prefix hit (the first prompt's snapshot at 32), and a stop id inside a verify step's kept tokens
+    a = others[0]
+    tail = _prompts(V, (9,), seed=2)[0]
+    cold = plain.generate([a[:40] + tail], max_tokens=16, stop_ids=())[0]
+    stop = cold.tokens[6]
+    cold_stop = plain.generate([a[:40] + tail], max_tokens=16, stop_ids=(stop,))[0]
+    _oracle(monkeypatch, {tuple(a[:40] + tail): cold.tokens})
+    hit = eng.generate([a[:40] + tail], max_tokens=16, stop_ids=(stop,))[0]
+    assert hit.cached_tokens == 32
+    assert hit.tokens == cold_stop.tokens and hit.finish_reason == cold_stop.finish_reason == "stop"
+
+    # a cancellation mid-reply; the slot's next request is served correctly
+    b, c = _prompts(V, (12, 20), seed=3)
+    wb = plain.generate([b], max_tokens=30, stop_ids=())[0]
+    wc = plain.generate([c], max_tokens=12, stop_ids=())[0]
+    _oracle(monkeypatch, {tuple(b): wb.tokens, tuple(c): wc.tokens})
+    h = eng.submit(Request(b, max_tokens=30, stop_ids=()))
+    for _ in range(200):
+        eng.step()
+        if any(s is not None and len(s.out) >= 5 for s in eng.running):
+            break
+    h.cancel()
+    for _ in range(20):
+        eng.step()
+        if h.finished:
+            break
+    assert h.finished
+    r = h.result(timeout=10)
+    assert r.finish_reason == "abort" and len(r.tokens) >= 5 and r.tokens == wb.tokens[: len(r.tokens)]
+    assert eng.generate([c], max_tokens=12, stop_ids=())[0].tokens == wc.tokens
+    assert eng.stats()["slots_busy"] == 0
+
+
+def test_refusals(model, capsys):
+    with pytest.raises(EngineError, match="record_logits"):
+        Engine(model, **SHAPES, record_logits=True, speculative="ngram")
+    with pytest.raises(speculative.SpeculativeError, match="k=0"):
+        Engine(model, **SHAPES, speculative="ngram:k=0")
+    from kimi_jax.cli import main
+
+    assert main(["serve", "--speculative", "ngram:k=0"]) == 2  # named before anything loads
+    assert "ngram k=0" in capsys.readouterr().err
+    assert main(["serve", "--speculative", "ngram", "--batch-invariant"]) == 2
+    assert "not with --batch-invariant" in capsys.readouterr().err
