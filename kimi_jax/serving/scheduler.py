@@ -49,7 +49,7 @@ class Slot:
     out: list[int] = dataclasses.field(default_factory=list)
     extra: int = 0  # positions the cache holds past the tokens handed out (a verify step's, after a stop)
     rate: float = 1.0  # recent share of its drafts accepted (speculative decoding)
-    verifies: int = 0  # verify steps it took part in
+    steps: int = 0  # decode and verify steps it took part in
 
 
 class Scheduler:
@@ -262,7 +262,7 @@ class Scheduler:
         for i in active:
             s = self.running[i]
             room = min(k, s.handle.request.max_tokens - len(s.out) - 1)
-            if s.rate >= speculative.MIN_RATE or s.verifies % speculative.PROBE == 0:
+            if s.rate >= speculative.MIN_RATE or s.steps % speculative.PROBE == 0:
                 d = speculative.ngram_draft_host(s.prompt + s.out, room, self.drafter)
                 if d:
                     drafts[i] = d
@@ -292,6 +292,7 @@ class Scheduler:
         for k in np.flatnonzero(live):
             i = int(rows[k])
             self.running[i].pos += 1
+            self.running[i].steps += 1
             self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
 
     def _verified(self, plan: StepPlan, tok, kept, accepted, logp) -> None:
@@ -299,7 +300,7 @@ class Scheduler:
         for i in np.flatnonzero(live):
             i = int(i)
             s, n = self.running[i], int(kept[i])
-            s.verifies += 1
+            s.steps += 1
             if dlen[i]:
                 s.rate = (1 - speculative.EMA) * s.rate + speculative.EMA * float(accepted[i]) / float(dlen[i])
             self.counters["spec_accepted"] += int(accepted[i])
