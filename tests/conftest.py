@@ -14,6 +14,33 @@ import pytest  # noqa: E402
 # process-wide cache setting untouched); tests/test_generate_cli.py exercises the cache in subprocesses.
 os.environ["KIMI_JAX_COMPILE_CACHE"] = "off"
 
+# XLA:CPU maps about three memory areas per compiled program and keeps every program a test module compiled; a
+# long-lived test worker compiles tens of thousands and reaches the kernel's limit of memory maps per process
+# (vm.max_map_count, 65530 by default), where the next compile aborts or segfaults. After any module that leaves the
+# worker above MAP_LIMIT maps, the compiled programs are dropped (the next module compiles its own anyway).
+MAP_LIMIT = 30000
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+    yield
+    if _map_count() > MAP_LIMIT:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 # Golden outputs of a reference K3 implementation (float32), kept in the repository: tests/fixtures/k3-tiny-a/README.md.
 K3_TINY_A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "k3-tiny-a")
 
