@@ -122,7 +122,7 @@ def _plan(args) -> int:
     if args.offload:
         _offload_cli(cfg, p, args, chips)
     if target is not None:
-        return _compile_cli(cfg, target, p, args, chunk, serve)
+        return _compile_cli(cfg, target, p, args, chunk, serve, drafter)
     if args.search:
         print("\nsmallest fitting meshes (data=1), per chip:")
         for name, plans in search(cfg, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
@@ -168,13 +168,13 @@ COMPILE_PREFILL_CHUNK = 512  # ``plan --compile`` without --prefill-chunk: a typ
 SERVE_PREFILL_CHUNK = 256  # ``plan --serve`` without --prefill-chunk: ``kimi-jax serve``'s default
 
 
-def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None) -> int:
+def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=None) -> int:
     """Compile the decode step and a prefill chunk for ``target``; print them beside the plan; exit status."""
     implementation = "reference" if args.kernels == "reference" else None  # None: the automatic (Pallas) choice
     kw = dict(batch=args.batch, context=args.context, dtype=args.dtype, prefill_chunk=chunk,
               implementation=implementation, scan_layers=args.scan_layers, quantize=args.quantize,
               kv_cache=args.kv_cache, kda_state=args.kda_state, serve=serve,
-              speculative=speculative.parse(args.speculative))
+              speculative=drafter)
     res = aot.compile_steps(cfg, target, p.sizes, args.layout, **kw)
     devices = len(aot.target_devices(target))
     source = "its target config" if target.platform == "gpu" else "datasheet table"
@@ -182,15 +182,14 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None) -> int:
     print(f"\ncompiled for {target.text}: {devices} device(s) of {aot.target_devices(target)[0].device_kind}, "
           f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels, {layers}")
     plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
-    if args.speculative:
+    if drafter is not None:
         # the verify forward's activations are a decode step's over k + 1 positions; the loop also holds each
         # sequence's output and token history (int32, 3 x context); the drafter has no weights
-        k = speculative.parse(args.speculative).k
-        plan_act["speculative"] = p.activation_total * (k + 1) + args.batch * 3 * args.context * 4
+        plan_act["speculative"] = p.activation_total * (drafter.k + 1) + args.batch * 3 * args.context * 4
     titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
               "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)",
               "speculative": f"speculative decode loop ({args.speculative}: verify over [{args.batch}, "
-                             f"{speculative.parse(args.speculative).k + 1 if args.speculative else 0}] ids)"}
+                             f"{drafter.k + 1 if drafter else 0}] ids)"}
     if serve is not None:
         titles = {"decode": f"serving decode step ({serve.slots} slots, page table of {serve.pages_per_seq} pages)",
                   "prefill": f"serving prefill chunk ([1, {chunk}] ids after cached ones)"}

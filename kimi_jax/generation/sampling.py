@@ -89,14 +89,18 @@ class DecodeState:
     logits: jax.Array | None = None  # [B, out_len, V] float32: the logits each new token was drawn from (optional)
 
 
+def draw(logits_BV, samp: Sampling, count_B):
+    """Each row's next token (its ``count``-th new one) from float32 logits: greedy rows the argmax, the others
+    :func:`sample`; the keys are only derived when some row samples, so greedy decoding skips the PRNG work."""
+    return jax.lax.cond(
+        jnp.any(samp.temperature > 0),
+        lambda: sample(logits_BV, step_keys(samp.seed, count_B), samp.temperature, samp.top_k, samp.top_p),
+        lambda: argmax(logits_BV))
+
+
 def accept(st: DecodeState, logits_BV, samp: Sampling, active_B) -> DecodeState:
     """Sample from ``logits`` for active rows and append; inactive rows keep everything."""
-    # keys are only derived when some row samples: greedy decode skips the PRNG work
-    tok = jax.lax.cond(
-        jnp.any(samp.temperature > 0),
-        lambda: sample(logits_BV, step_keys(samp.seed, st.count), samp.temperature, samp.top_k, samp.top_p),
-        lambda: argmax(logits_BV))
-    tok = jnp.where(active_B, tok, st.token)
+    tok = jnp.where(active_B, draw(logits_BV, samp, st.count), st.token)
     B, out_len = st.out.shape
     rows = jnp.arange(B)
     slot = jnp.where(active_B, st.count, out_len)  # out_len: out of range, dropped

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, probabilities, sample, step_keys
+from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
 
@@ -222,11 +222,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         """No row drafted: the plain loop's one-position step (the same program as :func:`generate.decode`'s)."""
         B = drafts.shape[0]
         res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True)
-        logits = res.logits[:, 0].astype(jnp.float32)
-        first = jax.lax.cond(jnp.any(samp.temperature > 0),
-                             lambda: sample(logits, step_keys(samp.seed, d.count), samp.temperature, samp.top_k,
-                                            samp.top_p),
-                             lambda: argmax(logits))
+        first = draw(res.logits[:, 0].astype(jnp.float32), samp, d.count)
         t = jnp.concatenate([first[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
         a = jnp.zeros((B,), jnp.int32)
         return res.cache, t, a, _kept(d, t, a, active)

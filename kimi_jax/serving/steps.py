@@ -41,11 +41,16 @@ class SlotSampling:
     count: jax.Array  # [B] int32: tokens the request has drawn so far (the PRNG stream position)
 
 
+def request_keys(samp: SlotSampling, offset=0):
+    """Each row's PRNG key for its request's ``count + offset``-th token: fold_in(key(seed), n), reproducible
+    whichever slot or step it runs in."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(samp.seed, samp.count + offset)
+
+
 def choose(logits_BV, samp: SlotSampling):
-    """(token [B] int32, its log-probability under the model's distribution [B] float32). The key of a request's
-    n-th token is fold_in(key(seed), n): reproducible whichever slot or step it runs in."""
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(samp.seed, samp.count)
-    tok = sample(logits_BV, keys, samp.temperature, samp.top_k, samp.top_p)
+    """(token [B] int32, its log-probability under the model's distribution [B] float32), keyed by
+    :func:`request_keys`."""
+    tok = sample(logits_BV, request_keys(samp), samp.temperature, samp.top_k, samp.top_p)
     logp = jax.nn.log_softmax(logits_BV, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
@@ -97,7 +102,7 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     ones (``dlen [B]`` of them real), checked by one forward over the ``k + 1`` positions, written through the page
     table (the scheduler allocates pages for all of them), with the KDA layers in verify mode; the accepted drafts
     and the target's next token are kept (greedy slots: the drafts equal to the argmax; sampled slots: rejection
-    sampling, keyed by the request's seed and token index as :func:`choose` is) and the cache committed over exactly
+    sampling, keyed by :func:`request_keys` as :func:`choose` is) and the cache committed over exactly
     those positions (:func:`kimi_jax.model.attention.commit_verified`). Inactive slots feed nothing and keep
     everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B],
     the tokens' log-probabilities [B, k + 1]) -- stop ids and budgets are the scheduler's to apply."""
@@ -105,13 +110,12 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     K1 = tokens_BK.shape[1]
     res = model(tokens_BK, cache=for_verify(cache, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
                 page_table=page_table)
-    keys = lambda: jax.vmap(lambda s, n: jax.vmap(  # noqa: E731
-        lambda i: jax.random.fold_in(jax.random.key(s), n + i))(jnp.arange(K1)))(samp.seed, samp.count)
-    t, a = speculative.accept(res.logits.astype(jnp.float32), tokens_BK[:, 1:], dlen_B, samp.temperature, samp.top_k,
-                              samp.top_p, keys)
+    keys = lambda: jax.vmap(lambda i: request_keys(samp, i), out_axes=1)(jnp.arange(K1))  # noqa: E731
+    logits = res.logits.astype(jnp.float32)
+    t, a = speculative.accept(logits, tokens_BK[:, 1:], dlen_B, samp.temperature, samp.top_k, samp.top_p, keys)
     kept = jnp.where(active_B, a + 1, 0)
     new = commit_verified(res.cache, cache.lengths, kept, model.run)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(res.logits.astype(jnp.float32), axis=-1), t[..., None], axis=-1)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)
     return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0), logp[..., 0]))
 
 
