@@ -60,6 +60,10 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                    help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts each reply's next tokens from its "
                         "prompt and reply so far; a step where some request drafted checks every slot's drafts in one "
                         "forward (greedy replies unchanged; default: off)")
+    p.add_argument("--structured-outputs", choices=["auto", "on", "off"], default="auto",
+                   help="constrained decoding (response_format, a forced tool_choice, structured_outputs): every "
+                        "compiled step also in its masked form, which roughly doubles the start-up compile; auto: on "
+                        "when the model has a tokenizer")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each request's output independent of the others in flight (one decode program over every "
                         "slot and the whole page table; prefix hits on chunk boundaries only): greedy replies are the "
@@ -141,6 +145,12 @@ def run_serve(args):
     return 0
 
 
+def _structured(args, tokenizer) -> bool:
+    if args.structured_outputs == "on" and tokenizer is None:
+        raise ValueError("--structured-outputs on: the model has no tokenizer (constraints are over its text)")
+    return args.structured_outputs == "on" or (args.structured_outputs == "auto" and tokenizer is not None)
+
+
 def _start_engine(args, path: str, name: str, where: str, startup):
     """Load the model, build the engine and compile its programs, saying so on stderr (and on ``startup``, what
     ``/health`` reports); process 0's engine is started (its thread runs), the others' only compiled."""
@@ -154,7 +164,7 @@ def _start_engine(args, path: str, name: str, where: str, startup):
                         prefix_cache_bytes=int(args.prefix_cache_gb * 1e9),
                         prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every,
                         batch_invariant=args.batch_invariant, peer_timeout=args.peer_timeout,
-                        speculative=args.speculative)
+                        speculative=args.speculative, structured=_structured(args, got.tokenizer))
     on = "one device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     _say(f"{where}{name} loaded in {got.seconds:.1f}s ({dtype}, {on}); compiling the engine's programs "
          f"({args.slots} slots, max_len {args.max_len})")

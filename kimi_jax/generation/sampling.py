@@ -68,6 +68,16 @@ def sample(logits_BV, keys_B, temperature_B, top_k_B, top_p_B):
     return jnp.where(temperature_B > 0, drawn, greedy)
 
 
+def apply_bitmask(logits_xV, mask_xW):
+    """``logits`` with the ids a constraint leaves out set to -inf. ``mask`` int32 ``[..., ceil(V / 32)]``, the
+    leading axes as the logits': bit ``i % 32`` of word ``i // 32`` set when id ``i`` is allowed (llguidance's layout,
+    :mod:`kimi_jax.text.grammar`); a row of all ones changes nothing."""
+    ids = jnp.arange(logits_xV.shape[-1])
+    word = jnp.take(mask_xW, ids // 32, axis=-1).astype(jnp.uint32)
+    bit = jax.lax.shift_right_logical(word, jnp.broadcast_to((ids % 32).astype(jnp.uint32), word.shape)) & 1
+    return jnp.where(bit == 1, logits_xV, -jnp.inf)
+
+
 def step_keys(seed, count_B):
     """Key of sequence b for its n-th new token: fold_in(fold_in(key(seed), b), n) -- reproducible, and
     independent of how many steps each decode call runs."""

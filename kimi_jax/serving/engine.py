@@ -84,20 +84,23 @@ class Engine:
     scheduler drafts each decoding slot's next tokens from its prompt and reply (prompt lookup) and a step in which
     some slot drafted is one verify forward over every slot (:func:`kimi_jax.serving.steps.verify_step`); greedy
     replies are the plain engine's, sampled ones have its distribution (rejection sampling).
+    ``structured``: requests may carry a constraint (:attr:`Request.constraint`): each step's allowed-token bitmasks
+    are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling; every compute
+    program is compiled a second time in its masked form, which only steps with a constrained row run.
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
                  page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
                  compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
-                 peer_timeout: float = 20.0, speculative=None):
+                 peer_timeout: float = 20.0, speculative=None, structured: bool = False):
         drafter = speculative_mod.parse(speculative)
         if drafter is not None and (batch_invariant or record_logits):
             raise EngineError("speculative decoding: not with batch_invariant or record_logits yet")
         self.shapes = engine_shapes(slots=slots, max_len=max_len, page_size=page_size, pages=pages,
                                     prefill_chunk=prefill_chunk, min_chunk=min_chunk, snapshot_every=snapshot_every,
                                     compact_decode=compact_decode, batch_invariant=batch_invariant,
-                                    spec_k=0 if drafter is None else drafter.k)
+                                    spec_k=0 if drafter is None else drafter.k, structured=structured)
         if not peer_timeout > 0:
             raise EngineError(f"peer_timeout must be > 0 seconds, got {peer_timeout}")
         sh = self.shapes

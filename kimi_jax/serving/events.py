@@ -16,7 +16,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 @dataclasses.dataclass
 class Request:
     """One generation request. ``stop_ids=None``: the model's default stop ids (the chat turn terminator); ``()``:
-    none. ``seed=None``: a fresh random seed. ``logprobs``: report the log-probability of every chosen token."""
+    none. ``seed=None``: a fresh random seed. ``logprobs``: report the log-probability of every chosen token (the
+    model's, before any constraint). ``constraint``: a :class:`~kimi_jax.text.grammar.Grammar` the output must match
+    (an engine started with ``structured=True``)."""
 
     prompt: list[int]
     max_tokens: int = 16
@@ -27,6 +29,7 @@ class Request:
     stop_ids: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
+    constraint: object = None  # a kimi_jax.text.grammar.Grammar: what the output must match (structured outputs)
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from kimi_jax.parallel.sharding import paged_cache_shardings
 from kimi_jax.serving import steps
 from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, DropPages, DropState, Prefill, PutState,
                                        RestorePages, SetPages, Shapes, Snapshot, SpillPages, SpillState, StepPlan,
-                                       Stop, Verify)
+                                       Mask, Stop, Verify)
 
 
 class CacheTooLarge(ValueError):
@@ -133,6 +133,7 @@ class Executor:
         self.snaps: dict[int, object] = {}  # snapshot id -> its device arrays
         self.host_snaps: dict[int, object] = {}  # snapshot id -> HostArray leaves, once spilled
         self.host_pages: dict[int, object] = {}  # host copy id -> HostArray leaves of its pages
+        self.mask: Mask | None = None  # the next compute op's bitmasks (structured outputs)
 
     # -- plans ----------------------------------------------------------------------------------------------------
 
@@ -195,12 +196,25 @@ class Executor:
                                   top_k=col(self.top_k, 0, np.int32), top_p=col(self.top_p, 1.0, np.float32),
                                   seed=col(self.seed, 0, np.uint32), count=np.asarray(counts, np.int32))
 
+    def _mask(self, op: Mask):
+        self.mask = op
+
+    def _take_mask(self, n_rows: int, positions: bool = False):
+        """The pending bitmasks for ``n_rows`` rows (``[n_rows, W]``, or ``[n_rows, k1, W]`` with ``positions``), or
+        None when the plan has none: the unmasked program runs."""
+        op, self.mask = self.mask, None
+        if op is None:
+            return None
+        full = op.full(n_rows)
+        return full if positions else full[:, 0]
+
     def _prefill(self, op: Prefill):
         ids = np.zeros((1, op.bucket), np.int32)
         ids[0, : len(op.ids)] = op.ids
         self.cache, tok, logp, logits = self.programs.prefill_chunk(
             self.params, self.cache, self.table[op.slot : op.slot + 1, : op.width], np.int32(op.slot), ids,
-            np.int32(len(op.ids)), self._sampling([op.slot], [0]), fresh=op.start == 0, record=self.record)
+            np.int32(len(op.ids)), self._sampling([op.slot], [0]), self._take_mask(1), fresh=op.start == 0,
+            record=self.record)
         return tok, logp, logits
 
     def _decode(self, op: Decode):
@@ -209,7 +223,8 @@ class Executor:
         table[live] = self.table[rows[live], : op.width]
         samp = self._sampling([int(r) if ok else None for r, ok in zip(rows, live)], counts)
         self.cache, tok, logp, logits = self.programs.decode_step(
-            self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows, record=self.record)
+            self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows,
+            self._take_mask(len(rows)), record=self.record)
         return tok, logp, logits
 
     def _verify(self, op: Verify):
@@ -218,7 +233,7 @@ class Executor:
         table[live] = self.table[live, : op.width]
         samp = self._sampling([k if ok else None for k, ok in enumerate(live)], counts)
         self.cache, tok, kept, accepted, logp = self.programs.verify_step(
-            self.params, self.cache, table, tokens, dlen, live, samp)
+            self.params, self.cache, table, tokens, dlen, live, samp, self._take_mask(len(live), positions=True))
         return tok, kept, accepted, logp
 
     def _stop(self, op: Stop):
@@ -227,7 +242,7 @@ class Executor:
     _apply = {Admit: _admit, SetPages: _set_pages, ClearRow: _clear_row, Snapshot: _snapshot, PutState: _put_state,
               SpillState: _spill_state, DropState: _drop_state, CopyPage: _copy_page, SpillPages: _spill_pages,
               RestorePages: _restore_pages, DropPages: _drop_pages, Prefill: _prefill, Decode: _decode, Verify: _verify,
-              Stop: _stop}
+              Stop: _stop, Mask: _mask}
 
     # -- compiled programs ----------------------------------------------------------------------------------------
 
@@ -248,24 +263,30 @@ class Executor:
         sh = self.shapes
         samp = self._sampling([None], [0])
         out = []
+        n_words = (self.cfg.vocab_size + 31) // 32
+        masks = (None, True) if sh.structured else (None,)  # structured outputs: each program masked too
 
-        def prefill(T, width, fresh):
+        def mask(*lead):
+            return np.full((*lead, n_words), -1, np.int32)
+
+        def prefill(T, width, fresh, masked):
             self.cache, *_ = self.programs.prefill_chunk(
                 self.params, self.cache, self.table[:1, :width], np.int32(0), np.zeros((1, T), np.int32),
-                np.int32(0), samp, fresh=fresh, record=self.record)
+                np.int32(0), samp, mask(1) if masked else None, fresh=fresh, record=self.record)
 
-        def decode(b, width):
+        def decode(b, width, masked):
             rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
             self.cache, *_ = self.programs.decode_step(
                 self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
-                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, record=self.record)
+                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b) if masked else None,
+                record=self.record)
 
-        def verify(width):
+        def verify(width, masked):
             k1 = sh.spec_k + 1
             self.cache, *_ = self.programs.verify_step(
                 self.params, self.cache, np.zeros((sh.slots, width), np.int32), np.zeros((sh.slots, k1), np.int32),
                 np.zeros((sh.slots,), np.int32), np.zeros((sh.slots,), bool),
-                self._sampling([None] * sh.slots, [0] * sh.slots))
+                self._sampling([None] * sh.slots, [0] * sh.slots), mask(sh.slots, k1) if masked else None)
 
         def snapshots():
             state = self.programs.take_state(self.cache, np.int32(0))
@@ -277,15 +298,18 @@ class Executor:
             page = to_device(to_host(self.programs.take_page(self.cache, np.int32(0))))
             self.cache = self.programs.put_page(self.cache, np.int32(0), page)
 
-        for T in sh.buckets:
-            for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):
-                out.append((f"prefill of {T} tokens ({'fresh' if fresh else 'continued'})",
-                            lambda T=T, width=width, fresh=fresh: prefill(T, width, fresh)))
-        for b in sh.row_buckets:
-            for width in sh.widths:
-                out.append((f"decode step of {b} rows x {width} pages", lambda b=b, width=width: decode(b, width)))
-        if sh.spec_k:
-            for width in sh.widths:
-                out.append((f"speculative verify step of {sh.spec_k} drafts x {width} pages",
-                            lambda width=width: verify(width)))
+        for m in masks:
+            what = ", masked" if m else ""
+            for T in sh.buckets:
+                for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):
+                    out.append((f"prefill of {T} tokens ({'fresh' if fresh else 'continued'}{what})",
+                                lambda T=T, width=width, fresh=fresh, m=m: prefill(T, width, fresh, m)))
+            for b in sh.row_buckets:
+                for width in sh.widths:
+                    out.append((f"decode step of {b} rows x {width} pages{what}",
+                                lambda b=b, width=width, m=m: decode(b, width, m)))
+            if sh.spec_k:
+                for width in sh.widths:
+                    out.append((f"speculative verify step of {sh.spec_k} drafts x {width} pages{what}",
+                                lambda width=width, m=m: verify(width, m)))
         return out + [("prefix snapshots", snapshots), ("page copies", pages)]

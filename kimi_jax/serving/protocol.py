@@ -4,8 +4,12 @@ objects, stream chunks and errors out, and the incremental split of a K3 chat re
 What is unusual here:
 
 * A field that would change the output if we honoured it but that we cannot honour (``n`` > 1, penalties,
-  ``logit_bias``, ``echo``, ``best_of``, a JSON ``response_format``, top-N alternative logprobs, a forced
-  ``tool_choice``) is refused with a 400 naming the field, never silently ignored; so is a field we do not know.
+  ``logit_bias``, ``echo``, ``best_of``, top-N alternative logprobs) is refused with a 400 naming the field, never
+  silently ignored; so is a field we do not know.
+* Structured outputs (:mod:`kimi_jax.text.grammar`): ``response_format`` (``json_object``, ``json_schema``),
+  ``tool_choice`` ``"required"`` or a named function (the reply is one call in K3's tool-call format, its arguments
+  constrained by the function's schema), and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
+  ``grammar``, ``json_object``): at most one per request, parsed here into :attr:`Params.constraint`.
   A few that cannot change the tokens (``user``, ``metadata``, ``store``, ``service_tier``,
   ``parallel_tool_calls``) are accepted and ignored.
 * Extensions, as vLLM spells them: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``
@@ -28,6 +32,7 @@ from typing import Any, Sequence
 
 from kimi_jax.serving.detokenize import StopText
 from kimi_jax.text import chat
+from kimi_jax.text.grammar import Constraint, ConstraintError, ToolCall
 from kimi_jax.text.tokenizer import Tokenizer
 
 
@@ -74,15 +79,17 @@ class Params:
     tools: list[dict] | None = None
     thinking: bool = True  # the chat module's default
     thinking_effort: str | None = "max"
+    constraint: Constraint | ToolCall | None = None  # structured outputs
+    constraint_param: str | None = None  # the field it came from (for errors)
 
 
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # accepted only at a value meaning "off"
 _OFF = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
         "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-        "top_logprobs": (None, 0), "response_format": (None, {"type": "text"})}
+        "top_logprobs": (None, 0)}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "n", "stream", "stream_options", "logprobs", "return_token_ids"}
+           "n", "stream", "stream_options", "logprobs", "return_token_ids", "response_format", "structured_outputs"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "chat_template_kwargs", "reasoning_effort", "response_format"}
@@ -206,24 +213,100 @@ def parse_completion(body) -> Params:
         raise ProtocolError(f"logprobs={logprobs} is not supported: only 0 (the chosen tokens' log-probabilities, "
                             "no alternatives)", param="logprobs", code="unsupported_parameter")
     p.logprobs = logprobs == 0
+    _constraint(body, p, None)
     return p
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _tools(body: dict) -> tuple[list[dict] | None, ToolCall | None]:
+    """(the tools declared to the model, a forced call or None)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise ProtocolError(f"tool_choice={json.dumps(choice)[:80]} is not supported (only 'auto' and 'none')",
-                            param="tool_choice", code="unsupported_parameter")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    if choice not in (None, "auto", "none", "required") and not named:
+        raise ProtocolError(f"tool_choice={json.dumps(choice)[:80]}: expected 'auto', 'none', 'required' or "
+                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
     if tools is None or choice == "none":
-        return None
+        if choice == "required" or named:
+            raise ProtocolError("tool_choice forces a call but the request declares no tools", param="tool_choice")
+        return None, None
     ok = isinstance(tools, list) and all(
         isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
         and isinstance(t["function"].get("name"), str) for t in tools)
     if not ok:
         raise ProtocolError('tools: expected a list of {"type": "function", "function": {"name": ..., '
                             '"parameters": ...}}', param="tools")
-    return tools or None
+    if not tools and (choice == "required" or named):
+        raise ProtocolError("tool_choice forces a call but the request declares no tools", param="tool_choice")
+    forced = None
+    if choice == "required":
+        forced = ToolCall(tuple(tools))
+    elif named:
+        name = choice["function"].get("name")
+        match = [t for t in tools if t["function"]["name"] == name]
+        if not match:
+            raise ProtocolError(f"tool_choice names the function {name!r}, which is not among the tools "
+                                f"({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
+        forced = ToolCall((match[0],))
+    return tools or None, forced
+
+
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _response_format(body: dict) -> Constraint | None:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(rf, dict) or rf.get("type") not in kinds:
+        raise ProtocolError(f"response_format: expected {{\"type\": one of {list(kinds)}, ...}}, got "
+                            f"{json.dumps(rf)[:80]}", param="response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return Constraint("json_object")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ProtocolError('response_format.json_schema: expected {"name": ..., "schema": {...}}',
+                            param="response_format")
+    return Constraint("json", spec.get("schema", {}))
+
+
+def _structured_outputs(body: dict) -> Constraint | None:
+    so = body.get("structured_outputs")
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise ProtocolError("structured_outputs: expected an object", param="structured_outputs")
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(_SO_KINDS))
+    if unknown:
+        raise ProtocolError(f"structured_outputs: unsupported field(s) {unknown} (supported: {list(_SO_KINDS)})",
+                            param="structured_outputs", code="unsupported_parameter")
+    if len(given) != 1:
+        raise ProtocolError(f"structured_outputs: give exactly one of {list(_SO_KINDS)}", param="structured_outputs")
+    (kind, value), = given.items()
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ProtocolError(f"structured_outputs.json: not valid JSON ({e})", param="structured_outputs") from None
+    try:
+        return Constraint("json_object") if kind == "json_object" else Constraint(kind, value)
+    except ConstraintError as e:
+        raise ProtocolError(f"structured_outputs: {e}", param="structured_outputs") from None
+
+
+def _constraint(body: dict, p: Params, forced: ToolCall | None) -> None:
+    """At most one of ``response_format``, ``structured_outputs`` and a forced tool call."""
+    found = [(name, c) for name, c in (("response_format", _response_format(body)),
+                                       ("structured_outputs", _structured_outputs(body)), ("tool_choice", forced))
+             if c is not None]
+    if len(found) > 1:
+        raise ProtocolError(f"{' and '.join(n for n, _ in found)} both constrain the reply: give one",
+                            param=found[1][0])
+    if found:
+        p.constraint_param, p.constraint = found[0]
 
 
 def _thinking(body: dict, p: Params) -> None:
@@ -264,7 +347,8 @@ def parse_chat(body) -> Params:
     if body.get("max_completion_tokens") is not None:
         p.max_tokens = _int(body, "max_completion_tokens")
     p.logprobs = _bool(body, "logprobs")
-    p.tools = _tools(body)
+    p.tools, forced = _tools(body)
+    _constraint(body, p, forced)
     _thinking(body, p)
     return p
 

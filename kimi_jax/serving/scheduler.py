@@ -27,8 +27,9 @@ from kimi_jax.generation import speculative
 from kimi_jax.serving.detokenize import TextStream
 from kimi_jax.serving.events import Event, Handle
 from kimi_jax.serving.pages import PagePool, PrefixCache, PrefixEntry
-from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, Op, Prefill, PutState, RestorePages,
-                                       SetPages, Shapes, StepPlan, Stop, Verify)
+from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, Mask, Op, Prefill, PutState,
+                                       RestorePages, SetPages, Shapes, StepPlan, Stop, Verify)
+from kimi_jax.text.grammar import ConstraintError, Guide
 
 COUNTERS = ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
             "finished", "spec_steps", "spec_drafted", "spec_accepted")
@@ -50,6 +51,7 @@ class Slot:
     extra: int = 0  # positions the cache holds past the tokens handed out (a verify step's, after a stop)
     rate: float = 1.0  # recent share of its drafts accepted (speculative decoding)
     steps: int = 0  # decode and verify steps it took part in
+    guide: Guide | None = None  # its constraint's state (structured outputs)
 
 
 class Scheduler:
@@ -144,7 +146,7 @@ class Scheduler:
             self.waiting.popleft()
             i = self.running.index(None)
             s = self.running[i] = Slot(handle, req.prompt, TextStream(self.tokenizer, req.stop_strings),
-                                       reserved=need)
+                                       reserved=need, guide=None if req.constraint is None else req.constraint.guide())
             self._emit(Admit(i, req.temperature, req.top_k, req.top_p, req.seed))
             s.pages = held[: hit // ps]
             if entry is not None:
@@ -211,6 +213,12 @@ class Scheduler:
         s = self.running[i]
         start, L = s.pos, len(s.prompt)
         end = min(L, (start // sh.chunk + 1) * sh.chunk)
+        if end == L:  # the chunk draws the first token: under the request's constraint, if any
+            masks = self._guided([i])
+            if self.running[i] is None:
+                return None
+            if masks:
+                self._emit(Mask.make([0], [[masks[i]]]))
         self._cover(i, s, end)
         self._emit(Prefill(i, start, sh.bucket(end - start), sh.fresh_width if start == 0 else sh.pages_per_seq,
                            tuple(s.prompt[start:end])))
@@ -242,6 +250,10 @@ class Scheduler:
             plan = self._verify_plan(active)
             if plan is not None:
                 return plan
+        masks = self._guided(active)
+        active = [i for i in active if self.running[i] is not None]
+        if not active:
+            return None
         for i in active:
             self._cover(i, self.running[i], self.running[i].pos + 1)
         b = sh.rows(len(active))
@@ -250,6 +262,9 @@ class Scheduler:
         tokens = [self.running[r].last if ok else 0 for r, ok in zip(rows, live)]
         counts = [len(self.running[r].out) if ok else 0 for r, ok in zip(rows, live)]
         width = sh.width(max(len(self.running[i].pages) for i in active))
+        if masks:
+            at = [k for k, r in enumerate(rows) if r in masks]
+            self._emit(Mask.make(at, [[masks[rows[k]]] for k in at]))
         self._emit(Decode.make(width, rows, tokens, counts, live, all_rows=b == sh.slots))
         self.counters["decode_steps"] += 1
         return self._plan()
@@ -268,6 +283,10 @@ class Scheduler:
                     drafts[i] = d
         if not drafts:
             return None
+        masks = self._draft_masks(active, drafts)
+        active = [i for i in active if self.running[i] is not None]
+        if not active:
+            return None
         tokens = np.zeros((sh.slots, k + 1), np.int64)
         dlen, counts, live = (np.zeros((sh.slots,), np.int64) for _ in range(3))
         for i in active:
@@ -276,11 +295,50 @@ class Scheduler:
             tokens[i, 0], tokens[i, 1:1 + len(d)] = s.last, d
             dlen[i], counts[i], live[i] = len(d), len(s.out), 1
         width = sh.width(max(len(self.running[i].pages) for i in active))
+        if masks:
+            self._emit(Mask.make(list(masks), list(masks.values())))
         self._emit(Verify.make(width, tokens, dlen, counts, live))
         self.counters["decode_steps"] += 1
         self.counters["spec_steps"] += 1
         self.counters["spec_drafted"] += int(dlen.sum())
         return self._plan()
+
+    def _guided(self, slots) -> dict[int, np.ndarray]:
+        """The next position's bitmask of each slot among ``slots`` whose constraint applies now; a slot whose
+        constraint allows nothing more ends with an error."""
+        out = {}
+        for i in slots:
+            s = self.running[i]
+            if s is None or s.guide is None:
+                continue
+            row = np.empty((s.guide.grammar.vocab_words,), np.int32)
+            try:
+                if s.guide.fill(row):
+                    out[i] = row
+            except ConstraintError as e:
+                self._finish(i, "error", str(e))
+        return out
+
+    def _draft_masks(self, active: list[int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray]:
+        """The bitmasks ``[k + 1, W]`` of each constrained slot's verify positions (its drafts cut at the first the
+        constraint refuses: they would be rejected anyway); as :meth:`_guided` for errors."""
+        out = {}
+        for i in active:
+            s = self.running[i]
+            if s.guide is None:
+                continue
+            d = drafts.get(i, [])
+            rows = np.full((self.shapes.spec_k + 1, s.guide.grammar.vocab_words), -1, np.int32)
+            try:
+                n = s.guide.fill_drafts(d, rows)
+            except ConstraintError as e:
+                drafts.pop(i, None)
+                self._finish(i, "error", str(e))
+                continue
+            if d:
+                drafts[i] = d[:n]
+            out[i] = rows
+        return out
 
     def decoded(self, plan: StepPlan, *out) -> None:
         """``plan``'s decode step drew ``tok [B]`` for its rows (``out``: tokens, log-probabilities, logits), or its
@@ -318,6 +376,8 @@ class Scheduler:
         finish the request on a stop id, a stop string or its token budget."""
         s = self.running[i]
         req = s.handle.request
+        if s.guide is not None and not s.guide.advance(tok):
+            return self._finish(i, "error", f"the constraint refused token {tok} ({s.guide.error})")
         s.out.append(tok)
         s.last = tok
         if logits is not None:

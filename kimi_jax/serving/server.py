@@ -48,6 +48,8 @@ from kimi_jax.serving import protocol
 from kimi_jax.serving.engine import EngineError, EngineStopped, Request
 from kimi_jax.serving.protocol import Params, ProtocolError
 from kimi_jax.serving.validate import max_model_len
+from kimi_jax.text import chat, grammar
+from kimi_jax.text.grammar import ConstraintError
 
 log = logging.getLogger("kimi_jax.serving.server")
 MAX_DEPTH = 64  # JSON nesting a request body may have (the deepest valid one, a tool schema, is far shallower)
@@ -211,19 +213,41 @@ class _Server:
             raise ProtocolError("the server is shutting down", status=503, type="service_unavailable")
         return p
 
-    def _submit(self, p: Params, prompt: list[int], stop_strings):
-        eng = self.engine
+    def _stop_ids(self, p: Params):
         if p.ignore_eos:
-            stop_ids = p.stop_token_ids
-        else:
-            stop_ids = (*eng.default_stop_ids(), *p.stop_token_ids) if p.stop_token_ids else None
+            return p.stop_token_ids
+        return (*self.engine.default_stop_ids(), *p.stop_token_ids) if p.stop_token_ids else None
+
+    def _grammar(self, p: Params):
+        """``p``'s constraint compiled for this model (cached by constraint), or None; a 400 naming the field when it
+        cannot be, before any slot is taken."""
+        if p.constraint is None:
+            return None
+        eng = self.engine
+        shapes = getattr(eng, "shapes", None)
+        if shapes is None or not shapes.structured:
+            raise ProtocolError(f"{p.constraint_param}: structured outputs are off on this server (kimi-jax serve "
+                                "--structured-outputs on)", param=p.constraint_param, code="unsupported_parameter")
+        if eng.tokenizer is None:
+            raise ProtocolError(f"{p.constraint_param}: structured outputs need a tokenizer; this model has none",
+                                param=p.constraint_param)
+        eos = [eng.tokenizer.special_id(chat.END_OF_MSG)] if p.chat else (self._stop_ids(p) or eng.default_stop_ids())
+        try:
+            return grammar.compile_grammar(eng.tokenizer, p.constraint, chat_reply=p.chat, thinking=p.thinking,
+                                           eos=eos, vocab_size=eng.cfg.vocab_size)
+        except ConstraintError as e:
+            raise ProtocolError(f"{p.constraint_param}: {e}", param=p.constraint_param) from None
+
+    def _submit(self, p: Params, prompt: list[int], stop_strings, constraint=None):
+        eng = self.engine
+        stop_ids = self._stop_ids(p)
         max_tokens = p.max_tokens
         if max_tokens is None:  # completions: OpenAI's 16; chat: what the cache (and the context) has left
             room = max_model_len(eng.cfg, eng.max_len) - len(prompt)
             max_tokens = max(1, room) if p.chat else 16
         return eng.submit(Request(prompt=list(prompt), max_tokens=max_tokens, temperature=p.temperature,
                                   top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=stop_ids,
-                                  stop_strings=tuple(stop_strings), logprobs=p.logprobs))
+                                  stop_strings=tuple(stop_strings), logprobs=p.logprobs, constraint=constraint))
 
     def _usage(self, h, n: int) -> dict:
         return protocol.usage(h.prompt_tokens, n, getattr(h, "cached_tokens", 0))
@@ -234,7 +258,7 @@ class _Server:
     async def completions(self, request: HTTPRequest) -> Response:
         p = await self._params(request, protocol.parse_completion)
         prompt = await asyncio.to_thread(protocol.encode_completion, self.engine.tokenizer, p)
-        h = self._submit(p, prompt, p.stop)
+        h = self._submit(p, prompt, p.stop, await asyncio.to_thread(self._grammar, p))
         return await self._respond(request, p, h, prompt, None)
 
     @_answers
@@ -242,7 +266,8 @@ class _Server:
         p = await self._params(request, protocol.parse_chat)
         tok = self.engine.tokenizer
         prompt = await asyncio.to_thread(protocol.encode_chat, tok, p)
-        h = self._submit(p, prompt, ())  # chat stop strings: matched on the channels' text (ChatStream)
+        constraint = await asyncio.to_thread(self._grammar, p)
+        h = self._submit(p, prompt, (), constraint)  # chat stop strings: matched on the channels' text (ChatStream)
         return await self._respond(request, p, h, prompt, protocol.ChatStream(tok, thinking=p.thinking, stops=p.stop))
 
     @_answers

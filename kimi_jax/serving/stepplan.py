@@ -56,6 +56,7 @@ class Shapes:
     compact_decode: bool = True
     batch_invariant: bool = False
     spec_k: int = 0  # speculative decoding: up to this many drafted tokens per slot and step (0: off)
+    structured: bool = False  # structured outputs: every compute program also in its masked form
 
     @property
     def pages_per_seq(self) -> int:
@@ -258,6 +259,32 @@ class Verify(Op):
 
 
 @dataclasses.dataclass(frozen=True)
+class Mask(Op):
+    """The allowed-token bitmasks (structured outputs) of the compute op that follows in the plan: for each of
+    ``rows`` of its rows (a position in a prefill's one row, a decode's rows, a verify's slots), ``k1`` masks (one per
+    position: 1, or a verify's ``k + 1``) of ``n_words`` int32 words; rows it does not name are unconstrained."""
+
+    code: ClassVar[int] = 16
+    tail: ClassVar[str] = "data"
+    rows: int
+    k1: int
+    n_words: int
+    data: tuple[int, ...]  # the row indices, then the masks [rows, k1, n_words] flattened
+
+    @classmethod
+    def make(cls, rows, masks) -> "Mask":
+        masks = np.asarray(masks, np.int32)  # [rows, k1, n_words]
+        return cls(len(rows), masks.shape[1], masks.shape[2], (*map(int, rows), *masks.reshape(-1).tolist()))
+
+    def full(self, n_rows: int) -> np.ndarray:
+        """The masks of all ``n_rows`` rows, ``[n_rows, k1, n_words]`` (unnamed rows: every id allowed)."""
+        data = np.asarray(self.data, np.int64)
+        out = np.full((n_rows, self.k1, self.n_words), -1, np.int32)
+        out[data[: self.rows]] = data[self.rows:].astype(np.int32).reshape(self.rows, self.k1, self.n_words)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop(Op):
     """The engine stopped: followers return."""
 
@@ -265,7 +292,7 @@ class Stop(Op):
 
 
 OPS = {cls.code: cls for cls in (Admit, SetPages, ClearRow, Snapshot, PutState, SpillState, DropState, CopyPage,
-                                 SpillPages, RestorePages, DropPages, Prefill, Decode, Verify, Stop)}
+                                 SpillPages, RestorePages, DropPages, Prefill, Decode, Verify, Stop, Mask)}
 COMPUTE = (Prefill, Decode, Verify)  # the ops that run the model (at most one per plan: its result is the plan's)
 
 

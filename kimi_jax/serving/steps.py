@@ -28,6 +28,7 @@ from flax import nnx, struct
 
 from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import sample
+from kimi_jax.generation.sampling import apply_bitmask
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import Cache, KDACache, for_verify
 
@@ -47,10 +48,12 @@ def request_keys(samp: SlotSampling, offset=0):
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(samp.seed, samp.count + offset)
 
 
-def choose(logits_BV, samp: SlotSampling):
+def choose(logits_BV, samp: SlotSampling, mask_BW=None):
     """(token [B] int32, its log-probability under the model's distribution [B] float32), keyed by
-    :func:`request_keys`."""
-    tok = sample(logits_BV, request_keys(samp), samp.temperature, samp.top_k, samp.top_p)
+    :func:`request_keys`. ``mask`` (int32 ``[B, ceil(V / 32)]``, or None): the ids each row may draw (structured
+    outputs, :func:`kimi_jax.generation.sampling.apply_bitmask`); the log-probability stays the model's."""
+    drawn = logits_BV if mask_BW is None else apply_bitmask(logits_BV, mask_BW)
+    tok = sample(drawn, request_keys(samp), samp.temperature, samp.top_k, samp.top_p)
     logp = jax.nn.log_softmax(logits_BV, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
@@ -66,38 +69,40 @@ def _rebuild(cache: Cache, fn) -> Cache:
     return Cache(layers, cache.lengths, tuple(fn(e, 1) for e in cache.stack))
 
 
-def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, *,
-                  fresh: bool, record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
+def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, mask_BW=None,
+                  *, fresh: bool, record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
     """One chunk of slot ``slot``'s prompt: ``ids [1, T]`` with ``n_valid`` tokens, at positions from the slot's
-    cache length (0 when ``fresh``). Returns (cache, token [1], logprob [1], logits [1, V] or None)."""
+    cache length (0 when ``fresh``); ``mask [1, W]``: the ids the token may be (:func:`choose`). Returns (cache,
+    token [1], logprob [1], logits [1, V] or None)."""
     model = nnx.merge(graphdef, params)
     rows = jnp.reshape(slot, (1,))  # the slot's KDA entries as a batch of one row
     view = _rows_view(cache, rows)
     res = model(ids_BT, cache=view, lengths=n_valid[None], prefix=not fresh, last_only=True, page_table=page_row)
     cache = constrain(_rows_merge(cache, res.cache, rows))
     logits = res.logits[:, 0]
-    tok, logp = choose(logits, samp)
+    tok, logp = choose(logits, samp, mask_BW)
     return cache, *replicate((tok, logp, logits if record else None))
 
 
-def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, rows_B=None, *,
-                record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
+def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, rows_B=None,
+                mask_BW=None, *, record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
     """One decode step. ``rows`` None: over every slot (``B`` = slots). ``rows [B]``: over those slots only (indices
     past the last slot pad the bucket; they are inactive), their KDA entries gathered and written back, so a few
     active slots do not pay for all (the MoE of an idle slot's row still routes and reads experts). Every other
-    operand is per row. Returns (cache, token [B], logprob [B], logits [B, V] or None)."""
+    operand is per row (``mask [B, W]``: the ids each row may draw, :func:`choose`). Returns (cache, token [B],
+    logprob [B], logits [B, V] or None)."""
     model = nnx.merge(graphdef, params)
     view = cache if rows_B is None else _rows_view(cache, rows_B)
     res = model(tokens_B[:, None], cache=view, lengths=active_B.astype(jnp.int32), prefix=True, last_only=True,
                 page_table=page_table)
     new = res.cache if rows_B is None else _rows_merge(cache, res.cache, rows_B)
     logits = res.logits[:, 0]
-    tok, logp = choose(logits, samp)
+    tok, logp = choose(logits, samp, mask_BW)
     return constrain(new), *replicate((tok, logp, logits if record else None))
 
 
-def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling, *,
-                constrain=lambda c: c, replicate=lambda x: x):
+def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling,
+                mask_BKW=None, *, constrain=lambda c: c, replicate=lambda x: x):
     """One speculative step over every slot: ``tokens [B, k + 1]`` is each slot's last token then up to ``k`` drafted
     ones (``dlen [B]`` of them real), checked by one forward over the ``k + 1`` positions, written through the page
     table (the scheduler allocates pages for all of them), with the KDA layers in verify mode; the accepted drafts
@@ -105,14 +110,17 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     sampling, keyed by :func:`request_keys` as :func:`choose` is) and the cache committed over exactly
     those positions (:func:`kimi_jax.model.attention.commit_verified`). Inactive slots feed nothing and keep
     everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B],
-    the tokens' log-probabilities [B, k + 1]) -- stop ids and budgets are the scheduler's to apply."""
+    the tokens' log-probabilities [B, k + 1]) -- stop ids and budgets are the scheduler's to apply. ``mask [B, k + 1,
+    W]``: the ids each position may be (structured outputs): the target distribution is the masked one, so a draft
+    the constraint refuses is rejected and the kept tokens obey it."""
     model = nnx.merge(graphdef, params)
     K1 = tokens_BK.shape[1]
     res = model(tokens_BK, cache=for_verify(cache, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
                 page_table=page_table)
     keys = lambda: jax.vmap(lambda i: request_keys(samp, i), out_axes=1)(jnp.arange(K1))  # noqa: E731
     logits = res.logits.astype(jnp.float32)
-    t, a = speculative.accept(logits, tokens_BK[:, 1:], dlen_B, samp.temperature, samp.top_k, samp.top_p, keys)
+    target = logits if mask_BKW is None else apply_bitmask(logits, mask_BKW)
+    t, a = speculative.accept(target, tokens_BK[:, 1:], dlen_B, samp.temperature, samp.top_k, samp.top_p, keys)
     kept = jnp.where(active_B, a + 1, 0)
     new = commit_verified(res.cache, cache.lengths, kept, model.run)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)

@@ -10,6 +10,7 @@ import numpy as np
 from kimi_jax.generation.generate import check_sampling, default_stop_ids
 from kimi_jax.serving.events import Request
 from kimi_jax.serving.stepplan import Shapes
+from kimi_jax.text.grammar import Grammar, words
 
 
 class EngineError(ValueError):
@@ -22,7 +23,7 @@ class EngineStopped(EngineError):
 
 def shapes(*, slots: int, max_len: int, page_size: int, pages: int | None, prefill_chunk: int, min_chunk: int,
            snapshot_every: int | None, compact_decode: bool, batch_invariant: bool = False,
-           spec_k: int = 0) -> Shapes:
+           spec_k: int = 0, structured: bool = False) -> Shapes:
     """The engine's static shapes from its options (default pool: every slot at ``max_len``, plus half again for the
     prefix cache)."""
     for name, v in (("slots", slots), ("max_len", max_len), ("page_size", page_size),
@@ -41,7 +42,7 @@ def shapes(*, slots: int, max_len: int, page_size: int, pages: int | None, prefi
     return Shapes(slots=int(slots), max_len=int(max_len), page_size=int(page_size),
                   n_pages=int(pages) if pages else int(slots) * pages_per_seq * 3 // 2, chunk=int(prefill_chunk),
                   min_chunk=int(min_chunk), snapshot_every=snapshot_every, compact_decode=bool(compact_decode),
-                  batch_invariant=bool(batch_invariant), spec_k=int(spec_k))
+                  batch_invariant=bool(batch_invariant), spec_k=int(spec_k), structured=bool(structured))
 
 
 def max_model_len(cfg, max_len: int) -> int:
@@ -86,6 +87,7 @@ def check_request(request: Request, cfg, shapes: Shapes, tokenizer) -> Request:
     bad = [s for s in stop if not 0 <= s < V]
     if bad:
         raise EngineError(f"stop ids {bad} outside the vocabulary 0..{V - 1}")
+    _check_constraint(request, cfg, shapes)
     strings = tuple(str(s) for s in request.stop_strings if s)
     if strings and tokenizer is None:
         raise EngineError("stop strings need a tokenizer; this model has none (use stop ids)")
@@ -94,3 +96,18 @@ def check_request(request: Request, cfg, shapes: Shapes, tokenizer) -> Request:
                                # as float32 holds them: what every process's executor samples with
                                temperature=float(np.float32(request.temperature)),
                                top_p=float(np.float32(request.top_p)))
+
+
+def _check_constraint(request: Request, cfg, shapes: Shapes) -> None:
+    c = request.constraint
+    if c is None:
+        return
+    if not shapes.structured:
+        raise EngineError("this engine runs without structured outputs: start it with structured=True (kimi-jax "
+                          "serve: on by default) to constrain a request")
+    if not isinstance(c, Grammar):
+        raise EngineError(f"constraint: expected a compiled grammar (kimi_jax.text.grammar.compile_grammar), got "
+                          f"{type(c).__name__}")
+    if c.vocab_words != words(cfg.vocab_size):
+        raise EngineError(f"constraint: compiled for a vocabulary of {c.vocab_words * 32} ids, the model has "
+                          f"{cfg.vocab_size}")
