@@ -16,11 +16,29 @@ loading), ``generation``, ``serving`` and ``training``, ``deploy`` (plans, devic
 import importlib.metadata
 
 from kimi_jax.checkpoint.loading import from_pretrained  # noqa: F401
-from kimi_jax.generation.generate import Generation, Generator, generate  # noqa: F401
+from kimi_jax.generation import generate as _generation
+from kimi_jax.generation.generate import Generation, Generator  # noqa: F401
 from kimi_jax.model.config import ConfigError, ModelConfig, preset  # noqa: F401
 from kimi_jax.model.decoder import KimiModel, ModelOutput, abstract_model, param_count  # noqa: F401
 from kimi_jax.model.quantize import quantize  # noqa: F401
 from kimi_jax.model.run import RunConfig  # noqa: F401
+from kimi_jax.serving import offline as _offline
+
+
+
+def generate(model, prompts, max_new_tokens=32, *, constraint=None, **kw) -> Generation:
+    """Generate from a model: :func:`kimi_jax.generation.generate.generate` (its arguments in ``kw``). With a
+    ``constraint`` (structured outputs: a :class:`kimi_jax.text.grammar.Constraint`, or ``{"json": schema}``,
+    ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": lark}``, ``{"json_object": True}``), every output (the
+    answer of a chat prompt) matches it: :func:`kimi_jax.serving.offline.generate` (temperature, top_k, top_p, stop,
+    seed, tokenizer and max_len apply; not streaming, recorded logits or speculative decoding)."""
+    if constraint is None:
+        return _generation.generate(model, prompts, max_new_tokens, **kw)
+    unsupported = sorted(set(kw) - {"tokenizer", "temperature", "top_k", "top_p", "stop", "seed", "max_len"})
+    if unsupported:
+        raise _generation.GenerationError(f"constraint: not with {unsupported} yet")
+    return _offline.generate(model, prompts, max_new_tokens, constraint=constraint, **kw)
+
 
 try:  # the installed distribution's version: pyproject.toml's, the one source
     __version__ = importlib.metadata.version("kimi-jax")

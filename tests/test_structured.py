@@ -292,3 +292,46 @@ def test_a_constraint_cut_by_max_tokens_ends_by_length(served):
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["nested_order"]}},
         extra_body={"chat_template_kwargs": {"thinking": False}})
     assert r.choices[0].finish_reason == "length"
+
+
+def test_speculative_decoding_under_a_constraint(served):
+    """Greedy constrained replies with n-gram drafting equal those without: drafts the constraint refuses are cut
+    before the verify step (the demo model repeats digits, so drafts are made, accepted, and cut where the schema's
+    bound ends the number)."""
+    tok = served.tok
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99999999},
+              "m": {"type": "integer", "minimum": 0, "maximum": 99999999}}, "required": ["n", "m"],
+              "additionalProperties": False}
+    g = G.compile_grammar(tok, G.Constraint("json", schema), chat_reply=True, thinking=False, eos=[_end(tok)],
+                          vocab_size=served.model.cfg.vocab_size)
+    prompts = [chat.encode(tok, [{"role": "user", "content": q}], thinking=False)
+               for q in ("Two numbers as JSON.", "What is 7777 times 7777?")]
+    plain = [served.engine.submit(Request(prompt=p, max_tokens=80, constraint=g)) for p in prompts]
+    plain = [h.result(120) for h in plain]
+    spec = Engine(served.model, tok, structured=True, speculative="ngram:k=4", **ENGINE)
+    got = spec.generate(prompts, max_tokens=80, constraint=g)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    for c in got:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(chat.parse_reply(tok, c.tokens, thinking=False).content), schema)
+    st = spec.stats()
+    assert st["spec_drafted"] > 0 and st["spec_accepted"] > 0, st
+
+
+def test_generate_with_a_constraint(demo_dir, tok):
+    """``kimi_jax.generate(..., constraint=)``: a completion prompt is constrained from its first token, a chat prompt
+    in its answer; wrong constraints are named before anything runs."""
+    model = kimi_jax.from_pretrained(demo_dir, dtype="float32", progress=False)
+    prompts = ["The colour is", chat.encode(tok, ASK, thinking=False)]
+    out = kimi_jax.generate(model, prompts, 120, constraint={"json": SCHEMAS["flags"]}, tokenizer=tok,
+                            temperature=1.0, seed=4)
+    jsonschema.validate(json.loads(out.text[0]), SCHEMAS["flags"])
+    answer = chat.parse_reply(tok, out.tokens[1], thinking=False)
+    assert answer.finished and out.finish_reason == ["stop", "stop"]
+    jsonschema.validate(json.loads(answer.content), SCHEMAS["flags"])
+    with pytest.raises(ValueError, match="unclosed group"):
+        kimi_jax.generate(model, "x", 4, constraint={"regex": "(a"}, tokenizer=tok)
+    with pytest.raises(ValueError, match="constraint: give"):
+        kimi_jax.generate(model, "x", 4, constraint={"xml": "a"}, tokenizer=tok)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        kimi_jax.generate(model, [1, 2], 4, constraint={"regex": "a"})

@@ -670,6 +670,16 @@ def _auto_max_len(longest_prompt: int, max_new: int) -> int:
     return size
 
 
+def tokenizer_of(tokenizer: Tokenizer | str | None) -> Tokenizer | None:
+    """A tokenizer object as given, or the one in a model directory (``"demo"``: the shipped demo model's), loaded
+    once per path."""
+    if isinstance(tokenizer, str):
+        if tokenizer not in _TOKENIZERS:
+            _TOKENIZERS[tokenizer] = load_tokenizer(model_dir(tokenizer))
+        tokenizer = _TOKENIZERS[tokenizer]
+    return tokenizer
+
+
 def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
              stop: Sequence[int] | None = None, seed: int = 0, tokenizer: Tokenizer | str | None = None,
              stream=None, stream_every: int = 8, max_len: int | None = None, record_logits: bool = False,
@@ -685,10 +695,7 @@ def generate(model, prompts, max_new_tokens: int | Sequence[int] = 32, *, temper
     the bytes per device a request may use (:class:`Generator`). The generator (and its compiled functions and
     caches) is kept per model, so repeated calls do not recompile.
     """
-    if isinstance(tokenizer, str):
-        if tokenizer not in _TOKENIZERS:
-            _TOKENIZERS[tokenizer] = load_tokenizer(model_dir(tokenizer))  # "demo": the shipped demo model's
-        tokenizer = _TOKENIZERS[tokenizer]
+    tokenizer = tokenizer_of(tokenizer)
     if max_len is None:
         longest = max(len(p) for p in encode_prompts(prompts, tokenizer, model.cfg.vocab_size))
         max_len = _auto_max_len(longest, int(np.max(max_new_tokens)))

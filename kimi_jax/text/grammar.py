@@ -322,30 +322,24 @@ class Guide:
 
     def fill_drafts(self, drafts: Sequence[int], rows: np.ndarray) -> int:
         """Masks for a verify step: ``rows[j]`` for the position after ``drafts[:j]`` (``rows`` int32
-        ``[len(drafts) + 1, vocab_words]``; a free position, or one past the grammar's end, all ones), the state left
-        as it was. Returns how many drafts the grammar allows in a row (the caller drops the rest: they would be
-        rejected anyway)."""
-        free, consumed, n = self.free, 0, 0
-        try:
-            for j in range(len(drafts) + 1):
-                done = self.free or self.matcher.is_stopped()
-                if done:
-                    rows[j] = -1
-                else:
-                    self.fill(rows[j])
-                if j == len(drafts):
-                    break
-                t = int(drafts[j])
-                if self.free:
-                    self.free = t != self.grammar.free_until
-                elif not done:
-                    if not (int(rows[j][t >> 5]) >> (t & 31)) & 1:
-                        break  # consuming a refused token would leave the matcher failed for good
-                    self.matcher.consume_token(t)
-                    consumed += 1
-                n += 1
-            return n
-        finally:
-            if consumed:
-                self.matcher.rollback(consumed)
-            self.free = free
+        ``[len(drafts) + 1, vocab_words]``; a free position, or one past the grammar's end, all ones), computed on a
+        copy (this guide is left as it was: llguidance's rollback does not undo a token that ended the grammar).
+        Returns how many drafts the grammar allows in a row (the caller drops the rest: they would be rejected
+        anyway)."""
+        probe = Guide.__new__(Guide)
+        probe.__dict__.update(self.__dict__, matcher=self.matcher.deep_copy())
+        n = 0
+        for j in range(len(drafts) + 1):
+            done = probe.free or probe.matcher.is_stopped()
+            if done:
+                rows[j] = -1
+            else:
+                probe.fill(rows[j])
+            if j == len(drafts):
+                break
+            t = int(drafts[j])
+            if not done and not (int(rows[j][t >> 5]) >> (t & 31)) & 1:
+                break  # consuming a refused token would leave the matcher failed
+            probe.advance(t)
+            n += 1
+        return n
