@@ -62,8 +62,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                         "forward (greedy replies unchanged; default: off)")
     p.add_argument("--structured-outputs", choices=["auto", "on", "off"], default="auto",
                    help="constrained decoding (response_format, a forced tool_choice, structured_outputs): every "
-                        "compiled step also in its masked form, which roughly doubles the start-up compile; auto: on "
-                        "when the model has a tokenizer")
+                        "compiled step takes a token bitmask per row; auto (default): on when the model has a "
+                        "tokenizer")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each request's output independent of the others in flight (one decode program over every "
                         "slot and the whole page table; prefix hits on chunk boundaries only): greedy replies are the "

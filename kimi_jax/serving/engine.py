@@ -85,8 +85,9 @@ class Engine:
     some slot drafted is one verify forward over every slot (:func:`kimi_jax.serving.steps.verify_step`); greedy
     replies are the plain engine's, sampled ones have its distribution (rejection sampling).
     ``structured``: requests may carry a constraint (:attr:`Request.constraint`): each step's allowed-token bitmasks
-    are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling; every compute
-    program is compiled a second time in its masked form, which only steps with a constrained row run.
+    are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling: every compute
+    program takes one bitmask per row (a row without a constraint allows every id, which leaves its logits as they
+    are, bit for bit), so the programs are as many as without and none compiles under load.
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,

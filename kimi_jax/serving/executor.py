@@ -199,14 +199,18 @@ class Executor:
     def _mask(self, op: Mask):
         self.mask = op
 
-    def _take_mask(self, n_rows: int, positions: bool = False):
-        """The pending bitmasks for ``n_rows`` rows (``[n_rows, W]``, or ``[n_rows, k1, W]`` with ``positions``), or
-        None when the plan has none: the unmasked program runs."""
+    def _take_mask(self, n_rows: int, k1: int = 0):
+        """The pending bitmasks for ``n_rows`` rows (``[n_rows, W]``, or ``[n_rows, k1, W]`` for a verify step).
+        Without structured outputs, None (the programs take no mask); with them every step is masked, a step without a
+        constrained row by masks allowing every id (which leave the logits as they are, bit for bit)."""
         op, self.mask = self.mask, None
-        if op is None:
+        if not self.shapes.structured:
+            if op is not None:
+                raise ValueError("a Mask op for an engine without structured outputs")
             return None
-        full = op.full(n_rows)
-        return full if positions else full[:, 0]
+        shape = (n_rows, max(k1, 1), (self.cfg.vocab_size + 31) // 32)
+        full = np.full(shape, -1, np.int32) if op is None else op.full(n_rows)
+        return full if k1 else full[:, 0]
 
     def _prefill(self, op: Prefill):
         ids = np.zeros((1, op.bucket), np.int32)
@@ -233,7 +237,7 @@ class Executor:
         table[live] = self.table[live, : op.width]
         samp = self._sampling([k if ok else None for k, ok in enumerate(live)], counts)
         self.cache, tok, kept, accepted, logp = self.programs.verify_step(
-            self.params, self.cache, table, tokens, dlen, live, samp, self._take_mask(len(live), positions=True))
+            self.params, self.cache, table, tokens, dlen, live, samp, self._take_mask(len(live), tokens.shape[1]))
         return tok, kept, accepted, logp
 
     def _stop(self, op: Stop):
@@ -264,29 +268,28 @@ class Executor:
         samp = self._sampling([None], [0])
         out = []
         n_words = (self.cfg.vocab_size + 31) // 32
-        masks = (None, True) if sh.structured else (None,)  # structured outputs: each program masked too
 
-        def mask(*lead):
-            return np.full((*lead, n_words), -1, np.int32)
+        def mask(*lead):  # structured outputs: every program takes a mask
+            return np.full((*lead, n_words), -1, np.int32) if sh.structured else None
 
-        def prefill(T, width, fresh, masked):
+        def prefill(T, width, fresh):
             self.cache, *_ = self.programs.prefill_chunk(
                 self.params, self.cache, self.table[:1, :width], np.int32(0), np.zeros((1, T), np.int32),
-                np.int32(0), samp, mask(1) if masked else None, fresh=fresh, record=self.record)
+                np.int32(0), samp, mask(1), fresh=fresh, record=self.record)
 
-        def decode(b, width, masked):
+        def decode(b, width):
             rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
             self.cache, *_ = self.programs.decode_step(
                 self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
-                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b) if masked else None,
+                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b),
                 record=self.record)
 
-        def verify(width, masked):
+        def verify(width):
             k1 = sh.spec_k + 1
             self.cache, *_ = self.programs.verify_step(
                 self.params, self.cache, np.zeros((sh.slots, width), np.int32), np.zeros((sh.slots, k1), np.int32),
                 np.zeros((sh.slots,), np.int32), np.zeros((sh.slots,), bool),
-                self._sampling([None] * sh.slots, [0] * sh.slots), mask(sh.slots, k1) if masked else None)
+                self._sampling([None] * sh.slots, [0] * sh.slots), mask(sh.slots, k1))
 
         def snapshots():
             state = self.programs.take_state(self.cache, np.int32(0))
@@ -298,18 +301,15 @@ class Executor:
             page = to_device(to_host(self.programs.take_page(self.cache, np.int32(0))))
             self.cache = self.programs.put_page(self.cache, np.int32(0), page)
 
-        for m in masks:
-            what = ", masked" if m else ""
-            for T in sh.buckets:
-                for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):
-                    out.append((f"prefill of {T} tokens ({'fresh' if fresh else 'continued'}{what})",
-                                lambda T=T, width=width, fresh=fresh, m=m: prefill(T, width, fresh, m)))
-            for b in sh.row_buckets:
-                for width in sh.widths:
-                    out.append((f"decode step of {b} rows x {width} pages{what}",
-                                lambda b=b, width=width, m=m: decode(b, width, m)))
-            if sh.spec_k:
-                for width in sh.widths:
-                    out.append((f"speculative verify step of {sh.spec_k} drafts x {width} pages{what}",
-                                lambda width=width, m=m: verify(width, m)))
+        for T in sh.buckets:
+            for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):
+                out.append((f"prefill of {T} tokens ({'fresh' if fresh else 'continued'})",
+                            lambda T=T, width=width, fresh=fresh: prefill(T, width, fresh)))
+        for b in sh.row_buckets:
+            for width in sh.widths:
+                out.append((f"decode step of {b} rows x {width} pages", lambda b=b, width=width: decode(b, width)))
+        if sh.spec_k:
+            for width in sh.widths:
+                out.append((f"speculative verify step of {sh.spec_k} drafts x {width} pages",
+                            lambda width=width: verify(width)))
         return out + [("prefix snapshots", snapshots), ("page copies", pages)]
