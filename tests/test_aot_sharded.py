@@ -29,6 +29,7 @@ from flax import nnx
 from kimi_jax.checkpoint import synthetic
 from kimi_jax.model import config
 from kimi_jax.model.cache import MLACache, cache_shapes
+from kimi_jax.model.run import TPU_SCAN_OPTIONS, RunConfig
 from kimi_jax.deploy import aot
 from kimi_jax.deploy import compile as compile_lib
 from kimi_jax.parallel import sharding
@@ -116,6 +117,49 @@ def test_scanned_model_compiles_with_pallas_kernels(case):
     body = range(p.start, p.start + p.period)
     assert text.count(t.marker) == expected_kernels(cfg, p.unrolled()) + expected_kernels(cfg, body)
     assert " while(" in text
+
+
+def _carried(text: str) -> str:
+    """The types of the largest while loop's carried tuple (the scanned layers' loop) in a compiled program."""
+    loops = [line for line in text.splitlines() if " while(" in line]
+    return max(loops, key=len).split(" = ", 1)[1].split(" while(")[0]
+
+
+def test_scanned_tpu_programs_keep_the_weights_tiling():
+    """XLA:TPU on TPU7x carries a scanned model's stacked bfloat16 weights through the layer loop in the T(16,128)
+    tiling and copies every whole stack into it before the loop (full K3 serving decode: 14.4 GB per device), unless
+    the program is compiled with the model's options (RunConfig.compiler_options, which the serving programs and
+    kimi_jax.deploy.compile use): then the loop carries the T(8,128) tiling the parameters arrive in."""
+    cfg = config.from_dict(MODELS["k3"]())
+    m = aot.target_mesh(aot.parse_target("tpu:tpu7x:1x1x1"), 1, 1, 2)
+    graphdef, (state,), ids, cache, _ = compile_lib.step_inputs(cfg, m, batch=BATCH, tokens=1, context=CACHE,
+                                                                scan_layers=True)
+
+    def run(state, ids, cache):
+        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=True)
+        return out.logits, out.cache
+
+    def carried(options):
+        with jax.sharding.use_abstract_mesh(m.abstract_mesh), jax.set_mesh(m):
+            return _carried(jax.jit(run, donate_argnums=(2,), compiler_options=options).lower(state, ids, cache)
+                            .compile().as_text())
+
+    options = nnx.merge(graphdef, state).run.compiler_options()
+    assert options == TPU_SCAN_OPTIONS
+    assert "T(16,128)" in carried(None)  # the compiler's own choice: the copy this test guards against
+    loop = carried(options)
+    assert "bf16[" in loop and "T(16,128)" not in loop and "T(8,128)(2,1)" in loop
+
+
+def test_compiler_options_only_for_scanned_tpu_models():
+    m = aot.target_mesh(aot.parse_target("tpu:tpu7x:1x1x1"), 1, 1, 2)
+    tpu = sharding.Parallel(m, sharding.layout("tp_ep"))
+    assert RunConfig(scan_layers=True, parallel=tpu).compiler_options() == TPU_SCAN_OPTIONS
+    assert RunConfig(parallel=tpu).compiler_options() is None
+    assert RunConfig(scan_layers=True).compiler_options() is None  # this process's backend: XLA:CPU
+    gpu = aot.target_mesh(aot.parse_target("gpu:h100:1x1x4"), 1, 1, 4)
+    assert RunConfig(scan_layers=True, parallel=sharding.Parallel(gpu, sharding.layout("tp_ep"))).compiler_options() \
+        is None
 
 
 def test_generator_programs_compile_for_tpu():

@@ -117,8 +117,8 @@ def compile_step(cfg, mesh, layout="tp_ep", *, batch: int, context: int, tokens:
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
         # keep_unused: a deployed model holds every weight (layer 0's AttnRes mix, which has no block to mix, too)
-        compiled = jax.jit(step, donate_argnums=(2,), out_shardings=out_shardings,
-                           keep_unused=True).lower(states, ids, cache).compile()
+        compiled = jax.jit(step, donate_argnums=(2,), out_shardings=out_shardings, keep_unused=True,
+                           compiler_options=_compiler_options(graphdef, states)).lower(states, ids, cache).compile()
     return _report(compiled, time.perf_counter() - t0, bool(check_offload(offload)))
 
 
@@ -143,7 +143,8 @@ def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, 
                     arg((), jnp.uint32))
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        compiled = speculative.decode.lower(graphdef, *states, state, samp, arg((), i32), drafter=drafter).compile()
+        compiled = speculative.decode.lower(graphdef, *states, state, samp, arg((), i32), drafter=drafter).compile(
+            _compiler_options(graphdef, states))
     return _report(compiled, time.perf_counter() - t0, False)
 
 
@@ -170,7 +171,7 @@ def compile_serve(cfg, mesh, layout="tp_ep", *, shapes, dtype="bfloat16", implem
     cshard = sharding.paged_cache_shardings(cfg, cshapes, mesh, lay)
     cache = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), cshapes, cshard)
     whole = NamedSharding(mesh, PartitionSpec())
-    progs = serving_steps.programs(graphdef, cshard, whole)
+    progs = serving_steps.programs(graphdef, cshard, whole, compiler_options=run.compiler_options())
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
     samp = lambda b: serving_steps.SlotSampling(arg((b,), jnp.float32), arg((b,), jnp.int32),  # noqa: E731
                                                arg((b,), jnp.float32), arg((b,), jnp.uint32), arg((b,), jnp.int32))
@@ -187,6 +188,12 @@ def compile_serve(cfg, mesh, layout="tp_ep", *, shapes, dtype="bfloat16", implem
                                             record=False).compile()
         out["prefill"] = _report(prefill, time.perf_counter() - t0, False)
     return out
+
+
+def _compiler_options(graphdef, states) -> dict | None:
+    """The model's compiler options (:meth:`kimi_jax.model.run.RunConfig.compiler_options`; under the mesh that the
+    program is compiled for)."""
+    return nnx.merge(graphdef, *states).run.compiler_options()
 
 
 def _abstract_hot_experts(model, cfg, per_layer, kinds, parallel, scan_layers, one):

@@ -8,6 +8,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._dispatch import target_platform
+
 OFFLOAD_KINDS = ("kda_state", "cache", "experts")  # what RunConfig.offload may name (kimi_jax.model.offload)
 
 
@@ -21,6 +23,15 @@ def check_offload(kinds) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"offload: unknown {unknown}; choose from {list(OFFLOAD_KINDS)}")
     return tuple(k for k in OFFLOAD_KINDS if k in kinds)
+
+
+# XLA:TPU (libtpu 0.0.51) on TPU7x gives every stacked bfloat16 weight that a scanned model carries through its layer
+# loop the T(16,128) tiling, and copies each whole stack into it before the loop from the T(8,128) tiling the
+# parameters arrive in (and the dots read unrolled): a second copy of the scanned weights, 14.4 GB per device on
+# full K3 (tpu7x 4x4x2, expert=8 x model=8). With this flag off the loop keeps the arriving tiling and the
+# dots read each layer's slice where it lies: the same program but for layouts (full K3 serving decode step:
+# temporaries 16.92 -> 2.50 GB, bytes accessed 124.5 -> 23.6 GB per device; docs/scale.md).
+TPU_SCAN_OPTIONS = {"xla_tpu_control_large_2nd_minor_layout_for_x16": "false"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +79,15 @@ class RunConfig:
     def placement(self):
         """The kernel ops' placement on the mesh (:class:`kernels_pallas._dispatch.Placement`), or None."""
         return None if self.parallel is None else self.parallel.placement
+
+    def compiler_options(self) -> dict[str, str] | None:
+        """Options for the XLA compiler of a program that runs this model (``jax.jit(..., compiler_options=...)``),
+        or None. Scanned layers on TPU: :data:`TPU_SCAN_OPTIONS`. The platform is the mesh's (``parallel``), else
+        the abstract mesh's being traced under, else JAX's default backend; the options name XLA:TPU flags, which
+        other compilers refuse."""
+        if self.scan_layers and target_platform(self.placement) == "tpu":
+            return dict(TPU_SCAN_OPTIONS)
+        return None
 
     @property
     def precision(self):

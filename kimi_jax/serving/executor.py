@@ -88,7 +88,8 @@ class Executor:
         self.check_fits()
         replicated = None if parallel is None else jax.sharding.NamedSharding(parallel.mesh,
                                                                              jax.sharding.PartitionSpec())
-        self.programs = steps.programs(self.graphdef, self.shardings, replicated)
+        self.programs = steps.programs(self.graphdef, self.shardings, replicated,
+                                       compiler_options=model.run.compiler_options())
         kda = [e for e, _ in steps._entries(self.cache_shapes) if isinstance(e, KDACache)]
         attn = [e for e, _ in steps._entries(self.cache_shapes) if not isinstance(e, KDACache)]
         # one slot's KDA state and conv tails, one page of every attention pool: the prefix cache's units

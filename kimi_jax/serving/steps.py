@@ -229,13 +229,16 @@ def backend_compiles() -> int:
 _PROGRAMS: dict = {}
 
 
-def programs(graphdef, cache_sharding=None, replicated=None) -> Programs:
+def programs(graphdef, cache_sharding=None, replicated=None, compiler_options=None) -> Programs:
     """:class:`Programs` for ``graphdef``; ``cache_sharding`` (a :class:`Cache` of shardings, or None on one device)
     is the sharding every written cache is constrained to. ``replicated`` (a sharding over every device of the mesh,
     or None): what the sampled tokens, log-probabilities and logits are constrained to, so that every process holds
     them whole (process 0 reads them; on a multi-process mesh a token computed on another process's devices could
-    not be read otherwise)."""
-    key = (graphdef, None if cache_sharding is None else tuple(jax.tree.leaves(cache_sharding)), replicated)
+    not be read otherwise). ``compiler_options``: the model's (:meth:`kimi_jax.model.run.RunConfig.compiler_options`),
+    for the programs that run it."""
+    opts = dict(compiler_options or {})
+    key = (graphdef, None if cache_sharding is None else tuple(jax.tree.leaves(cache_sharding)), replicated,
+           tuple(sorted(opts.items())))
     if key not in _PROGRAMS:
         kw, out = {}, {}
         if cache_sharding is not None:
@@ -243,14 +246,15 @@ def programs(graphdef, cache_sharding=None, replicated=None) -> Programs:
         if replicated is not None:
             out["replicate"] = lambda xs: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), xs)
         cached = dict(donate_argnames=("cache",))
+        model = dict(cached, compiler_options=opts or None)  # the programs that run the model
         _PROGRAMS[key] = Programs(
             jax.jit(functools.partial(prefill_chunk, graphdef, **kw, **out), static_argnames=("fresh", "record"),
-                    **cached),
-            jax.jit(functools.partial(decode_step, graphdef, **kw, **out), static_argnames=("record",), **cached),
+                    **model),
+            jax.jit(functools.partial(decode_step, graphdef, **kw, **out), static_argnames=("record",), **model),
             jax.jit(take_state),
             jax.jit(functools.partial(put_state, **kw), **cached),
             jax.jit(functools.partial(copy_page, **kw), **cached),
             jax.jit(take_page),
             jax.jit(functools.partial(put_page, **kw), **cached),
-            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), **cached))
+            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), **model))
     return _PROGRAMS[key]
