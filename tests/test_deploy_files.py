@@ -25,7 +25,7 @@ TARGETS = {"tpu-v5p.sh": (64, 95e9), "tpu7x.sh": (64, 96e9), "slurm-h200x16.sbat
            "k8s-lws-h200x16.yaml": (16, 141e9)}
 # scanned where the compiler's peak for the scanned serving programs is within 10% of the plan (deploy/README.md):
 # v5p and H200; TPU7x re-tiles every stacked weight per step when scanned, so it runs unrolled
-SCANNED = {"tpu-v5p.sh": True, "tpu7x.sh": False, "slurm-h200x16.sbatch": True, "k8s-lws-h200x16.yaml": True}
+SCANNED = {"tpu-v5p.sh": True, "tpu7x.sh": True, "slurm-h200x16.sbatch": True, "k8s-lws-h200x16.yaml": True}
 ENV = {"MODEL": "/models/k3", "SLOTS": None, "MAX_LEN": None, "PORT": None, "LWS_LEADER_ADDRESS": "leader",
        "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}
 
