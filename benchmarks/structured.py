@@ -10,7 +10,7 @@ weights are random, so its choices inside the constraint mean nothing; what is m
 host's mask per constrained row and step (llguidance), its trip to the device, and the masked sampling.
 
 Each measurement (plain and constrained alternate, ``--repeats`` times; medians): ``B`` requests of the same 64-token prompt (random ids), ``--new`` new tokens each, sampled at
-temperature 1 with seeds 0..B-1, through an engine with structured outputs on (warm: every program compiled
+``--temperature`` (1; 0: greedy) with seeds 0..B-1, through an engine with structured outputs on (warm: every program compiled
 first); decode tokens/s = tokens after the first / (last finish - first first token). The constraint: an array of
 at least 40 ``{"id": integer, "name": string <= 8, "tags": [enum...]}`` objects, long enough that no reply ends
 before ``--new`` tokens. Also reported: the host's mask time per token (``Guide.fill``) replayed over a constrained
@@ -62,11 +62,12 @@ def build_tokenizer(path: str, vocab: int) -> str:
     return path
 
 
-def measure(engine, prompt, B: int, new: int, constraint) -> float:
+def measure(engine, prompt, B: int, new: int, constraint, temperature: float) -> float:
     """Decode tokens/s of ``B`` requests at once."""
     from kimi_jax.serving.engine import Request
 
-    handles = [engine.submit(Request(prompt=prompt, max_tokens=new, temperature=1.0, seed=i, constraint=constraint))
+    handles = [engine.submit(Request(prompt=prompt, max_tokens=new, temperature=temperature, seed=i,
+                                     constraint=constraint))
                for i in range(B)]
     while not all(h.finished for h in handles):
         engine.step()
@@ -95,8 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "structured.json"))
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy (no sort in the sampler)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/structured[_greedy].json")
     args = ap.parse_args(argv)
+    args.out = args.out or os.path.join(HERE, "results", f"structured{'' if args.temperature > 0 else '_greedy'}.json")
 
     import jax
 
@@ -111,10 +114,11 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; jax {jax.__version__}; "
-          f"commit {commit}; {args.dtype}; {args.new} new tokens, median of {args.repeats}")
+          f"commit {commit}; {args.dtype}; temperature {args.temperature}; {args.new} new tokens, median of "
+          f"{args.repeats}")
     shape = dict(slots=8, max_len=64 + args.new + 64, page_size=64, prefill_chunk=64, min_chunk=64, prefix_cache_bytes=0)
     engine, off = Engine(model, tok, structured=True, **shape), Engine(model, tok, structured=False, **shape)
-    for e in (engine, off):
+    for e in (off, engine):  # the structured engine last: its count of compiles after warm-up is then its own
         t0 = time.perf_counter()
         e.warmup()
         print(f"warm-up, structured={e.shapes.structured}: {time.perf_counter() - t0:.0f} s")
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
         rates = {"off": [], "plain": [], "json_schema": []}
         for _ in range(args.repeats):  # alternating, so that drift in the machine's speed hits all alike
             for name, e, c in (("off", off, None), ("plain", engine, None), ("json_schema", engine, grammar)):
-                rate, done = measure(e, prompt, B, args.new, c)
+                rate, done = measure(e, prompt, B, args.new, c, args.temperature)
                 rates[name].append(rate)
                 reply = done[0].tokens if c is not None else reply
         rows.update({f"{name}_b{B}": statistics.median(r) for name, r in rates.items()})
@@ -138,7 +142,8 @@ def main(argv=None) -> int:
     print(f"host mask (Guide.fill) per constrained row and token: median {fill * 1e3:.3f} ms "
           f"(vocabulary {tok.vocab_size}); compiles after warm-up: {engine.stats()['compiles_after_warmup']}")
     with open(args.out, "w") as f:
-        json.dump({"commit": commit, "dtype": args.dtype, "new": args.new, "repeats": args.repeats,
+        json.dump({"commit": commit, "dtype": args.dtype, "temperature": args.temperature, "new": args.new,
+                   "repeats": args.repeats,
                    "tokens_per_s": rows, "json_vs_off_b1": rows["json_schema_b1"] / rows["off_b1"],
                    "json_vs_off_b8": rows["json_schema_b8"] / rows["off_b8"], "mask_ms_median": fill * 1e3,
                    "cpu_count": os.cpu_count(), "compiles_after_warmup": engine.stats()["compiles_after_warmup"]},

@@ -4,6 +4,7 @@ reply, the official ``openai`` client sends every request, llguidance's own nump
 """
 
 import json
+import time
 
 import jax.numpy as jnp
 import jsonschema
@@ -212,6 +213,10 @@ def test_json_object_regex_choice_and_grammar(served):
         r = served.client.chat.completions.create(**{**base, "extra_body": {**base["extra_body"],
                                                                             "structured_outputs": so}})
         assert r.choices[0].finish_reason == "stop" and check(r.choices[0].message.content), (so, r)
+    # streamed: the deltas join into the constrained answer
+    chunks = served.client.chat.completions.create(**base, response_format={"type": "json_object"}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(json.loads(text), dict)
     # completions: the constraint from the first token
     r = served.client.completions.create(model=served.name, prompt="The answer:", max_tokens=40, temperature=1.0,
                                          seed=1, extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
@@ -335,3 +340,27 @@ def test_generate_with_a_constraint(demo_dir, tok):
         kimi_jax.generate(model, "x", 4, constraint={"xml": "a"}, tokenizer=tok)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         kimi_jax.generate(model, [1, 2], 4, constraint={"regex": "a"})
+
+
+def test_a_cancelled_constrained_request_frees_its_slot(served):
+    """Cancelled mid-reply (its guide dropped with the slot), then the same constraint again: the engine is idle in
+    between and the second reply is the one the request gives alone."""
+    tok, eng = served.tok, served.engine
+    g = G.compile_grammar(tok, G.Constraint("json", SCHEMAS["list_of_people"]), chat_reply=True, thinking=False,
+                          eos=[_end(tok)], vocab_size=served.model.cfg.vocab_size)
+    prompt = chat.encode(tok, [{"role": "user", "content": "People as JSON."}], thinking=False)
+    h = eng.submit(Request(prompt=prompt, max_tokens=200, temperature=1.0, seed=9, constraint=g))
+    for ev in h.events(timeout=120):
+        if ev.tokens:
+            h.cancel()
+            break
+    assert h.result(120).finish_reason == "abort"
+    deadline = time.monotonic() + 60
+    while eng.stats()["slots_busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.stats()["slots_busy"] == 0
+    again = eng.submit(Request(prompt=prompt, max_tokens=200, temperature=1.0, seed=9, constraint=g)).result(120)
+    if again.finish_reason == "stop":
+        jsonschema.validate(json.loads(chat.parse_reply(tok, again.tokens, thinking=False).content),
+                            SCHEMAS["list_of_people"])
+    assert again.finish_reason in ("stop", "length")
