@@ -19,6 +19,7 @@ on this 2-core machine, shared: the K3 pair ~100-120 s to come up, the module ~4
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ import pytest
 
 import kimi_jax
 from kimi_jax.serving.engine import Engine
+from kimi_jax.text.grammar import Constraint, compile_grammar
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 # small static shapes, few programs to compile on 8 devices: one prefill bucket (64 tokens, fresh and continued),
@@ -173,6 +175,17 @@ def test_k3_on_two_processes(k3_pair, k3_dir, k3_golden):
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = _ids(pair, prompts[1], 16, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+
+    # a constrained request: its token masks travel in process 0's plans; the single-process engine's reply
+    regex = "[a-z]{3,10}"
+    got = pair.client.completions.create(model=pair.name, prompt=prompts[2], max_tokens=12, temperature=0,
+                                         extra_body={"structured_outputs": {"regex": regex}, "return_token_ids": True})
+    ref = Engine(kimi_jax.from_pretrained(k3_dir, dtype="float32", progress=False), load_tokenizer(k3_dir),
+                 structured=True, **SHAPES)
+    g = compile_grammar(ref.tokenizer, Constraint("regex", regex), chat_reply=False, thinking=False,
+                        eos=ref.default_stop_ids(), vocab_size=ref.cfg.vocab_size)
+    assert got.choices[0].token_ids == ref.generate([prompts[2]], max_tokens=12, constraint=g)[0].tokens
+    assert got.choices[0].finish_reason == "stop" and re.fullmatch(regex, got.choices[0].text), got
 
     stream = pair.client.completions.create(model=pair.name, prompt=prompts[3], max_tokens=40, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})
