@@ -269,18 +269,20 @@ class Mask(Op):
     rows: int
     k1: int
     n_words: int
-    data: tuple[int, ...]  # the row indices, then the masks [rows, k1, n_words] flattened
+    data: bytes  # int32 words, little-endian: the row indices, then the masks [rows, k1, n_words] (bytes, not a
+    # tuple of ints: a K3 step's masks are ~5,000 words per row, which Python ints would make milliseconds to move)
 
     @classmethod
     def make(cls, rows, masks) -> "Mask":
         masks = np.asarray(masks, np.int32)  # [rows, k1, n_words]
-        return cls(len(rows), masks.shape[1], masks.shape[2], (*map(int, rows), *masks.reshape(-1).tolist()))
+        data = np.concatenate([np.asarray(rows, np.int32), masks.reshape(-1)]).astype("<i4").tobytes()
+        return cls(len(rows), masks.shape[1], masks.shape[2], data)
 
     def full(self, n_rows: int) -> np.ndarray:
         """The masks of all ``n_rows`` rows, ``[n_rows, k1, n_words]`` (unnamed rows: every id allowed)."""
-        data = np.asarray(self.data, np.int64)
+        data = np.frombuffer(self.data, "<i4")
         out = np.full((n_rows, self.k1, self.n_words), -1, np.int32)
-        out[data[: self.rows]] = data[self.rows:].astype(np.int32).reshape(self.rows, self.k1, self.n_words)
+        out[data[: self.rows]] = data[self.rows:].reshape(self.rows, self.k1, self.n_words)
         return out
 
 
@@ -304,7 +306,7 @@ def _bits_f32(w: int) -> float:
     return float(np.int32(w).view(np.float32))
 
 
-def _encode(op: Op) -> list[int]:
+def _encode(op: Op) -> np.ndarray:
     words = []
     for f in dataclasses.fields(op):
         if f.name == op.tail:
@@ -316,8 +318,9 @@ def _encode(op: Op) -> list[int]:
             words.append(int(np.uint32(v).view(np.int32)))
         else:
             words.append(int(v))
-    tail = list(getattr(op, op.tail)) if op.tail else []
-    return [op.code, 2 + len(words) + len(tail), *words, *tail]
+    tail = getattr(op, op.tail) if op.tail else ()
+    tail = np.frombuffer(tail, "<i4") if isinstance(tail, bytes) else np.asarray(tail, np.int64)
+    return np.concatenate([np.asarray([op.code, 2 + len(words) + len(tail), *words], np.int64), tail.astype(np.int64)])
 
 
 def _decode(words: np.ndarray) -> Op:
@@ -338,7 +341,9 @@ def _decode(words: np.ndarray) -> Op:
         else:
             kw[f.name] = int(w)
     if cls.tail:
-        kw[cls.tail] = tuple(int(w) for w in body[len(fields):])
+        tail = body[len(fields):]
+        raw = next(f for f in dataclasses.fields(cls) if f.name == cls.tail).type in ("bytes", bytes)
+        kw[cls.tail] = tail.astype("<i4").tobytes() if raw else tuple(int(w) for w in tail)
     elif len(body) != len(fields):
         raise PlanError(f"{cls.__name__}: {len(body)} words, expected {len(fields)}")
     return cls(**kw)
@@ -356,8 +361,8 @@ class StepPlan:
         return next((op for op in self.ops if isinstance(op, COMPUTE)), None)
 
     def to_words(self) -> np.ndarray:
-        body = [w for op in self.ops for w in _encode(op)]
-        out = np.asarray([MAGIC, self.step, 3 + len(body), *body], np.int64)
+        body = np.concatenate([np.zeros((0,), np.int64), *map(_encode, self.ops)])
+        out = np.concatenate([np.asarray([MAGIC, self.step, 3 + len(body)], np.int64), body])
         if np.any(out > np.iinfo(np.int32).max) or np.any(out < np.iinfo(np.int32).min):
             raise PlanError("a plan value does not fit int32")
         return out.astype(np.int32)
