@@ -8,6 +8,10 @@ array. An engine iteration is up to two plans, because the second depends on the
    with the prefix snapshot after it;
 2. one decode step over every decoding slot.
 
+A request with a constraint (structured outputs) has a :class:`~kimi_jax.text.grammar.Guide`: before a compute op
+that draws its next token (the prompt's last chunk, a decode or verify step) the plan gets a :class:`Mask` op with
+its allowed-token bitmask (per drafted position in a verify step), and every token it keeps advances the guide.
+
 The tokens each plan samples come back (:meth:`Scheduler.prefilled`, :meth:`Scheduler.decoded`) and are handed out:
 detokenised, matched against stop strings (:mod:`kimi_jax.serving.detokenize`), finished on a stop id, a stop string
 or the token budget. A finished request's snapshot (its prompt and reply: the next turn's prefix) is an op of the
@@ -382,7 +386,7 @@ class Scheduler:
         s.last = tok
         if logits is not None:
             s.handle.logits.append(logits)
-        reason = "stop" if tok in req.stop_ids else None
+        reason = "stop" if tok in req.stop_ids or (s.guide is not None and s.guide.done) else None
         if reason is None and len(s.out) >= req.max_tokens:
             reason = "length"
         text, hit = s.text.push(() if tok in req.stop_ids else (tok,), last=reason is not None)

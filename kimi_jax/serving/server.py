@@ -224,13 +224,13 @@ class _Server:
         if p.constraint is None:
             return None
         eng = self.engine
+        if eng.tokenizer is None:
+            raise ProtocolError(f"{p.constraint_param}: structured outputs need a tokenizer; this model has none",
+                                param=p.constraint_param)
         shapes = getattr(eng, "shapes", None)
         if shapes is None or not shapes.structured:
             raise ProtocolError(f"{p.constraint_param}: structured outputs are off on this server (kimi-jax serve "
                                 "--structured-outputs on)", param=p.constraint_param, code="unsupported_parameter")
-        if eng.tokenizer is None:
-            raise ProtocolError(f"{p.constraint_param}: structured outputs need a tokenizer; this model has none",
-                                param=p.constraint_param)
         eos = [eng.tokenizer.special_id(chat.END_OF_MSG)] if p.chat else (self._stop_ids(p) or eng.default_stop_ids())
         try:
             return grammar.compile_grammar(eng.tokenizer, p.constraint, chat_reply=p.chat, thinking=p.thinking,

@@ -11,7 +11,7 @@ inputs (JAX's multi-controller rule), and a plan is all process 0 has to send th
 A plan holds only ints (float sampling values travel as their float32 bits) and round-trips through one int32
 buffer (:meth:`StepPlan.to_words` / :meth:`StepPlan.from_words`, or bytes): ``[MAGIC, step, n_words, op...]``, each
 op ``[code, n_words, fields..., tail...]`` where the tail is the op's one variable-length list (a chunk's ids, pages,
-decode rows). Snapshots and spilled pages are named by ids the scheduler hands out; the executor keeps what they
+decode rows, the constrained rows' token bitmasks of structured outputs). Snapshots and spilled pages are named by ids the scheduler hands out; the executor keeps what they
 name (device arrays, or each process's own shards in host memory), so no array ever travels in a plan.
 """
 

@@ -257,7 +257,7 @@ def compile_grammar(tok: Tokenizer, c: Constraint | ToolCall, *, chat_reply: boo
     naming what is wrong. ``chat_reply``: the K3 chat reply format (:func:`chat_grammar`); else a completion."""
     if isinstance(c, ToolCall) and not chat_reply:
         raise ConstraintError("a forced tool call needs the chat format")
-    key = (id(tok), c.key(), chat_reply, thinking, tuple(eos), vocab_size)
+    key = (tok, c.key(), chat_reply, thinking, tuple(eos), vocab_size)  # the tokenizer itself: no id reuse
     with _LOCK:
         if key in _GRAMMARS:
             return _GRAMMARS[key]
@@ -293,6 +293,11 @@ class Guide:
             raise ConstraintError(self.matcher.get_error())
         self.free = grammar.free_until is not None
         self.n_tok = words(grammar.tok.vocab_size)
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended (its last token drawn, an end-of-sequence id included): nothing may follow."""
+        return not self.free and self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:
