@@ -204,6 +204,24 @@ def merge_partials(out, lse, axes):
 # -- which ----------------------------------------------------------------------------------------------------
 
 
+# XLA:TPU (libtpu 0.0.51) on TPU7x gives every stacked bfloat16 weight that a scanned model carries through its layer
+# loop the T(16,128) tiling, and copies each whole stack into it before the loop from the T(8,128) tiling the
+# parameters arrive in (and the dots read unrolled): a second copy of the scanned weights, 14.4 GB per device on
+# full K3 (tpu7x 4x4x2, expert=8 x model=8). With this flag off the loop keeps the arriving tiling and the
+# dots read each layer's slice where it lies: the same program but for layouts (full K3 serving decode step:
+# temporaries 16.92 -> 2.50 GB, bytes accessed 124.5 -> 23.6 GB per device; docs/scale.md).
+TPU_SCAN_OPTIONS = {"xla_tpu_control_large_2nd_minor_layout_for_x16": "false"}
+
+
+def compiler_options(placement: Placement | None = None, *, scanned: bool = False) -> dict[str, str] | None:
+    """XLA compiler options for a program that runs a model on ``placement`` (:func:`target_platform`), or None:
+    :data:`TPU_SCAN_OPTIONS` for scanned layers on TPU (the flags name XLA:TPU options, which other compilers
+    refuse)."""
+    if scanned and target_platform(placement) == "tpu":
+        return dict(TPU_SCAN_OPTIONS)
+    return None
+
+
 def target_platform(placement: Placement | None = None) -> str:
     """``"tpu"``, ``"gpu"`` or ``"cpu"``: what the current trace is lowered for."""
     platform = None

@@ -29,7 +29,8 @@ from flax import nnx
 from kimi_jax.checkpoint import synthetic
 from kimi_jax.model import config
 from kimi_jax.model.cache import MLACache, cache_shapes
-from kimi_jax.model.run import TPU_SCAN_OPTIONS, RunConfig
+from kernels_pallas._dispatch import TPU_SCAN_OPTIONS
+from kimi_jax.model.run import RunConfig
 from kimi_jax.deploy import aot
 from kimi_jax.deploy import compile as compile_lib
 from kimi_jax.parallel import sharding

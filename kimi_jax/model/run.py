@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._dispatch import target_platform
+from kernels_pallas._dispatch import compiler_options
 
 OFFLOAD_KINDS = ("kda_state", "cache", "experts")  # what RunConfig.offload may name (kimi_jax.model.offload)
 
@@ -25,13 +25,6 @@ def check_offload(kinds) -> tuple[str, ...]:
     return tuple(k for k in OFFLOAD_KINDS if k in kinds)
 
 
-# XLA:TPU (libtpu 0.0.51) on TPU7x gives every stacked bfloat16 weight that a scanned model carries through its layer
-# loop the T(16,128) tiling, and copies each whole stack into it before the loop from the T(8,128) tiling the
-# parameters arrive in (and the dots read unrolled): a second copy of the scanned weights, 14.4 GB per device on
-# full K3 (tpu7x 4x4x2, expert=8 x model=8). With this flag off the loop keeps the arriving tiling and the
-# dots read each layer's slice where it lies: the same program but for layouts (full K3 serving decode step:
-# temporaries 16.92 -> 2.50 GB, bytes accessed 124.5 -> 23.6 GB per device; docs/scale.md).
-TPU_SCAN_OPTIONS = {"xla_tpu_control_large_2nd_minor_layout_for_x16": "false"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +75,9 @@ class RunConfig:
 
     def compiler_options(self) -> dict[str, str] | None:
         """Options for the XLA compiler of a program that runs this model (``jax.jit(..., compiler_options=...)``),
-        or None. Scanned layers on TPU: :data:`TPU_SCAN_OPTIONS`. The platform is the mesh's (``parallel``), else
-        the abstract mesh's being traced under, else JAX's default backend; the options name XLA:TPU flags, which
-        other compilers refuse."""
-        if self.scan_layers and target_platform(self.placement) == "tpu":
-            return dict(TPU_SCAN_OPTIONS)
-        return None
+        or None: the dispatcher's choice for this placement (:func:`kernels_pallas._dispatch.compiler_options`;
+        scanned layers on one chip want a flag that other compilers refuse)."""
+        return compiler_options(self.placement, scanned=self.scan_layers)
 
     @property
     def precision(self):
