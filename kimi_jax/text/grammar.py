@@ -257,6 +257,8 @@ def compile_grammar(tok: Tokenizer, c: Constraint | ToolCall, *, chat_reply: boo
     naming what is wrong. ``chat_reply``: the K3 chat reply format (:func:`chat_grammar`); else a completion."""
     if isinstance(c, ToolCall) and not chat_reply:
         raise ConstraintError("a forced tool call needs the chat format")
+    if tok.vocab_size > vocab_size:
+        raise ConstraintError(f"the tokenizer has {tok.vocab_size} ids, more than the model's {vocab_size}")
     key = (tok, c.key(), chat_reply, thinking, tuple(eos), vocab_size)  # the tokenizer itself: no id reuse
     with _LOCK:
         if key in _GRAMMARS:
