@@ -25,7 +25,6 @@ from kimi_jax.model.run import RunConfig  # noqa: F401
 from kimi_jax.serving import offline as _offline
 
 
-
 def generate(model, prompts, max_new_tokens=32, *, constraint=None, **kw) -> Generation:
     """Generate from a model: :func:`kimi_jax.generation.generate.generate` (its arguments in ``kw``). With a
     ``constraint`` (structured outputs: a :class:`kimi_jax.text.grammar.Constraint`, or ``{"json": schema}``,

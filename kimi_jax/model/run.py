@@ -25,8 +25,6 @@ def check_offload(kinds) -> tuple[str, ...]:
     return tuple(k for k in OFFLOAD_KINDS if k in kinds)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """How to run a model (not what it is): activation dtype and kernel choices. Hashable, static under jit.

@@ -95,6 +95,7 @@ class Executor:
         # one slot's KDA state and conv tails, one page of every attention pool: the prefix cache's units
         self.snap_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kda)) // shapes.slots
         self.page_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(attn)) // shapes.n_pages
+        self._ones: dict[tuple[int, int], np.ndarray] = {}  # (rows, positions) -> masks allowing every id
         self.reset()
 
     def check_fits(self) -> None:
@@ -209,9 +210,16 @@ class Executor:
             if op is not None:
                 raise ValueError("a Mask op for an engine without structured outputs")
             return None
-        shape = (n_rows, max(k1, 1), (self.cfg.vocab_size + 31) // 32)
-        full = np.full(shape, -1, np.int32) if op is None else op.full(n_rows)
+        full = self._all_ids(n_rows, max(k1, 1)) if op is None else op.full(n_rows)
         return full if k1 else full[:, 0]
+
+    def _all_ids(self, n_rows: int, k1: int) -> np.ndarray:
+        """Masks allowing every id (read-only, made once per shape: the unconstrained steps' masks)."""
+        if (n_rows, k1) not in self._ones:
+            out = np.full((n_rows, k1, (self.cfg.vocab_size + 31) // 32), -1, np.int32)
+            out.setflags(write=False)
+            self._ones[n_rows, k1] = out
+        return self._ones[n_rows, k1]
 
     def _prefill(self, op: Prefill):
         ids = np.zeros((1, op.bucket), np.int32)

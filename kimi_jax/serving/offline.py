@@ -42,7 +42,7 @@ def chat_mode(tok, ids: Sequence[int]) -> tuple[bool, bool]:
     if chat.OPEN not in sp or chat.SEP not in sp or not ids or ids[-1] != sp[chat.SEP]:
         return False, False
     for channel in ("response", "think"):
-        tail = [sp[chat.OPEN], *tok.encode(channel), sp[chat.SEP]]
+        tail = chat.segment_ids(tok, chat._open(channel))
         if list(ids[-len(tail):]) == tail:
             return True, channel == "think"
     return False, False

@@ -159,12 +159,17 @@ def render(messages: Sequence[dict], *, tools: Sequence[dict] | None = None, thi
     return segs
 
 
-def encode(tokenizer: Tokenizer, messages: Sequence[dict], **kw) -> list[int]:
-    """Token ids of :func:`render` (per-segment tokenization)."""
+def segment_ids(tokenizer: Tokenizer, segments: Sequence[Segment]) -> list[int]:
+    """Token ids of ``segments``: a marker's special id, each text piece BPE-encoded on its own."""
     ids: list[int] = []
-    for seg in render(messages, **kw):
+    for seg in segments:
         ids += [tokenizer.special_id(seg.text)] if seg.control else tokenizer.encode(seg.text)
     return ids
+
+
+def encode(tokenizer: Tokenizer, messages: Sequence[dict], **kw) -> list[int]:
+    """Token ids of :func:`render` (per-segment tokenization)."""
+    return segment_ids(tokenizer, render(messages, **kw))
 
 
 def to_text(segments: Sequence[Segment]) -> str:

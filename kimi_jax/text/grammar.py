@@ -108,16 +108,9 @@ def _regex_literal(r: str) -> str:
     return "/" + r.replace("/", "\\/") + "/"
 
 
-def _ids(tok: Tokenizer, ids: Sequence[int]) -> str:
-    """A Lark sequence forcing exactly ``ids``."""
-    return " ".join(f"<[{int(t)}]>" for t in ids)
-
-
 def _segments(tok: Tokenizer, segs) -> str:
-    ids: list[int] = []
-    for s in segs:
-        ids += [tok.special_id(s.text)] if s.control else tok.encode(s.text)
-    return _ids(tok, ids)
+    """A Lark sequence forcing exactly the ids of ``segs`` (:func:`kimi_jax.text.chat.segment_ids`)."""
+    return " ".join(f"<[{t}]>" for t in chat.segment_ids(tok, segs))
 
 
 def _opening(tok: Tokenizer, thinking: bool) -> str:
@@ -306,16 +299,17 @@ class Guide:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
     def fill(self, row: np.ndarray) -> bool:
-        """Write the allowed ids of the next position into ``row`` (int32 ``[vocab_words]``); False (row untouched)
-        while free. Raises :class:`ConstraintError` if nothing is allowed (the matcher failed)."""
+        """Write the allowed ids of the next position into ``row`` (contiguous int32 ``[vocab_words]``); False (row
+        untouched) while free. Raises :class:`ConstraintError` if nothing is allowed (the matcher failed)."""
         if self.free:
             return False
-        row[self.n_tok:] = 0
-        part = np.zeros((self.n_tok,), np.int32)
+        if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"]:
+            raise ValueError("a mask row is a contiguous int32 array")  # llguidance writes through its pointer
+        part = row[: self.n_tok]
         self.matcher.unsafe_compute_mask_ptr(part.ctypes.data, part.nbytes)
+        row[self.n_tok:] = 0
         if self.matcher.is_error() or not part.any():
             raise ConstraintError(f"the constraint allows no next token ({self.error or 'grammar finished'})")
-        row[: self.n_tok] = part
         return True
 
     def advance(self, token: int) -> bool:
