@@ -223,6 +223,25 @@ RULES = (
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
 
+# A DSpark drafter (``k3_dspark``, kimi_jax/model/dspark.py): checkpoint names are the parameter paths plus
+# ``.weight``, after an optional ``model.`` prefix. Producers name three tensors differently (docs/generation.md (DSpark drafters)):
+DSPARK_ALIASES = {"fc": "context_proj", "hidden_norm": "context_norm", "fc_norm": "context_norm",
+                  "norm": "final_norm"}
+# What a drafter file may hold that is not the drafter's: the target's own embedding and lm_head (shared, checked
+# against the target's shape), the training-only confidence head.
+DSPARK_SHARED = ("embed_tokens.weight", "lm_head.weight")
+DSPARK_IGNORED = (r"confidence_head\..*",)
+
+
+def dspark_target(name: str) -> str | None:
+    """The drafter parameter path a ``k3_dspark`` checkpoint tensor fills; None for a shared or ignored tensor."""
+    name = name.removeprefix("model.")
+    if name in DSPARK_SHARED or any(re.fullmatch(p, name) for p in DSPARK_IGNORED):
+        return None
+    stem = name.removesuffix(".weight")
+    return DSPARK_ALIASES.get(stem, stem)
+
+
 # compressed-tensors ``pack-quantized`` (int4 / int8, weight-only, symmetric): a dense weight ``X.weight`` stored as
 # ``X.weight_packed`` + ``X.weight_scale`` + ``X.weight_shape``. The row that places ``X.weight`` names the parameter;
 # the fields go to its packed type's leaves (:class:`~kernels_pallas.quant.Int4Weight` ``packed`` /

@@ -63,6 +63,9 @@ def add_demo_arguments(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=0, help="with --random: weights seed")
     p.add_argument("--keep", metavar="DIR", help="with --random: write the checkpoint into DIR and keep it "
                    "(default: a temporary directory)")
+    p.add_argument("--speculative", action="store_true",
+                   help="then generate again with the DSpark drafter trained for the demo model "
+                        "(kimi_jax/assets/k3-demo-dspark) and show its acceptance and speed-up")
     common.compile_cache_arguments(p)
     p.set_defaults(func=run_demo)
 
@@ -80,8 +83,9 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--hide-thinking", action="store_true", help="with --chat: print the answer only")
     p.add_argument("--speculative", default=None, metavar="SPEC",
                    help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and output so "
-                        "far (prompt lookup); greedy output is the plain greedy output, sampled output (--temperature) "
-                        "has the plain sampler's distribution (rejection sampling) (default: off)")
+                        "far (prompt lookup); 'dspark:PATH[,k=N]' drafts with a DSpark drafter (k3_dspark layout) "
+                        "from the model's hidden states; greedy output is the plain greedy output, sampled output "
+                        "(--temperature) has the plain sampler's distribution (rejection sampling) (default: off)")
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end instead of as it comes")
@@ -180,6 +184,8 @@ def _say_compiled(watch) -> None:
 def run_demo(args):
     if (args.seed or args.keep) and not args.random:
         raise ValueError("--seed and --keep describe the random model: add --random")
+    if args.speculative and args.random:
+        raise ValueError("--speculative runs the drafter trained for the demo model: not with --random")
     check_flags(args)
     common.setup_compile_cache(args)
 
@@ -209,6 +215,23 @@ def run_demo(args):
         again = generate(model, args.prompt, **kw)
         assert again.tokens == first.tokens  # greedy and deterministic
         _report(again, "second request (compiled): ")
+        if args.speculative:
+            _demo_speculative(model, args.prompt, again, kw)
+
+
+def _demo_speculative(model, prompt, plain, kw) -> None:
+    """The demo prompt again with the demo's DSpark drafter: the same tokens, the acceptance, the speed."""
+    drafter = speculative.parse(f"dspark:{DEMO_DRAFTER}", dtype=model.run.dtype)
+    generate(model, prompt, speculative=drafter, **kw)  # compiles the verify loop
+    r = generate(model, prompt, speculative=drafter, **kw)
+    if r.tokens != plain.tokens:  # greedy speculative output is plain greedy output (up to float rounding)
+        print("speculative: the output differs from the plain output (a near-tie decided differently in this dtype)",
+              file=sys.stderr)
+    s, n = r.timings["speculative"], plain.timings["new_tokens"] - 1
+    print(f"speculative (DSpark drafter {DEMO_DRAFTER.name}, k={drafter.k}): {s['accepted']} of {s['drafted']} "
+          f"drafted tokens accepted, {s['tokens_per_step']:.2f} new tokens per forward; decode "
+          f"{_rate(n, r.timings['decode'])} vs {_rate(n, plain.timings['decode'])} plain "
+          f"({plain.timings['decode'] / r.timings['decode']:.2f}x)", file=sys.stderr)
 
 
 def _provenance(random: bool) -> str:
@@ -272,7 +295,9 @@ def _check_generate_flags(args) -> None:
     if args.chat and args.ids:
         raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
     if args.speculative:
-        speculative.parse(args.speculative)  # a wrong spec is named before anything loads
+        # a wrong spec is named before anything loads (the drafter in the dtype the model will most likely run in:
+        # generate casts it to the model's when they differ)
+        args.drafter = speculative.parse(args.speculative, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
     if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
         print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
 
@@ -296,7 +321,7 @@ def run_generate(args):
             r = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=held,
                          max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state,
-                         speculative=args.speculative)
+                         speculative=args.drafter if args.speculative else None)
             if held is not None:
                 held.flush()
         if speak:

@@ -119,6 +119,17 @@ CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_
 prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
+def prefill_chunk_tapped(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, dgraph, dparams, dcache):
+    """:func:`_prefill_chunk` that also writes a DSpark drafter's context entries of the chunk's positions (from the
+    target's hidden states at its tapped layers). A whole prompt in one call is one chunk after :func:`restart`.
+    Returns (cache, last, dcache)."""
+    model = nnx.merge(graphdef, params)
+    res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=True)
+    dcache = speculative_mod.write_context(dgraph, dparams, dcache, res.hidden, cache.lengths, lengths_B)
+    return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
+
+
 @functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
 def first_token(last_BV, samp: Sampling, *, out_len: int, record_logits: bool = False) -> DecodeState:
     """The decode state after a chunked prefill (:func:`prefill_chunk`'s ``last``), the first token sampled, without
@@ -477,6 +488,24 @@ class Generator:
             cache, last = chunk(self.params, cache, tokens[:, i * C:(i + 1) * C], n, last)
         return start(last, samp).replace(cache=cache)
 
+    def _prefill_tapped(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling,
+                        drafter) -> tuple[DecodeState, object]:
+        """:meth:`_prefill` for a DSpark ``drafter``: the prompts' chunks (one when the plan has one call) also write
+        the drafter's context entries. Returns (decode state, the drafter's cache)."""
+        _, dgraph, dparams = speculative_mod.static(drafter)
+        B = tokens.shape[0]
+        C = plan.chunk if len(plan.programs) > 1 else tokens.shape[1]
+        calls = -(-tokens.shape[1] // C)
+        tokens = np.pad(tokens, [(0, 0), (0, calls * C - tokens.shape[1])])
+        place = lambda x: jax.device_put(x, self._last_sharding)  # noqa: E731  (replicated over a mesh)
+        dparams, dcache = place(dparams), place(drafter.model.empty_cache(B, self.max_len))
+        cache, last = restart(cache), place(np.zeros((B, self.cfg.vocab_size), np.float32))
+        for i in range(calls):
+            n = np.clip(lengths - i * C, 0, C).astype(np.int32)
+            cache, last, dcache = prefill_chunk_tapped(self.graphdef, self.params, cache, tokens[:, i * C:(i + 1) * C],
+                                                       n, last, dgraph, dparams, dcache)
+        return first_token(last, samp, out_len=self.max_len).replace(cache=cache), dcache
+
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
                  stream: Callable[[list[list[int]], list[str] | None], None] | None = None, stream_every: int = 8,
@@ -494,24 +523,30 @@ class Generator:
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
-        drafter = speculative_mod.parse(speculative)
+        drafter = speculative_mod.parse(speculative, dtype=self.dtype)
         if drafter is not None:
             if record_logits:
                 raise GenerationError("speculative decoding: no record_logits=True yet")
+            if isinstance(drafter, speculative_mod.DSpark):
+                drafter.model.cfg.check_target(self.cfg)
+                drafter = drafter.astype(self.dtype)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits)  # refuses what cannot fit
 
         t0 = time.perf_counter()
-        st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
+        dcache = None
+        if isinstance(drafter, speculative_mod.DSpark):
+            st, dcache = self._prefill_tapped(plan, self._cache(B), tokens, lengths, samp, drafter)
+        else:
+            st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
         st.count.block_until_ready()
         t1 = time.perf_counter()
         max_budget = int(budget.max())
         spec = None
         if drafter is not None:
-            spec = speculative_mod.start(st, tokens, lengths, st.out.shape[1])
+            spec = speculative_mod.start(st, tokens, lengths, st.out.shape[1], dcache)
             if stream is None:
-                spec = speculative_mod.decode(self.graphdef, self.params, spec, samp, np.int32(max_budget),
-                                              drafter=drafter)
+                spec = self._decode_spec(spec, samp, max_budget, drafter)
             else:
                 spec = self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter)
             st = spec.dec
@@ -602,12 +637,19 @@ class Generator:
         emit(dec(st))
         while not bool(np.all(_host(dec(st).done))):
             if drafter is not None:
-                st = speculative_mod.decode(self.graphdef, self.params, st, samp, np.int32(stream_every),
-                                            drafter=drafter)
+                st = self._decode_spec(st, samp, stream_every, drafter)
             else:
                 st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
             emit(dec(st), final=bool(np.all(_host(dec(st).done))))
         return st
+
+    def _decode_spec(self, st, samp: Sampling, steps: int, drafter):
+        """Up to ``steps`` verify steps of the speculative loop (:func:`kimi_jax.generation.speculative.decode`)."""
+        static, dgraph, dparams = speculative_mod.static(drafter)
+        if dparams is not None:
+            dparams = jax.device_put(dparams, self._last_sharding)
+        return speculative_mod.decode(self.graphdef, self.params, st, samp, np.int32(steps), drafter=static,
+                                      dgraph=dgraph, dparams=dparams)
 
     def _result(self, st: DecodeState, ids: list[list[int]], stop: list[int], record_logits: bool, B: int, T: int,
                 prefill_s: float, decode_s: float) -> Generation:

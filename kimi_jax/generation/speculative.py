@@ -38,9 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from kimi_jax.checkpoint.drafter import load_drafter
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
+from kimi_jax.model.dspark import DSparkModel
+from kimi_jax.model.run import RunConfig
 
 EMA = 0.3  # weight of the latest step in a row's acceptance rate
 MIN_RATE = 0.15  # below this a row stops drafting ...
@@ -67,16 +70,45 @@ class NGram:
             raise SpeculativeError(f"ngram min_n={self.min_n}, max_n={self.max_n}: need 1 <= min_n <= max_n <= 8")
 
 
-def parse(spec) -> NGram | None:
-    """``speculative=`` as given to ``generate``: None, an :class:`NGram`, or a string ``"ngram"`` /
-    ``"ngram:k=4,max_n=3,min_n=1"``."""
-    if spec is None or isinstance(spec, NGram):
+@dataclasses.dataclass(frozen=True, eq=False)
+class DSpark:
+    """A DSpark drafter (:mod:`kimi_jax.model.dspark`): ``k`` tokens per step (at most its block size), drafted from
+    the target's hidden states. Load one with :func:`kimi_jax.checkpoint.drafter.load_drafter` or give
+    ``"dspark:PATH[,k=N]"``."""
+
+    model: object  # kimi_jax.model.dspark.DSparkModel
+    k: int
+
+    def astype(self, dtype) -> "DSpark":
+        """The drafter with its weights and products in ``dtype`` (the target's)."""
+        dtype = jnp.dtype(dtype)
+        if self.model.run.dtype == dtype:
+            return self
+        cfg = self.model.cfg
+        model = nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+        nnx.update(model, jax.tree.map(lambda a: a.astype(dtype), nnx.state(self.model, nnx.Param)))
+        return DSpark(model, self.k)
+
+    def __post_init__(self):
+        n = self.model.cfg.block_size
+        if not 1 <= self.k <= n:
+            raise SpeculativeError(f"dspark k={self.k}: this drafter drafts 1 to {n} tokens per step (its block size)")
+
+
+def parse(spec, *, dtype=None) -> NGram | DSpark | None:
+    """``speculative=`` as given to ``generate``: None, an :class:`NGram` or :class:`DSpark`, or a string ``"ngram"``
+    / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH"`` / ``"dspark:PATH,k=N"`` (``dtype``: the drafter's, when
+    it is loaded here)."""
+    if spec is None or isinstance(spec, (NGram, DSpark)):
         return spec
     if not isinstance(spec, str):
-        raise SpeculativeError(f"speculative={spec!r}: give 'ngram[:k=N,max_n=N,min_n=N]' or an NGram")
+        raise SpeculativeError(f"speculative={spec!r}: give 'ngram[:k=N,max_n=N,min_n=N]', 'dspark:PATH[,k=N]', "
+                               "an NGram or a DSpark")
     name, _, rest = spec.partition(":")
+    if name == "dspark":
+        return _parse_dspark(spec, rest, dtype)
     if name != "ngram":
-        raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram'")
+        raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark'")
     kw = {}
     for part in filter(None, rest.split(",")):
         m = re.fullmatch(r"(k|max_n|min_n)=(\d+)", part.strip())
@@ -84,6 +116,17 @@ def parse(spec) -> NGram | None:
             raise SpeculativeError(f"speculative={spec!r}: {part!r} is not one of k=N, max_n=N, min_n=N")
         kw[m.group(1)] = int(m.group(2))
     return NGram(**kw)
+
+
+def _parse_dspark(spec: str, rest: str, dtype) -> DSpark:
+    path, _, opts = rest.partition(",")
+    if not path:
+        raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, 'dspark:PATH[,k=N]'")
+    m = re.fullmatch(r"k=(\d+)", opts.strip()) if opts else None
+    if opts and not m:
+        raise SpeculativeError(f"speculative={spec!r}: {opts!r} is not k=N")
+    model = load_drafter(path, dtype=dtype)
+    return DSpark(model, int(m.group(1)) if m else model.cfg.block_size)
 
 
 @struct.dataclass
@@ -97,6 +140,7 @@ class SpecState:
     drafted: jax.Array  # [B] int32: draft tokens proposed
     accepted: jax.Array  # [B] int32: draft tokens accepted
     rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
+    dcache: object = None  # a DSpark drafter's context entries (kimi_jax.model.dspark.DraftCache)
 
 
 def ngram_draft(hist_BL, hlen_B, room_B, drafter: NGram):
@@ -185,8 +229,9 @@ def accept(logits_BKV, drafts_BK, dlen_B, temperature_B, top_k_B, top_p_B, keys)
     return jax.lax.cond(jnp.any(temp > 0), rejection, lambda: (t, a))
 
 
-def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
-    """The speculative loop's state after a prefill: the history holds each prompt and its first new token."""
+def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> SpecState:
+    """The speculative loop's state after a prefill: the history holds each prompt and its first new token;
+    ``dcache``: a DSpark drafter's context entries of the prompts (:func:`write_context`)."""
     B, T = prompt_BT.shape
     L = T + out_len
     hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))
@@ -194,16 +239,48 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int) -> SpecState:
     hist = hist.at[rows, lengths_B].set(dec.token, mode="drop")
     hlen = lengths_B + dec.count
     zeros = lambda: jnp.zeros((B,), jnp.int32)
-    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32))
+    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32),
+                     dcache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "drafter"), donate_argnames=("state",))
-def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, drafter: NGram) -> SpecState:
+@dataclasses.dataclass(frozen=True)
+class BlockDraft:
+    """The compiled loop's static view of a :class:`DSpark` drafter (its weights go in as arguments)."""
+
+    k: int
+
+
+def static(drafter):
+    """(the loop's static drafter, the drafter model's graph, its weights): what :func:`decode` takes."""
+    if isinstance(drafter, DSpark):
+        graph, weights = nnx.split(drafter.model)
+        return BlockDraft(drafter.k), graph, weights
+    return drafter, None, None
+
+
+def _head(model):
+    """The target's (embedding table, lm_head) that a DSpark drafter shares."""
+    table = model.embed_tokens[...]
+    return table, (table if model.cfg.tie_word_embeddings else model.lm_head[...])
+
+
+def write_context(dgraph, dparams, dcache, hidden, start_B, lengths_B):
+    """(Traced.) A DSpark drafter's context entries after a target call over positions ``start ..`` (``lengths``
+    valid each) that gave per-layer ``hidden`` states: a prefill or a prefill chunk."""
+    dmodel = nnx.merge(dgraph, dparams)
+    return dmodel.write_context(dcache, dmodel.taps(hidden), start_B, lengths_B)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"), donate_argnames=("state",))
+def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, drafter: NGram | BlockDraft,
+           dgraph=None, dparams=None) -> SpecState:
     """Up to ``max_steps`` (traced) verify steps in one ``while_loop``; stops early when every sequence is done.
-    ``state`` is donated."""
+    ``state`` is donated. A DSpark drafter: ``drafter``, ``dgraph``, ``dparams`` from :func:`static`."""
     model = nnx.merge(graphdef, params)
+    dmodel = None if dgraph is None else nnx.merge(dgraph, dparams)
     k = drafter.k
 
+    taps = functools.partial(_taps, dmodel, k)
     def cond(carry):
         i, st = carry
         return (i < max_steps) & ~jnp.all(st.dec.done)
@@ -212,34 +289,38 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         """One forward over [last token, drafts]: (cache committed over the kept positions, targets [B, k + 1],
         accepted drafts [B], kept tokens [B, k + 1] bool)."""
         x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
-        res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True)
+        res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True,
+                    return_hidden=dmodel is not None)
         t, a = accept_drafts(res.logits.astype(jnp.float32), drafts, dlen, samp, d.count)
-        keep = _kept(d, t, a, active)
+        keep = _kept(d, t, a, active, samp)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
-        return commit_verified(res.cache, d.cache.lengths, n_new, model.run), t, a, keep
+        return commit_verified(res.cache, d.cache.lengths, n_new, model.run), t, a, keep, taps(res, k + 1)
 
     def plain(d: DecodeState, drafts, dlen, active):
         """No row drafted: the plain loop's one-position step (the same program as :func:`generate.decode`'s)."""
         B = drafts.shape[0]
-        res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True)
+        res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True,
+                    return_hidden=dmodel is not None)
         first = draw(res.logits[:, 0].astype(jnp.float32), samp, d.count)
         t = jnp.concatenate([first[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
         a = jnp.zeros((B,), jnp.int32)
-        return res.cache, t, a, _kept(d, t, a, active)
+        return res.cache, t, a, _kept(d, t, a, active, samp), taps(res, 1)
 
-    def _kept(d: DecodeState, t, a, active):
-        """Which of t_0 .. t_k the sequence gains: t_0 .. t_a, cut after a stop id or at the budget, as the plain
-        loop cuts."""
-        j = jnp.arange(k + 1)[None]
-        is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1).astype(jnp.int32)
-        stop_before = jnp.cumsum(is_stop, axis=1) - is_stop
-        keep = (j <= a[:, None]) & (stop_before == 0) & (d.count[:, None] + j < samp.budget[:, None])
-        return keep & active[:, None]
+    def draft(st: SpecState, want_B):
+        """(drafts ``[B, k]``, lengths ``[B]``): at most ``want`` tokens per row."""
+        if dmodel is None:
+            return ngram_draft(st.hist, st.hlen, want_B, drafter)
+        d = st.dec
+        table, head = _head(model)
+        drafts = jax.lax.cond(jnp.any(want_B > 0),
+                              lambda: dmodel.draft(st.dcache, table, head, d.token, d.cache.lengths, k),
+                              lambda: jnp.zeros((d.token.shape[0], k), jnp.int32))
+        return drafts, want_B
 
     def body(carry):
         i, st = carry
         d = st.dec
-        B, out_len = d.out.shape
+        out_len = d.out.shape[1]
         active = ~d.done
         # drafting beyond the budget or the cache is wasted: the step keeps at most budget - count tokens (the
         # decode state's output capacity is the cache length)
@@ -247,23 +328,49 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         # a row whose drafts were mostly rejected lately drafts nothing (probing again every PROBE steps), so that a
         # step where no row drafts is the plain one-position step: a bad drafter costs little
         hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
-        drafts, dlen = ngram_draft(st.hist, st.hlen, jnp.where(active & hopeful, room, 0), drafter)
-        cache, t, a, keep = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
+        drafts, dlen = draft(st, jnp.where(active & hopeful, room, 0))
+        cache, t, a, keep, x = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
-        rows = jnp.arange(B)[:, None]
-        j = jnp.arange(k + 1)[None]
-        out = d.out.at[rows, jnp.where(keep, d.count[:, None] + j, out_len)].set(t, mode="drop")
-        hist = st.hist.at[rows, jnp.where(keep, st.hlen[:, None] + j, st.hist.shape[1])].set(t, mode="drop")
-        last = jnp.take_along_axis(t, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
-        token = jnp.where(n_new > 0, last, d.token)
-        count = d.count + n_new
-        is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1)
-        done = d.done | (active & (jnp.any(keep & is_stop, axis=1) | (count >= samp.budget)))
-        drafted = dlen > 0
-        rate = jnp.where(drafted, (1 - EMA) * st.rate + EMA * a / jnp.maximum(dlen, 1), st.rate)
-        st = SpecState(DecodeState(cache, token, out, count, done, d.logits), hist, st.hlen + n_new,
-                       st.steps + active.astype(jnp.int32), st.drafted + dlen,
-                       st.accepted + jnp.minimum(a, n_new), rate)
-        return i + 1, st
+        dcache = None if dmodel is None else dmodel.write_context(st.dcache, x, d.cache.lengths, n_new)
+        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+def _taps(dmodel, k: int, res, T: int):
+    """A DSpark drafter's context input ``[B, k + 1, X]`` from a target call over ``T`` positions (None: no
+    DSpark drafter)."""
+    if dmodel is None:
+        return None
+    return jnp.pad(dmodel.taps(res.hidden), [(0, 0), (0, k + 1 - T), (0, 0)])
+
+
+def _kept(d: DecodeState, t, a, active, samp: Sampling):
+    """Which of t_0 .. t_k the sequence gains: t_0 .. t_a, cut after a stop id or at the budget, as the plain loop
+    cuts."""
+    j = jnp.arange(t.shape[1])[None]
+    is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1).astype(jnp.int32)
+    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop
+    keep = (j <= a[:, None]) & (stop_before == 0) & (d.count[:, None] + j < samp.budget[:, None])
+    return keep & active[:, None]
+
+
+def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling) -> SpecState:
+    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given)."""
+    d = st.dec
+    B, out_len = d.out.shape
+    active = ~d.done
+    n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
+    rows = jnp.arange(B)[:, None]
+    j = jnp.arange(t.shape[1])[None]
+    out = d.out.at[rows, jnp.where(keep, d.count[:, None] + j, out_len)].set(t, mode="drop")
+    hist = st.hist.at[rows, jnp.where(keep, st.hlen[:, None] + j, st.hist.shape[1])].set(t, mode="drop")
+    last = jnp.take_along_axis(t, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+    token = jnp.where(n_new > 0, last, d.token)
+    count = d.count + n_new
+    is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1)
+    done = d.done | (active & (jnp.any(keep & is_stop, axis=1) | (count >= samp.budget)))
+    rate = jnp.where(dlen > 0, (1 - EMA) * st.rate + EMA * a / jnp.maximum(dlen, 1), st.rate)
+    return SpecState(DecodeState(cache, token, out, count, done, d.logits), hist, st.hlen + n_new,
+                     st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
+                     rate, dcache)

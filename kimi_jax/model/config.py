@@ -721,6 +721,7 @@ def load(path: str | os.PathLike, *, strict: bool = True) -> ModelConfig:
 # everywhere a directory is taken.
 DEMO = "demo"
 DEMO_MODEL = pathlib.Path(__file__).resolve().parents[1] / "assets" / "k3-demo"
+DEMO_DRAFTER = DEMO_MODEL.parent / "k3-demo-dspark"  # the DSpark drafter trained for it (scripts/make_demo_drafter.py)
 DEMO_FILES = ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json", "RECIPE.json")
 
 

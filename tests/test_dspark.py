@@ -1,0 +1,146 @@
+"""DSpark drafters (kimi_jax/model/dspark.py, kimi_jax/checkpoint/drafter.py, the speculative loop): against a
+float64 numpy oracle written from the spec (tests/dspark_oracle.py), loaded from the released ``k3_dspark`` layout,
+refused by name when they do not fit, and drafting inside ``generate`` from the context the target's forwards wrote.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.checkpoint.drafter import load_drafter
+from kimi_jax.checkpoint.names import WeightError
+from kimi_jax.checkpoint.safetensors_write import Entry, write_file
+from kimi_jax.generation import speculative
+from kimi_jax.generation.generate import Generator
+from kimi_jax.model import dspark
+from kimi_jax.model.dspark import DSparkConfigError
+from tests import dspark_oracle as oracle
+
+DEMO = os.path.join(os.path.dirname(kimi_jax.__file__), "assets", "k3-demo")
+DEMO_DRAFTER = os.path.join(os.path.dirname(kimi_jax.__file__), "assets", "k3-demo-dspark")
+
+
+def _write(path, cfg: dict, tensors: dict, rename=None):
+    os.makedirs(path, exist_ok=True)
+    named = {(rename(n) if rename else n): a for n, a in tensors.items()}
+    write_file(os.path.join(path, "model.safetensors"), [Entry(n, "F32", a.shape) for n, a in named.items()],
+               lambda e: named[e.name])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def _nemo_names(name: str) -> str:
+    """Another producer's spelling (docs/generation.md (DSpark drafters)): a ``model.`` prefix, ``fc`` / ``hidden_norm`` / ``norm``."""
+    stem = {"context_proj.weight": "fc.weight", "context_norm.weight": "hidden_norm.weight",
+            "final_norm.weight": "norm.weight"}.get(name, name)
+    return "model." + stem
+
+
+@pytest.mark.parametrize("causal,rename", [(False, None), (True, _nemo_names)], ids=["noncausal", "causal-aliases"])
+def test_drafter_equals_the_float64_oracle(tmp_path, causal, rename):
+    cfg = oracle.tiny_config(96, causal=causal, block_size=5)
+    tensors = oracle.random_checkpoint(cfg, seed=3)
+    model = load_drafter(_write(tmp_path, cfg, tensors, rename))
+    embed, head, taps = oracle.random_target(cfg, seed=4, T=11)
+    for T, anchor in [(11, 7), (4, 90), (1, 0)]:
+        base, drafts = oracle.draft(cfg, tensors, embed, head, taps[:T], anchor, 5)
+        cache = model.write_context(model.empty_cache(2, 16), jnp.asarray(np.stack([taps, taps])),
+                                    jnp.zeros((2,), jnp.int32), jnp.array([T, 11]))
+        args = (cache, jnp.asarray(embed), jnp.asarray(head), jnp.array([anchor, anchor]), jnp.array([T, 11]), 5)
+        got = np.asarray(model.base_logits(*args))[0]
+        np.testing.assert_allclose(got, base, atol=2e-5 * np.abs(base).max())
+        assert np.asarray(model.draft(*args))[0].tolist() == drafts
+
+
+def test_rope_is_interleaved():
+    x = jnp.arange(8, dtype=jnp.float32).reshape(1, 8)
+    got = np.asarray(dspark.rope_interleaved(x, jnp.array([3]), 10000.0))[0]
+    want = oracle.rope_interleaved(np.arange(8, dtype=np.float64).reshape(1, 8), np.array([3]), 10000.0)[0]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_refusals_name_the_culprit(tmp_path, k3_tiny_a):
+    cfg = oracle.tiny_config(96)
+    tensors = oracle.random_checkpoint(cfg, seed=0)
+    for key, value, fragment in [("mla_use_nope", True, "mla_use_nope"), ("aux_hidden_stream", "attn_res", "attn_res"),
+                                 ("num_target_layers", 5, "num_target_layers"), ("model_type", "qwen3", "model_type"),
+                                 ("markov_head_type", "gated", "gated"), ("q_lora_rank", None, "q_lora_rank")]:
+        with pytest.raises(DSparkConfigError, match=fragment):
+            load_drafter(_write(tmp_path / key, {**cfg, key: value}, tensors))
+    bad = dict(tensors)
+    del bad["layers.1.mlp.up_proj.weight"]
+    with pytest.raises(WeightError, match="lacks 1 tensors.*layers.1.mlp.up_proj"):
+        load_drafter(_write(tmp_path / "missing", cfg, bad))
+    bad = {**tensors, "layers.0.self_attn.kv_b_proj.weight": tensors["layers.0.self_attn.kv_b_proj.weight"][:-1]}
+    with pytest.raises(WeightError, match="kv_b_proj.*shape"):
+        load_drafter(_write(tmp_path / "shape", cfg, bad))
+    bad = {**tensors, "final_norm.weight": np.full_like(tensors["final_norm.weight"], np.nan)}
+    with pytest.raises(WeightError, match="final_norm.*non-finite"):
+        load_drafter(_write(tmp_path / "nan", cfg, bad))
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    path = _write(tmp_path / "other", cfg, tensors)
+    with pytest.raises(DSparkConfigError, match="vocab_size 96"):
+        Generator(model, None, max_len=32).generate([[1, 2, 3]], 4, speculative=f"dspark:{path}")
+    with pytest.raises(speculative.SpeculativeError, match="block size"):
+        speculative.parse(f"dspark:{path},k=9")
+
+
+def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, monkeypatch):
+    """A random drafter on the K3 fixture, a prompt prefilled in two chunks: greedy output equals plain output, and
+    every block the loop drafted has the base logits the oracle computes from the target's hidden states of the
+    whole sequence so far (so the prefill chunks and each verify step wrote the drafter's context right)."""
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    cfg = oracle.tiny_config(model.cfg.vocab_size, hidden_size=model.cfg.hidden_size,
+                             target_hidden_size=model.cfg.hidden_size, target_layer_ids=[1, 4, 8],
+                             num_target_layers=3, block_size=3)
+    tensors = oracle.random_checkpoint(cfg, seed=1)
+    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), 3)
+    seen = []
+    base_logits = dspark.DSparkModel.base_logits
+
+    def recorded(self, cache, table, head, anchor, ctx_len, n):
+        out = base_logits(self, cache, table, head, anchor, ctx_len, n)
+        jax.debug.callback(lambda *a: seen.append([np.asarray(x) for x in a]), anchor, ctx_len, out)
+        return out
+
+    monkeypatch.setattr(dspark.DSparkModel, "base_logits", recorded)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, model.cfg.vocab_size, 21).tolist()
+    gen = Generator(model, None, max_len=64, prefill_chunk=16)
+    plain = gen.generate([prompt], 12, stop=())
+    spec = gen.generate([prompt], 12, stop=(), speculative=drafter)
+    assert spec.tokens == plain.tokens
+    assert len(seen) >= 3
+    full = prompt + spec.tokens[0]
+    hidden = model(jnp.asarray([full]), return_hidden=True).hidden
+    taps = np.concatenate([np.asarray(hidden[i][0], np.float64) for i in cfg["target_layer_ids"]], axis=-1)
+    embed = np.asarray(model.embed_tokens[...], np.float64)
+    head = np.asarray(model.lm_head[...], np.float64)
+    for anchor, ctx_len, got in seen:
+        c = int(ctx_len[0])
+        assert full[c] == anchor[0]  # the anchor is the token after the context
+        want, _ = oracle.draft(cfg, tensors, embed, head, taps[:c], int(anchor[0]), 3)
+        np.testing.assert_allclose(got[0], want, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not os.path.isdir(DEMO_DRAFTER), reason="the demo drafter is not installed")
+def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
+    """The drafter trained for the demo model (scripts/make_demo_drafter.py) on a chat question it was not trained
+    on: greedy output equals plain output, with more than one token per verify step."""
+    from kimi_jax.text import chat
+    from kimi_jax.text.tokenizer import load_tokenizer
+
+    model = kimi_jax.from_pretrained(DEMO, dtype="float32", progress=False)
+    tok = load_tokenizer(DEMO)
+    ids = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
+    gen = Generator(model, tok, max_len=256)
+    plain = gen.generate([ids], 64)
+    spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER}")
+    assert spec.tokens == plain.tokens
+    assert spec.timings["speculative"]["tokens_per_step"] > 1.5, spec.timings["speculative"]
