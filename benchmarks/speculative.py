@@ -2,6 +2,7 @@
 Linear benchmark model, batch 1 and 8, on a prompt whose answer repeats its input and on free text.
 
     python benchmarks/speculative.py [--repeats 3] [--models demo,bench] [--batches 1,8] [--new 64]
+                                     [--llamacpp DIR]
 
 Each repeat runs plain then speculative (alternating which goes first) on the same batch with the same greedy
 settings, so both see the same machine; the table gives medians of the paired tokens/s, the ratio, the acceptance
@@ -15,18 +16,31 @@ an argmax between two near-equal logits can flip, as it can between batch sizes)
   whose answer copies most of its input), *free* is a documentation sentence to continue.
 * ``bench``: the shared benchmark model (``benchmarks/configs/kimi-linear-bench.md``; random weights built by
   transformers, as ``benchmarks/decode.py`` builds them), token ids: *repeat* is a random 64-id block four times,
-  *free* random ids. Random weights do not continue a repetition, so this row measures what speculation costs when
-  it cannot help.
+  *free* 256 random ids. Random weights do not continue a repetition, so this row measures what speculation costs
+  when it cannot help. The ids are drawn from the two-letter tokens "xy" with x < y of the synthetic byte-level BPE
+  vocabulary that the model's GGUF files carry (``PAIR_IDS``), so their text tokenizes back to exactly these ids
+  and llama.cpp, which takes text, decodes the same prompt.
 
-The peer (llama.cpp's ``llama-lookup`` on the same prompts) is not run yet: the llama.cpp build the decode
-benchmarks compare against has only llama.cpp's benchmark tools.
+The peer: llama.cpp's prompt lookup (``llama-lookup``, n-gram drafts of up to ``--draft`` = 4 tokens from the
+prompt and what was generated, as ours) on the benchmark model's batch-1 prompts, greedy (``--temp 0``), the same
+number of new tokens, and its plain decoding as the same program with no drafts (``--spec-draft-n-max 0``), paired
+and alternated as ours, medians of ``--repeats``; its tokens/s are the tokens after the first over the decode time it
+prints (as ours), acceptance its ``n_accept`` / ``n_drafted``; ``llama-bench -p 0 -n NEW-1 -d PROMPT`` is run too
+as a cross-check of the plain speed. ``llama-lookup`` decodes one sequence, so batch 8 has
+no peer. llama.cpp is found through ``--llamacpp DIR`` or the ``KIMI_JAX_LLAMACPP`` environment variable: a llama.cpp
+build (DIR holding ``llama-lookup``, or its ``build/bin``, or a folder holding the build as
+``llama_cpp_python-*/vendor/llama.cpp/build/bin``) with the benchmark model's GGUF as ``DIR/bench-f16.gguf``
+(bfloat16 runs) or ``DIR/bench-f32.gguf`` (float32), or ``--gguf FILE``. Without them the peer is skipped with the
+reason printed. The demo model has no GGUF, so it has no peer.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -50,6 +64,18 @@ CODE = '''def count_words(text):
 '''
 REPEAT_TEXT = f"Rename the function count_words to word_frequencies and change nothing else.\n\n{CODE}\nResult:\n\n"
 FREE_TEXT = "The for statement is used to iterate over the elements of a sequence"
+LLAMACPP_ENV = "KIMI_JAX_LLAMACPP"
+
+# The benchmark model's GGUF vocabulary (made for llama.cpp's converter, as the model has no tokenizer): 0-2
+# specials, 3..258 the 256 bytes, then 259 + 256 * a + b for the byte pair a, b (a < 124), merged in that order. A run
+# of pairs "xy" with x < y, all letters, tokenizes back to exactly those pairs: one pre-token (letters only), and the
+# merge across a pair's right edge (y, next x) ranks below the pair's own (x < y), so it never comes first.
+LETTERS = [*range(65, 91), *range(97, 123)]
+PAIR_IDS = np.array([259 + 256 * a + b for a in LETTERS for b in LETTERS if a < b])
+
+
+def pair_text(ids) -> str:
+    return "".join(chr((i - 259) // 256) + chr((i - 259) % 256) for i in ids)
 
 
 def prompts(model_name: str, kind: str, batch: int):
@@ -57,14 +83,95 @@ def prompts(model_name: str, kind: str, batch: int):
         return [REPEAT_TEXT if kind == "repeat" else FREE_TEXT] * batch
     rng = np.random.default_rng(0)
     if kind == "repeat":
-        return [np.tile(rng.integers(3, 32000, 64), 4).tolist() for _ in range(batch)]
-    return [rng.integers(3, 32000, 256).tolist() for _ in range(batch)]
+        return [np.tile(rng.choice(PAIR_IDS, 64), 4).tolist() for _ in range(batch)]
+    return [rng.choice(PAIR_IDS, 256).tolist() for _ in range(batch)]
 
 
 def run_once(gen, ps, new: int, speculative):
     r = gen.generate(ps, new, stop=(), speculative=speculative)
     toks = sum(len(t) for t in r.tokens) - len(ps)  # the first new token of each comes from the prefill
     return toks / r.timings["decode"], r
+
+
+def find_llamacpp(root: str | None, gguf: str | None, dtype: str | None):
+    """(llama-lookup's folder, the GGUF file, None), or (None, None, why not)."""
+    if not root:
+        return None, None, f"no llama.cpp given (--llamacpp DIR or {LLAMACPP_ENV})"
+    root = os.path.abspath(os.path.expanduser(root))
+    bins = [root, os.path.join(root, "build", "bin"),
+            *sorted(glob.glob(os.path.join(root, "llama_cpp_python-*", "vendor", "llama.cpp", "build", "bin")))]
+    bin_dir = next((b for b in bins if os.access(os.path.join(b, "llama-lookup"), os.X_OK)), None)
+    if bin_dir is None:
+        return None, None, (f"no llama-lookup under {root} (build it: cmake --build BUILD --target llama-lookup "
+                            f"llama-tokenize)")
+    gguf = gguf or os.path.join(root, "bench-f32.gguf" if dtype == "float32" else "bench-f16.gguf")
+    if not os.path.isfile(gguf):
+        return None, None, f"no GGUF file {gguf} (--gguf FILE)"
+    return bin_dir, gguf, None
+
+
+def llamacpp_once(bin_dir: str, gguf: str, text: str, new: int, draft: int, threads: int, ctx: int) -> dict:
+    """One ``llama-lookup`` run, greedy, ``new`` tokens in all (the first one from the prompt's forward); draft 0 is
+    plain decoding. tok_s: the tokens after the first over the decode time, as ours."""
+    cmd = [os.path.join(bin_dir, "llama-lookup"), "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+           "-n", str(new - 1), "--temp", "0", "--seed", "0", "--ignore-eos", "--spec-draft-n-max", str(draft),
+           "-p", text]
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace")
+    out = p.stdout + p.stderr
+    dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
+    if p.returncode or not dec:
+        raise RuntimeError(f"llama-lookup failed ({p.returncode}): {' '.join(cmd[:-1])} ...\n{out[-2000:]}")
+    n, t = int(dec.group(1)), float(dec.group(2))
+    num = {k: int(re.search(rf"{k}\s+=\s+(\d+)", out).group(1)) for k in ("n_drafted", "n_accept")}
+    return {"tok_s": (n - 1) / t, "predicted": n, "drafted": num["n_drafted"], "accepted": num["n_accept"],
+            "prompt_tokens": int(re.search(r"encoded\s+(\d+) tokens", out).group(1))}
+
+
+def llamacpp_tokenize(bin_dir: str, gguf: str, text: str):
+    """The ids llama.cpp makes of ``text`` (``llama-tokenize``, as ``llama-lookup`` tokenizes), or None without it."""
+    exe = os.path.join(bin_dir, "llama-tokenize")
+    if not os.access(exe, os.X_OK):
+        return None
+    p = subprocess.run([exe, "-m", gguf, "-p", text, "--ids", "--log-disable"], check=False, capture_output=True,
+                       text=True)
+    m = re.search(r"\[([\d,\s]*)\]", p.stdout)
+    return [int(x) for x in m.group(1).split(",") if x.strip()] if m else None
+
+
+def llamacpp_bench(bin_dir: str, gguf: str, depth: int, new: int, repeats: int, threads: int):
+    """``llama-bench``'s decode tok/s for ``new - 1`` tokens after ``depth`` (llama.cpp's own plain decode
+    measurement, a cross-check of the draft-0 ``llama-lookup`` run), or None without it."""
+    exe = os.path.join(bin_dir, "llama-bench")
+    if not os.access(exe, os.X_OK):
+        return None
+    p = subprocess.run([exe, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new - 1), "-d", str(depth),
+                        "-r", str(repeats), "-o", "json"], check=False, capture_output=True, text=True)
+    try:
+        return float(json.loads(p.stdout)[0]["avg_ts"])
+    except (ValueError, LookupError):
+        return None
+
+
+def llamacpp_row(bin_dir: str, gguf: str, ids, new: int, draft: int, repeats: int, threads: int) -> dict:
+    """llama.cpp plain vs lookup on one prompt, paired and alternated as ours; medians."""
+    text = pair_text(ids)
+    ctx = max(512, len(ids) + new + 64)
+    tokens = llamacpp_tokenize(bin_dir, gguf, text)
+    llamacpp_once(bin_dir, gguf, text, new, 0, threads, ctx)  # page the weights in
+    plain, look = [], []
+    for r in range(repeats):
+        for d in ([0, draft] if r % 2 == 0 else [draft, 0]):
+            res = llamacpp_once(bin_dir, gguf, text, new, d, threads, ctx)
+            (look if d else plain).append(res)
+    last = look[-1]
+    return {"plain_tok_s": statistics.median(x["tok_s"] for x in plain),
+            "lookup_tok_s": statistics.median(x["tok_s"] for x in look),
+            "ratio": statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(look, plain)),
+            "accepted": last["accepted"], "drafted": last["drafted"], "predicted": last["predicted"],
+            "tokens_per_step": last["predicted"] / max(1, last["predicted"] - last["accepted"]),
+            "prompt_tokens": last["prompt_tokens"],
+            "prompt_ids_equal": None if tokens is None else tokens == list(ids),
+            "llama_bench_tok_s": llamacpp_bench(bin_dir, gguf, len(ids), new, repeats, threads)}
 
 
 def main(argv=None):
@@ -78,6 +185,11 @@ def main(argv=None):
                     help="default: from_pretrained's automatic choice (bfloat16)")
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax", "kimi-linear-bench"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "speculative.json"))
+    ap.add_argument("--llamacpp", default=os.environ.get(LLAMACPP_ENV), metavar="DIR",
+                    help=f"the llama.cpp peer's folder (default: ${LLAMACPP_ENV}; see above)")
+    ap.add_argument("--gguf", default=None, help="the benchmark model's GGUF for the peer (default: in --llamacpp)")
+    ap.add_argument("--draft", type=int, default=4, help="llama-lookup's --spec-draft-n-max")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     args = ap.parse_args(argv)
 
     import jax
@@ -93,6 +205,19 @@ def main(argv=None):
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f}; jax {jax.__version__}; commit {commit}; "
           f"{args.spec}, {args.new} new tokens, dtype {args.dtype or 'automatic'}, median of {args.repeats} paired "
           f"repeats", flush=True)
+    peer_bin, peer_gguf, peer_why = (find_llamacpp(args.llamacpp, args.gguf, args.dtype) if "bench" in args.models
+                                     else (None, None, "the benchmark model is not run"))
+    if peer_why:
+        peer = {"skipped": peer_why}
+        print(f"llama.cpp peer skipped: {peer_why}", flush=True)
+    else:
+        v = subprocess.run([os.path.join(peer_bin, "llama-lookup"), "--version"], check=False, capture_output=True,
+                           text=True)
+        version = next((x.strip() for x in (v.stdout + v.stderr).splitlines() if x.startswith("version")), "")
+        version = version.removeprefix("version:").strip()
+        peer = {"gguf": os.path.basename(peer_gguf), "version": version, "draft": args.draft, "threads": args.threads,
+                "batch8": "not run: llama-lookup decodes one sequence"}
+        print(f"llama.cpp peer: {peer_bin}, {peer_gguf}, {version}", flush=True)
     rows = []
     for name in args.models.split(","):
         if name == "demo":
@@ -136,17 +261,44 @@ def main(argv=None):
                       f"{row['spec_tok_s']:7.1f} tok/s ({ratio:.2f}x); accepted {stats['accepted']} of "
                       f"{stats['drafted']} drafted, {stats['tokens_per_step']:.2f} tokens per step; "
                       f"same tokens: {same}", flush=True)
+                if name == "bench" and b == 1 and not peer_why:
+                    lc = llamacpp_row(peer_bin, peer_gguf, ps[0], args.new, args.draft, args.repeats, args.threads)
+                    lc["ours_plain_vs_llamacpp"] = row["plain_tok_s"] / lc["plain_tok_s"]
+                    lc["ours_spec_vs_llamacpp_lookup"] = row["spec_tok_s"] / lc["lookup_tok_s"]
+                    row["llamacpp"] = lc
+                    lb = f"{lc['llama_bench_tok_s']:.1f}" if lc["llama_bench_tok_s"] else "n/a"
+                    print(f"{'':5s} {kind:6s} b=1 llama.cpp {peer['gguf']}: plain {lc['plain_tok_s']:7.1f} tok/s, "
+                          f"lookup draft {args.draft} {lc['lookup_tok_s']:7.1f} tok/s ({lc['ratio']:.2f}x); accepted "
+                          f"{lc['accepted']} of {lc['drafted']} drafted; llama-bench plain {lb} tok/s; prompt "
+                          f"{lc['prompt_tokens']} tokens, ids equal: {lc['prompt_ids_equal']}; ours / llama.cpp: plain "
+                          f"{lc['ours_plain_vs_llamacpp']:.2f}x, speculative {lc['ours_spec_vs_llamacpp_lookup']:.2f}x",
+                          flush=True)
     print("\n| model | prompt | batch | plain tok/s | n-gram tok/s | ratio | accepted / drafted | tokens per step | "
           "same tokens |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['prompt']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
               f"{r['ratio']:.2f}x | {r['accepted']} / {r['drafted']} | {r['tokens_per_step']:.2f} | "
               f"{r['same_tokens']} |")
+    if peer_why:
+        print(f"\nllama.cpp peer skipped: {peer_why}")
+    else:
+        print(f"\nllama.cpp peer ({peer['gguf']}, {peer['version']}, {args.threads} threads; batch 8 not run: "
+              f"llama-lookup decodes one sequence)\n\n| model | prompt | batch | llama.cpp plain tok/s (llama-bench) "
+              f"| lookup tok/s | lookup / plain | accepted / drafted | ours / llama.cpp plain | "
+              f"ours n-gram / llama.cpp lookup |\n|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if "llamacpp" in r:
+                lc = r["llamacpp"]
+                lb = f"{lc['llama_bench_tok_s']:.1f}" if lc["llama_bench_tok_s"] else "n/a"
+                print(f"| {r['model']} | {r['prompt']} | {r['batch']} | {lc['plain_tok_s']:.1f} ({lb}) | "
+                      f"{lc['lookup_tok_s']:.1f} | {lc['ratio']:.2f}x (ours {r['ratio']:.2f}x) | {lc['accepted']} / "
+                      f"{lc['drafted']} | {lc['ours_plain_vs_llamacpp']:.2f}x | "
+                      f"{lc['ours_spec_vs_llamacpp_lookup']:.2f}x |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"commit": commit, "spec": args.spec, "dtype": args.dtype or "automatic", "new": args.new, "repeats": args.repeats,
                    "cores": os.cpu_count(), "load_average": load[0], "when": time.strftime("%Y-%m-%d %H:%M"),
-                   "rows": rows}, f, indent=2)
+                   "llamacpp": peer, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 
