@@ -1,10 +1,14 @@
-"""Speculative decoding benchmark: plain vs prompt-lookup (n-gram) decoding, on the demo model and the shared Kimi
-Linear benchmark model, batch 1 and 8, on a prompt whose answer repeats its input and on free text.
+"""Speculative decoding benchmark: plain vs prompt-lookup (n-gram) vs DSpark-drafter decoding, on the demo model and
+the shared Kimi Linear benchmark model, batch 1 and 8, on a prompt whose answer repeats its input and on free text.
 
     python benchmarks/speculative.py [--repeats 3] [--models demo,bench] [--batches 1,8] [--new 64]
-                                     [--llamacpp DIR]
+                                     [--dspark PATH] [--llamacpp DIR]
 
-Each repeat runs plain then speculative (alternating which goes first) on the same batch with the same greedy
+The DSpark column runs the drafter trained for the demo model (``kimi_jax/assets/k3-demo-dspark``,
+``scripts/make_demo_drafter.py``) on the demo rows; the benchmark model has random weights and no drafter (a drafter
+is trained for one target), so its rows have none.
+
+Each repeat runs plain then each drafter (alternating the order) on the same batch with the same greedy
 settings, so both see the same machine; the table gives medians of the paired tokens/s, the ratio, the acceptance
 (drafted tokens accepted, and new tokens per verify forward) and whether the speculative tokens equal the plain ones
 (greedy: in float32 they must; in bfloat16 a multi-position forward rounds differently from a one-position step, so
@@ -174,13 +178,47 @@ def llamacpp_row(bin_dir: str, gguf: str, ids, new: int, draft: int, repeats: in
             "llama_bench_tok_s": llamacpp_bench(bin_dir, gguf, len(ids), new, repeats, threads)}
 
 
+def paired(gen, ps, new: int, drafters: list, repeats: int) -> dict:
+    """Plain and each drafter, paired per repeat (the order rotated): the plain median and per drafter its median
+    tokens/s, the median of the paired ratios, its acceptance and whether its tokens equal the plain ones. The first
+    drafter's fields at the top level, a DSpark drafter's under ``dspark``."""
+    for s in [None, *drafters]:
+        run_once(gen, ps, new, s)  # compile
+    plain, runs = [], {i: [] for i in range(len(drafters))}
+    stats, same, tokens = {}, {i: True for i in runs}, {}
+    for r in range(repeats):
+        order = [None, *range(len(drafters))]
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            tps, res = run_once(gen, ps, new, None if i is None else drafters[i])
+            (plain if i is None else runs[i]).append(tps)
+            tokens[i] = res.tokens
+            if i is not None:
+                stats[i] = res.timings["speculative"]
+        for i in runs:
+            same[i] &= tokens[i] == tokens[None]
+    out = {"plain_tok_s": statistics.median(plain)}
+    for i, d in enumerate(drafters):
+        fields = {"spec_tok_s": statistics.median(runs[i]),
+                  "ratio": statistics.median(s / p for s, p in zip(runs[i], plain)),
+                  "accepted": stats[i]["accepted"], "drafted": stats[i]["drafted"],
+                  "tokens_per_step": stats[i]["tokens_per_step"], "same_tokens": bool(same[i])}
+        if i == 0:
+            out.update(fields)
+        else:
+            out["dspark"] = fields
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="demo,bench")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--spec", default="ngram:k=4", help="the drafter (generate's speculative=)")
+    ap.add_argument("--spec", default="ngram:k=4", help="the n-gram drafter (generate's speculative=)")
+    ap.add_argument("--dspark", default=None, metavar="PATH",
+                    help="the demo rows' DSpark drafter (default: the one shipped for the demo model; 'none': skip)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="default: from_pretrained's automatic choice (bfloat16)")
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax", "kimi-linear-bench"))
@@ -196,7 +234,7 @@ def main(argv=None):
 
     import kimi_jax
     from kimi_jax.generation.generate import Generator
-    from kimi_jax.model.config import demo_model_dir
+    from kimi_jax.model.config import DEMO_DRAFTER, demo_model_dir
     from kimi_jax.text.tokenizer import load_tokenizer
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -219,6 +257,7 @@ def main(argv=None):
                 "batch8": "not run: llama-lookup decodes one sequence"}
         print(f"llama.cpp peer: {peer_bin}, {peer_gguf}, {version}", flush=True)
     rows = []
+    dspark = None if args.dspark == "none" else f"dspark:{args.dspark or DEMO_DRAFTER}"
     for name in args.models.split(","):
         if name == "demo":
             path, tok = demo_model_dir(), True
@@ -238,29 +277,15 @@ def main(argv=None):
                 ps = prompts(name, kind, b)
                 longest = max(len(tokenizer.encode(p)) if tokenizer else len(p) for p in ps)
                 gen = Generator(model, tokenizer, max_len=longest + args.new + 16)
-                run_once(gen, ps, args.new, None)  # compile both
-                run_once(gen, ps, args.new, args.spec)
-                plain, spec, stats, same = [], [], None, True
-                for r in range(args.repeats):
-                    order = [None, args.spec] if r % 2 == 0 else [args.spec, None]
-                    for s in order:
-                        tps, res = run_once(gen, ps, args.new, s)
-                        (spec if s else plain).append(tps)
-                        if s:
-                            stats, spec_tokens = res.timings["speculative"], res.tokens
-                        else:
-                            plain_tokens = res.tokens
-                    same &= spec_tokens == plain_tokens
-                ratio = statistics.median(s / p for s, p in zip(spec, plain))
-                row = {"model": name, "prompt": kind, "batch": b, "plain_tok_s": statistics.median(plain),
-                       "spec_tok_s": statistics.median(spec), "ratio": ratio,
-                       "accepted": stats["accepted"], "drafted": stats["drafted"],
-                       "tokens_per_step": stats["tokens_per_step"], "same_tokens": bool(same)}
+                drafters = [args.spec] + ([dspark] if dspark and name == "demo" else [])
+                row = {"model": name, "prompt": kind, "batch": b, **paired(gen, ps, args.new, drafters, args.repeats)}
                 rows.append(row)
-                print(f"{name:5s} {kind:6s} b={b}: plain {row['plain_tok_s']:7.1f} tok/s, {args.spec} "
-                      f"{row['spec_tok_s']:7.1f} tok/s ({ratio:.2f}x); accepted {stats['accepted']} of "
-                      f"{stats['drafted']} drafted, {stats['tokens_per_step']:.2f} tokens per step; "
-                      f"same tokens: {same}", flush=True)
+                shown = [(args.spec, row)] + ([("dspark", row["dspark"])] if "dspark" in row else [])
+                for label, r in shown:
+                    print(f"{name:5s} {kind:6s} b={b}: plain {row['plain_tok_s']:7.1f} tok/s, {label} "
+                          f"{r['spec_tok_s']:7.1f} tok/s ({r['ratio']:.2f}x); accepted {r['accepted']} of "
+                          f"{r['drafted']} drafted, {r['tokens_per_step']:.2f} tokens per step; "
+                          f"same tokens: {r['same_tokens']}", flush=True)
                 if name == "bench" and b == 1 and not peer_why:
                     lc = llamacpp_row(peer_bin, peer_gguf, ps[0], args.new, args.draft, args.repeats, args.threads)
                     lc["ours_plain_vs_llamacpp"] = row["plain_tok_s"] / lc["plain_tok_s"]
@@ -273,12 +298,14 @@ def main(argv=None):
                           f"{lc['prompt_tokens']} tokens, ids equal: {lc['prompt_ids_equal']}; ours / llama.cpp: plain "
                           f"{lc['ours_plain_vs_llamacpp']:.2f}x, speculative {lc['ours_spec_vs_llamacpp_lookup']:.2f}x",
                           flush=True)
-    print("\n| model | prompt | batch | plain tok/s | n-gram tok/s | ratio | accepted / drafted | tokens per step | "
-          "same tokens |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | prompt | batch | plain tok/s | n-gram tok/s (ratio) | tokens per step | DSpark tok/s (ratio) | "
+          "tokens per step | same tokens (n-gram, DSpark) |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['prompt']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['ratio']:.2f}x | {r['accepted']} / {r['drafted']} | {r['tokens_per_step']:.2f} | "
-              f"{r['same_tokens']} |")
+        d = r.get("dspark")
+        ds = f"{d['spec_tok_s']:.1f} ({d['ratio']:.2f}x) | {d['tokens_per_step']:.2f}" if d else "- | -"
+        print(f"| {r['model']} | {r['prompt']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+              f"({r['ratio']:.2f}x) | {r['tokens_per_step']:.2f} | {ds} | {r['same_tokens']}, "
+              f"{d['same_tokens'] if d else '-'} |")
     if peer_why:
         print(f"\nllama.cpp peer skipped: {peer_why}")
     else:
@@ -296,7 +323,7 @@ def main(argv=None):
                       f"{lc['ours_spec_vs_llamacpp_lookup']:.2f}x |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"commit": commit, "spec": args.spec, "dtype": args.dtype or "automatic", "new": args.new, "repeats": args.repeats,
+        json.dump({"commit": commit, "spec": args.spec, "dspark": dspark, "dtype": args.dtype or "automatic", "new": args.new, "repeats": args.repeats,
                    "cores": os.cpu_count(), "load_average": load[0], "when": time.strftime("%Y-%m-%d %H:%M"),
                    "llamacpp": peer, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")

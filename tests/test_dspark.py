@@ -129,7 +129,6 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
         np.testing.assert_allclose(got[0], want, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.skipif(not os.path.isdir(DEMO_DRAFTER), reason="the demo drafter is not installed")
 def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     """The drafter trained for the demo model (scripts/make_demo_drafter.py) on a chat question it was not trained
     on: greedy output equals plain output, with more than one token per verify step."""

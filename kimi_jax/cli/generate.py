@@ -19,6 +19,7 @@ from kimi_jax.cli import common, progress
 from kimi_jax.cli.demo import demo_recipe
 from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import check_sampling, generate
+from kimi_jax.model.config import DEMO_DRAFTER
 from kimi_jax.model.decoder import param_count
 from kimi_jax.parallel import distributed
 from kimi_jax.text import chat
