@@ -266,3 +266,52 @@ def test_cli_speculative_gives_the_golden_greedy_tokens(k3_tiny_a, k3_golden, ca
     assert "drafted tokens accepted" in out.err
     assert main(["generate", "--model", k3_tiny_a, "--ids", "1,2", "--speculative", "ngram:k=99"]) == 2
     assert "k=99" in capsys.readouterr().err
+
+
+SCALE = {"k3": 0.003, "kimi_linear": 0.03, "llama": 0.03}  # noise that leaves the draft model often right (the K3 fixture flips on less)
+
+
+def _perturbed(path, scale: float):
+    """The model at ``path`` with noise of ``scale`` times each float weight's own spread added: a draft model that
+    mostly agrees with it (packed expert weights left as they are)."""
+    from flax import nnx
+
+    m = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
+    state = nnx.state(m, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(state))))
+
+    def noisy(x):
+        key = next(keys)
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 2:
+            return x
+        return x + scale * jnp.std(x) * jax.random.normal(key, x.shape, x.dtype)
+
+    nnx.update(m, jax.tree.map(noisy, state))
+    return m
+
+
+@pytest.mark.parametrize("family,batch", [  # the Llama-shaped model in the default set (the cheapest to compile)
+    pytest.param("k3", 2, id="k3-2", marks=pytest.mark.slow), pytest.param("k3", 8, id="k3-8", marks=pytest.mark.slow),
+    pytest.param("kimi_linear", 1, id="kimi_linear-1", marks=pytest.mark.slow), pytest.param("llama", 8, id="llama-8")])
+def test_greedy_with_a_draft_model_equals_plain(families, family, batch):
+    """A draft model (the target with noisy weights: it agrees often, not always): greedy output equals plain output
+    with drafts accepted and rejected, a prompt prefilled in chunks; the KDA states of the target's cache agree with
+    the plain run's. The target itself as its own draft model: every draft accepted."""
+    model = kimi_jax.from_pretrained(families[family], dtype="float32", progress=False)
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(n)).tolist() for n in rng.integers(3, 40, batch)]
+    gen = Generator(model, None, max_len=96, prefill_chunk=16)
+    plain = gen.generate(prompts, 16, stop=())
+    B = plain.timings["batch_bucket"]
+    plain_cache = gen._caches[B]
+    spec = gen.generate(prompts, 16, stop=(), speculative=speculative.DraftModel(_perturbed(families[family], SCALE[family]), 3))
+    assert spec.tokens == plain.tokens
+    s = spec.timings["speculative"]
+    assert 0 < s["accepted"] < s["drafted"], s  # some drafts accepted, some rejected
+    for a, b in zip(_kda_entries(plain_cache), _kda_entries(gen._caches[B])):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
+    if family == "llama":
+        same = gen.generate(prompts, 16, stop=(), speculative=speculative.DraftModel(model, 3))
+        assert same.tokens == plain.tokens
+        assert same.timings["speculative"]["accepted"] == same.timings["speculative"]["drafted"] > 0

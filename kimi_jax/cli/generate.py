@@ -85,7 +85,8 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--speculative", default=None, metavar="SPEC",
                    help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and output so "
                         "far (prompt lookup); 'dspark:PATH[,k=N]' drafts with a DSpark drafter (k3_dspark layout) "
-                        "from the model's hidden states; greedy output is the plain greedy output, sampled output "
+                        "from the model's hidden states; 'draft:PATH[,k=N]' with a smaller model of the family (same "
+                        "vocabulary); greedy output is the plain greedy output, sampled output "
                         "(--temperature) has the plain sampler's distribution (rejection sampling) (default: off)")
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")

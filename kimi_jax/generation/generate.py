@@ -119,14 +119,19 @@ CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_
 prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
-def prefill_chunk_tapped(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, dgraph, dparams, dcache):
-    """:func:`_prefill_chunk` that also writes a DSpark drafter's context entries of the chunk's positions (from the
-    target's hidden states at its tapped layers). A whole prompt in one call is one chunk after :func:`restart`.
-    Returns (cache, last, dcache)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"),
+                   donate_argnames=("cache", "last_BV", "dcache"))
+def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
+                          dcache):
+    """:func:`_prefill_chunk` that also brings a drafter's cache along (:func:`~kimi_jax.generation.speculative.
+    follow_prefill`: a DSpark drafter's context entries from the target's hidden states at its tapped layers, a draft
+    model's own prefill). A whole prompt in one call is one chunk after :func:`restart`. Returns (cache, last,
+    dcache)."""
     model = nnx.merge(graphdef, params)
-    res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=True)
-    dcache = speculative_mod.write_context(dgraph, dparams, dcache, res.hidden, cache.lengths, lengths_B)
+    tapped = isinstance(drafter, speculative_mod.BlockDraft)
+    res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=tapped)
+    dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, res.hidden, cache.lengths,
+                                            lengths_B)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
 
 
@@ -488,22 +493,28 @@ class Generator:
             cache, last = chunk(self.params, cache, tokens[:, i * C:(i + 1) * C], n, last)
         return start(last, samp).replace(cache=cache)
 
-    def _prefill_tapped(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling,
-                        drafter) -> tuple[DecodeState, object]:
-        """:meth:`_prefill` for a DSpark ``drafter``: the prompts' chunks (one when the plan has one call) also write
-        the drafter's context entries. Returns (decode state, the drafter's cache)."""
-        _, dgraph, dparams = speculative_mod.static(drafter)
+    def _prefill_drafted(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling,
+                         drafter) -> tuple[DecodeState, object]:
+        """:meth:`_prefill` for a DSpark ``drafter`` or a draft model: the prompts' chunks (one when the plan has one
+        call) also bring the drafter's cache along. Returns (decode state, the drafter's cache)."""
+        kind, dgraph, dparams = speculative_mod.static(drafter)
         B = tokens.shape[0]
         C = plan.chunk if len(plan.programs) > 1 else tokens.shape[1]
         calls = -(-tokens.shape[1] // C)
         tokens = np.pad(tokens, [(0, 0), (0, calls * C - tokens.shape[1])])
         place = lambda x: jax.device_put(x, self._last_sharding)  # noqa: E731  (replicated over a mesh)
-        dparams, dcache = place(dparams), place(drafter.model.empty_cache(B, self.max_len))
+        if isinstance(drafter, speculative_mod.DSpark):
+            dcache = drafter.model.empty_cache(B, self.max_len)
+        else:
+            dcache = init_cache(drafter.model.cfg, B, self.max_len, drafter.model.run.dtype,
+                                scan=drafter.model.run.scan_layers)
+        dparams, dcache = place(dparams), place(dcache)
         cache, last = restart(cache), place(np.zeros((B, self.cfg.vocab_size), np.float32))
         for i in range(calls):
             n = np.clip(lengths - i * C, 0, C).astype(np.int32)
-            cache, last, dcache = prefill_chunk_tapped(self.graphdef, self.params, cache, tokens[:, i * C:(i + 1) * C],
-                                                       n, last, dgraph, dparams, dcache)
+            cache, last, dcache = prefill_chunk_drafted(self.graphdef, self.params, cache,
+                                                        tokens[:, i * C:(i + 1) * C], n, last, kind, dgraph, dparams,
+                                                        dcache)
         return first_token(last, samp, out_len=self.max_len).replace(cache=cache), dcache
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
@@ -530,13 +541,16 @@ class Generator:
             if isinstance(drafter, speculative_mod.DSpark):
                 drafter.model.cfg.check_target(self.cfg)
                 drafter = drafter.astype(self.dtype)
+            if isinstance(drafter, speculative_mod.DraftModel) and drafter.model.cfg.vocab_size != self.cfg.vocab_size:
+                raise GenerationError(f"the draft model's vocabulary has {drafter.model.cfg.vocab_size} ids, the "
+                                      f"model's {self.cfg.vocab_size}: a draft model must share the tokenizer")
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits)  # refuses what cannot fit
 
         t0 = time.perf_counter()
         dcache = None
-        if isinstance(drafter, speculative_mod.DSpark):
-            st, dcache = self._prefill_tapped(plan, self._cache(B), tokens, lengths, samp, drafter)
+        if isinstance(drafter, (speculative_mod.DSpark, speculative_mod.DraftModel)):
+            st, dcache = self._prefill_drafted(plan, self._cache(B), tokens, lengths, samp, drafter)
         else:
             st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
         st.count.block_until_ready()

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx, struct
 
 from kimi_jax.checkpoint.drafter import load_drafter
+from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
@@ -95,20 +96,35 @@ class DSpark:
             raise SpeculativeError(f"dspark k={self.k}: this drafter drafts 1 to {n} tokens per step (its block size)")
 
 
-def parse(spec, *, dtype=None) -> NGram | DSpark | None:
-    """``speculative=`` as given to ``generate``: None, an :class:`NGram` or :class:`DSpark`, or a string ``"ngram"``
-    / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH"`` / ``"dspark:PATH,k=N"`` (``dtype``: the drafter's, when
-    it is loaded here)."""
-    if spec is None or isinstance(spec, (NGram, DSpark)):
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModel:
+    """A smaller model of the family as the drafter (any :class:`~kimi_jax.model.decoder.KimiModel` with the target's
+    vocabulary): ``k`` greedy one-token steps of it per step, from its own cache, which then follows the kept tokens
+    exactly as the target's does (one forward over the verified positions in verify mode, committed over the kept
+    ones). ``"draft:PATH[,k=N]"`` loads one with :func:`~kimi_jax.checkpoint.loading.from_pretrained`."""
+
+    model: object  # kimi_jax.model.decoder.KimiModel
+    k: int = 4
+
+    def __post_init__(self):
+        if not 1 <= self.k <= 16:
+            raise SpeculativeError(f"draft model k={self.k}: draft 1 to 16 tokens per step")
+
+
+def parse(spec, *, dtype=None) -> NGram | DSpark | DraftModel | None:
+    """``speculative=`` as given to ``generate``: None, an :class:`NGram`, :class:`DSpark` or :class:`DraftModel`,
+    or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``
+    (``dtype``: the drafter's, when it is loaded here)."""
+    if spec is None or isinstance(spec, (NGram, DSpark, DraftModel)):
         return spec
     if not isinstance(spec, str):
         raise SpeculativeError(f"speculative={spec!r}: give 'ngram[:k=N,max_n=N,min_n=N]', 'dspark:PATH[,k=N]', "
-                               "an NGram or a DSpark")
+                               "'draft:PATH[,k=N]', an NGram, a DSpark or a DraftModel")
     name, _, rest = spec.partition(":")
-    if name == "dspark":
-        return _parse_dspark(spec, rest, dtype)
+    if name in ("dspark", "draft"):
+        return _parse_model(spec, name, rest, dtype)
     if name != "ngram":
-        raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark'")
+        raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark', 'draft'")
     kw = {}
     for part in filter(None, rest.split(",")):
         m = re.fullmatch(r"(k|max_n|min_n)=(\d+)", part.strip())
@@ -118,13 +134,15 @@ def parse(spec, *, dtype=None) -> NGram | DSpark | None:
     return NGram(**kw)
 
 
-def _parse_dspark(spec: str, rest: str, dtype) -> DSpark:
+def _parse_model(spec: str, name: str, rest: str, dtype) -> DSpark | DraftModel:
     path, _, opts = rest.partition(",")
     if not path:
-        raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, 'dspark:PATH[,k=N]'")
+        raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, '{name}:PATH[,k=N]'")
     m = re.fullmatch(r"k=(\d+)", opts.strip()) if opts else None
     if opts and not m:
         raise SpeculativeError(f"speculative={spec!r}: {opts!r} is not k=N")
+    if name == "draft":
+        return DraftModel(from_pretrained(path, dtype=dtype, progress=False), int(m.group(1)) if m else 4)
     model = load_drafter(path, dtype=dtype)
     return DSpark(model, int(m.group(1)) if m else model.cfg.block_size)
 
@@ -140,7 +158,7 @@ class SpecState:
     drafted: jax.Array  # [B] int32: draft tokens proposed
     accepted: jax.Array  # [B] int32: draft tokens accepted
     rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
-    dcache: object = None  # a DSpark drafter's context entries (kimi_jax.model.dspark.DraftCache)
+    dcache: object = None  # a DSpark drafter's context entries (DraftCache) or a draft model's cache
 
 
 def ngram_draft(hist_BL, hlen_B, room_B, drafter: NGram):
@@ -250,11 +268,18 @@ class BlockDraft:
     k: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelDraft:
+    """The compiled loop's static view of a :class:`DraftModel`."""
+
+    k: int
+
+
 def static(drafter):
     """(the loop's static drafter, the drafter model's graph, its weights): what :func:`decode` takes."""
-    if isinstance(drafter, DSpark):
+    if isinstance(drafter, (DSpark, DraftModel)):
         graph, weights = nnx.split(drafter.model)
-        return BlockDraft(drafter.k), graph, weights
+        return (BlockDraft if isinstance(drafter, DSpark) else ModelDraft)(drafter.k), graph, weights
     return drafter, None, None
 
 
@@ -264,23 +289,46 @@ def _head(model):
     return table, (table if model.cfg.tie_word_embeddings else model.lm_head[...])
 
 
-def write_context(dgraph, dparams, dcache, hidden, start_B, lengths_B):
-    """(Traced.) A DSpark drafter's context entries after a target call over positions ``start ..`` (``lengths``
-    valid each) that gave per-layer ``hidden`` states: a prefill or a prefill chunk."""
+def follow_prefill(drafter, dgraph, dparams, dcache, ids_BT, hidden, start_B, lengths_B):
+    """(Traced.) The drafter's cache after a target prefill call (or chunk) over ``ids`` at positions ``start ..``
+    (``lengths`` valid each): a DSpark drafter writes its context entries from the call's per-layer ``hidden``
+    states; a draft model prefills the same tokens into its own cache."""
     dmodel = nnx.merge(dgraph, dparams)
-    return dmodel.write_context(dcache, dmodel.taps(hidden), start_B, lengths_B)
+    if isinstance(drafter, BlockDraft):
+        return dmodel.write_context(dcache, dmodel.taps(hidden), start_B, lengths_B)
+    return dmodel(ids_BT, cache=dcache, lengths=lengths_B, prefix=True, last_only=True).cache
+
+
+def _model_drafts(dmodel, dcache, token_B, want_B, k: int):
+    """A draft model's ``k`` greedy tokens after ``token`` (rows with ``want`` 0 feed nothing), from its cache; the
+    cache they leave is dropped (:func:`_follow` advances it over the kept tokens)."""
+    active = (want_B > 0).astype(jnp.int32)
+    tok, out = token_B, []
+    for _ in range(k):
+        res = dmodel(tok[:, None], cache=dcache, lengths=active, prefix=True, last_only=True)
+        tok, dcache = argmax(res.logits[:, 0].astype(jnp.float32)), res.cache
+        out.append(tok.astype(jnp.int32))
+    return jnp.stack(out, axis=1)
+
+
+def _follow(dmodel, dcache, x_BK, n_new_B):
+    """A draft model's cache advanced over the first ``n_new`` of the positions ``x`` (the step's last token and
+    drafts): one forward in verify mode, committed over the kept positions, as the target's cache is."""
+    res = dmodel(x_BK, cache=for_verify(dcache, x_BK.shape[1]), lengths=n_new_B, prefix=True, last_only=True)
+    return commit_verified(res.cache, dcache.lengths, n_new_B, dmodel.run)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"), donate_argnames=("state",))
-def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, drafter: NGram | BlockDraft,
-           dgraph=None, dparams=None) -> SpecState:
+def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
+           drafter: NGram | BlockDraft | ModelDraft, dgraph=None, dparams=None) -> SpecState:
     """Up to ``max_steps`` (traced) verify steps in one ``while_loop``; stops early when every sequence is done.
-    ``state`` is donated. A DSpark drafter: ``drafter``, ``dgraph``, ``dparams`` from :func:`static`."""
+    ``state`` is donated. A DSpark drafter or a draft model: ``drafter``, ``dgraph``, ``dparams`` from
+    :func:`static`."""
     model = nnx.merge(graphdef, params)
     dmodel = None if dgraph is None else nnx.merge(dgraph, dparams)
     k = drafter.k
 
-    taps = functools.partial(_taps, dmodel, k)
+    taps = functools.partial(_taps, dmodel if isinstance(drafter, BlockDraft) else None, k)
     def cond(carry):
         i, st = carry
         return (i < max_steps) & ~jnp.all(st.dec.done)
@@ -290,7 +338,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         accepted drafts [B], kept tokens [B, k + 1] bool)."""
         x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
         res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True,
-                    return_hidden=dmodel is not None)
+                    return_hidden=isinstance(drafter, BlockDraft))
         t, a = accept_drafts(res.logits.astype(jnp.float32), drafts, dlen, samp, d.count)
         keep = _kept(d, t, a, active, samp)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
@@ -300,7 +348,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         """No row drafted: the plain loop's one-position step (the same program as :func:`generate.decode`'s)."""
         B = drafts.shape[0]
         res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True,
-                    return_hidden=dmodel is not None)
+                    return_hidden=isinstance(drafter, BlockDraft))
         first = draw(res.logits[:, 0].astype(jnp.float32), samp, d.count)
         t = jnp.concatenate([first[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
         a = jnp.zeros((B,), jnp.int32)
@@ -311,10 +359,12 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         if dmodel is None:
             return ngram_draft(st.hist, st.hlen, want_B, drafter)
         d = st.dec
-        table, head = _head(model)
-        drafts = jax.lax.cond(jnp.any(want_B > 0),
-                              lambda: dmodel.draft(st.dcache, table, head, d.token, d.cache.lengths, k),
-                              lambda: jnp.zeros((d.token.shape[0], k), jnp.int32))
+        if isinstance(drafter, ModelDraft):
+            make = lambda: _model_drafts(dmodel, st.dcache, d.token, want_B, k)  # noqa: E731
+        else:
+            table, head = _head(model)
+            make = lambda: dmodel.draft(st.dcache, table, head, d.token, d.cache.lengths, k)  # noqa: E731
+        drafts = jax.lax.cond(jnp.any(want_B > 0), make, lambda: jnp.zeros((d.token.shape[0], k), jnp.int32))
         return drafts, want_B
 
     def body(carry):
@@ -331,7 +381,12 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *, dra
         drafts, dlen = draft(st, jnp.where(active & hopeful, room, 0))
         cache, t, a, keep, x = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
-        dcache = None if dmodel is None else dmodel.write_context(st.dcache, x, d.cache.lengths, n_new)
+        if isinstance(drafter, BlockDraft):
+            dcache = dmodel.write_context(st.dcache, x, d.cache.lengths, n_new)
+        elif isinstance(drafter, ModelDraft):
+            dcache = _follow(dmodel, st.dcache, jnp.concatenate([d.token[:, None], drafts], axis=1), n_new)
+        else:
+            dcache = None
         return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
