@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     gen = Generator(target, None, max_len=256)
     seqs, first, stop = continuations(gen, [train_asks[i] for i in pick] + windows)
     print(f"{len(seqs)} sequences of {seqs.shape[1]} tokens ({time.time() - t0:.0f} s)", file=sys.stderr)
-    data = train_dspark.collect(target, seqs, first, stop, cfg.target_layer_ids)
+    data = train_dspark.collect(target, seqs, first, stop, cfg.target_layer_ids, stream=cfg.aux_hidden_stream)
     dmodel = DSparkModel(cfg, run=RunConfig(dtype=jnp.float32), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     losses = train_dspark.train(dmodel, target, data, steps=args.steps,
                                 log=lambda t, v, hit: print(f"step {t}: loss {v:.3f}, slot hits {hit}",

@@ -68,7 +68,7 @@ def test_rope_is_interleaved():
 def test_refusals_name_the_culprit(tmp_path, k3_tiny_a):
     cfg = oracle.tiny_config(96)
     tensors = oracle.random_checkpoint(cfg, seed=0)
-    for key, value, fragment in [("mla_use_nope", True, "mla_use_nope"), ("aux_hidden_stream", "attn_res", "attn_res"),
+    for key, value, fragment in [("mla_use_nope", True, "mla_use_nope"), ("aux_hidden_stream", "mixed", "mixed"),
                                  ("num_target_layers", 5, "num_target_layers"), ("model_type", "qwen3", "model_type"),
                                  ("markov_head_type", "gated", "gated"), ("q_lora_rank", None, "q_lora_rank")]:
         with pytest.raises(DSparkConfigError, match=fragment):
@@ -143,3 +143,38 @@ def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER}")
     assert spec.tokens == plain.tokens
     assert spec.timings["speculative"]["tokens_per_step"] > 1.5, spec.timings["speculative"]
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_attn_res_stream_is_what_the_next_layer_reads(k3_tiny_a, monkeypatch, scan):
+    """``consumer_stream`` (a drafter's ``attn_res`` taps) rebuilt from a call's outputs equals the AttnRes mix the
+    model computed for the next layer's attention inside the same call (recorded from the model's own mixing), and
+    the output mix after the last layer; the scanned model gives the unrolled model's streams."""
+    from kimi_jax.model import decoder
+
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    seen = {}
+    mix = decoder._mix
+
+    def recorded(res, blocks, partial, run):
+        out = mix(res, blocks, partial, run)
+        seen.setdefault(id(res), out[0])
+        return out
+
+    monkeypatch.setattr(decoder, "_mix", recorded)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, model.cfg.vocab_size, (2, 9)))
+    out = model(ids, return_hidden=True)
+    n = model.cfg.num_layers
+    want = [seen[id(model.layers[i + 1].self_attention_res)] for i in range(n - 1)] + [out.output_mix]
+    target = model
+    if scan:
+        target = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False, scan_layers=True)
+        out = target(ids, return_hidden=True)
+        assert target.plan.count > 0
+    tol = 1e-5 if scan else 1e-6  # the scanned forward's own float32 rounding against the unrolled one's
+    for i in range(n):
+        np.testing.assert_allclose(np.asarray(target.consumer_stream(out, i)), np.asarray(want[i]), rtol=tol,
+                                   atol=tol)
+    taps = dspark.target_taps(target, out, (1, 4), "attn_res")
+    np.testing.assert_allclose(np.asarray(taps), np.concatenate([np.asarray(want[1]), np.asarray(want[4])], -1),
+                               rtol=tol, atol=tol)

@@ -130,7 +130,7 @@ def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, las
     model = nnx.merge(graphdef, params)
     tapped = isinstance(drafter, speculative_mod.BlockDraft)
     res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=tapped)
-    dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, res.hidden, cache.lengths,
+    dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, model, res, cache.lengths,
                                             lengths_B)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
 

@@ -289,13 +289,13 @@ def _head(model):
     return table, (table if model.cfg.tie_word_embeddings else model.lm_head[...])
 
 
-def follow_prefill(drafter, dgraph, dparams, dcache, ids_BT, hidden, start_B, lengths_B):
-    """(Traced.) The drafter's cache after a target prefill call (or chunk) over ``ids`` at positions ``start ..``
-    (``lengths`` valid each): a DSpark drafter writes its context entries from the call's per-layer ``hidden``
-    states; a draft model prefills the same tokens into its own cache."""
+def follow_prefill(drafter, dgraph, dparams, dcache, ids_BT, target, out, start_B, lengths_B):
+    """(Traced.) The drafter's cache after a ``target`` prefill call (or chunk) over ``ids`` at positions ``start
+    ..`` (``lengths`` valid each): a DSpark drafter writes its context entries from the call's ``return_hidden``
+    outputs ``out``; a draft model prefills the same tokens into its own cache."""
     dmodel = nnx.merge(dgraph, dparams)
     if isinstance(drafter, BlockDraft):
-        return dmodel.write_context(dcache, dmodel.taps(hidden), start_B, lengths_B)
+        return dmodel.write_context(dcache, dmodel.taps(target, out), start_B, lengths_B)
     return dmodel(ids_BT, cache=dcache, lengths=lengths_B, prefix=True, last_only=True).cache
 
 
@@ -328,7 +328,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
     dmodel = None if dgraph is None else nnx.merge(dgraph, dparams)
     k = drafter.k
 
-    taps = functools.partial(_taps, dmodel if isinstance(drafter, BlockDraft) else None, k)
+    taps = functools.partial(_taps, model, dmodel if isinstance(drafter, BlockDraft) else None, k)
     def cond(carry):
         i, st = carry
         return (i < max_steps) & ~jnp.all(st.dec.done)
@@ -392,12 +392,12 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
-def _taps(dmodel, k: int, res, T: int):
+def _taps(model, dmodel, k: int, res, T: int):
     """A DSpark drafter's context input ``[B, k + 1, X]`` from a target call over ``T`` positions (None: no
     DSpark drafter)."""
     if dmodel is None:
         return None
-    return jnp.pad(dmodel.taps(res.hidden), [(0, 0), (0, k + 1 - T), (0, 0)])
+    return jnp.pad(dmodel.taps(model, res), [(0, 0), (0, k + 1 - T), (0, 0)])
 
 
 def _kept(d: DecodeState, t, a, active, samp: Sampling):

@@ -256,6 +256,26 @@ class KimiModel(nnx.Module):
             attn_res_weights=tuple(weights) if return_attn_res else None,
         )
 
+    def consumer_stream(self, out: ModelOutput, layer: int):
+        """The stream the layer after ``layer`` reads for its attention, from a call's ``return_hidden`` outputs:
+        under Block AttnRes its attention mix over the blocks sealed so far and ``layer``'s output (after the last
+        layer: the output mix the final norm reads); without AttnRes, ``layer``'s output. What a DSpark drafter fed
+        the ``attn_res`` stream taps."""
+        cfg = self.cfg
+        if not cfg.attn_res:
+            return out.hidden[layer]
+        if layer == cfg.num_layers - 1:
+            return out.output_mix
+        nxt = layer + 1
+        seen = _blocks_seen(cfg, nxt)[0]
+        slot = self.plan.slot(nxt)
+        if slot is None:
+            res = self.layers[nxt].self_attention_res
+        else:  # a scanned layer: its repetition's slice of the stacked mix weights
+            graph, state = nnx.split(self.stack.layers[slot[0]].self_attention_res)
+            res = nnx.merge(graph, jax.tree.map(lambda a: a[slot[1]], state))
+        return res([out.attn_res_blocks[i] for i in range(seen)] + [out.hidden[layer]], self.run)
+
     def _scan(self, h, blocks: Blocks, step: Step, stack_cache, run: RunConfig, want, outs: _Outputs):
         """The scanned run of layers as one ``lax.scan`` over its repetitions. The carry holds the residual stream,
         the AttnRes block buffer (room for every block of the model) and the stacked cache, written in place."""

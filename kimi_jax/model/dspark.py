@@ -35,7 +35,9 @@ from kimi_jax.model.run import RunConfig
 
 F32 = jnp.float32
 MODEL_TYPE = "k3_dspark"
-STREAMS = ("prefix",)  # the target streams a drafter can be fed (vLLM's default: the layer's output)
+# the target streams a drafter can be fed: "prefix", each tapped layer's output (under Block AttnRes the within-block
+# partial sum; vLLM's default), or "attn_res", the AttnRes mix the next layer's attention reads (lightseek's drafter)
+STREAMS = ("prefix", "attn_res")
 
 
 class DSparkConfigError(ValueError):
@@ -118,8 +120,7 @@ def config_from_dict(d: dict) -> DSparkConfig:
         raise DSparkConfigError(f"markov_head_type {d['markov_head_type']!r}: only 'vanilla' is supported")
     stream = d.get("aux_hidden_stream", "prefix")
     if stream not in STREAMS:
-        raise DSparkConfigError(f"aux_hidden_stream {stream!r}: supported {STREAMS} (the AttnRes-mixed stream is "
-                                "not implemented yet)")
+        raise DSparkConfigError(f"aux_hidden_stream {stream!r}: supported {STREAMS}")
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "situ"):
         raise DSparkConfigError(f"hidden_act {act!r}: supported 'silu' (SwiGLU) and 'situ'")
@@ -151,6 +152,15 @@ class DraftCache:
 
     c: jax.Array
     kpe: jax.Array
+
+
+def target_taps(target, out, layer_ids, stream: str = "prefix"):
+    """The tapped streams of a target call (``return_hidden`` outputs ``out``) after each layer of ``layer_ids``,
+    concatenated: each layer's output (``prefix``) or the AttnRes mix the next layer reads (``attn_res``,
+    :meth:`~kimi_jax.model.decoder.KimiModel.consumer_stream`)."""
+    if stream == "attn_res":
+        return jnp.concatenate([target.consumer_stream(out, i) for i in layer_ids], axis=-1)
+    return jnp.concatenate([out.hidden[i] for i in layer_ids], axis=-1)
 
 
 def rope_interleaved(x, positions, theta: float):
@@ -261,9 +271,10 @@ class DSparkModel(nnx.Module):
         return DraftCache(jnp.zeros((n, batch, max_len, cfg.kv_lora_rank), dtype),
                           jnp.zeros((n, batch, max_len, cfg.qk_rope_head_dim), dtype))
 
-    def taps(self, hidden: tuple):
-        """The context input ``[B, T, n_taps * target_hidden]`` from a target call's per-layer hidden states."""
-        return jnp.concatenate([hidden[i] for i in self.cfg.target_layer_ids], axis=-1)
+    def taps(self, target, out):
+        """The context input ``[B, T, n_taps * target_hidden]`` from a ``target`` call's ``return_hidden`` outputs
+        ``out`` (:func:`target_taps`)."""
+        return target_taps(target, out, self.cfg.target_layer_ids, self.cfg.aux_hidden_stream)
 
     def write_context(self, cache: DraftCache, taps_BTX, start_B, lengths_B) -> DraftCache:
         """``cache`` with the context entries of positions ``start .. start+lengths-1`` written from ``taps`` (rows

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kimi_jax.model.dspark import DSparkModel
+from kimi_jax.model.dspark import DSparkModel, target_taps
 from kimi_jax.training.optim import OptimConfig, optimizer
 
 GAMMA = 4.0  # DSpark's position decay of the loss
@@ -36,15 +36,15 @@ class DrafterData:
     stop: np.ndarray  # [N] int32: each sequence's length (padding after it)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
-def _target_pass(graphdef, params, ids, taps: tuple[int, ...]):
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps", "stream"))
+def _target_pass(graphdef, params, ids, taps: tuple[int, ...], stream: str):
     model = nnx.merge(graphdef, params)
     res = model(ids, return_hidden=True)
-    return jnp.concatenate([res.hidden[i] for i in taps], axis=-1), jnp.argmax(res.logits, axis=-1).astype(jnp.int32)
+    return target_taps(model, res, taps, stream), jnp.argmax(res.logits, axis=-1).astype(jnp.int32)
 
 
 def collect(target, sequences: np.ndarray, first: np.ndarray, stop: np.ndarray, taps: tuple[int, ...],
-            batch: int = 16) -> DrafterData:
+            batch: int = 16, stream: str = "prefix") -> DrafterData:
     """Run ``sequences [N, S]`` (right-padded: ``stop`` tokens each) through ``target`` (a
     :class:`~kimi_jax.model.decoder.KimiModel`) for the tapped layers' hidden states and the greedy labels."""
     graphdef, params = nnx.split(target)
@@ -53,7 +53,7 @@ def collect(target, sequences: np.ndarray, first: np.ndarray, stop: np.ndarray, 
         chunk = sequences[i:i + batch]
         pad = batch - len(chunk)
         ids = np.pad(chunk, [(0, pad), (0, 0)])
-        x, lab = _target_pass(graphdef, params, jnp.asarray(ids), tuple(taps))
+        x, lab = _target_pass(graphdef, params, jnp.asarray(ids), tuple(taps), stream)
         xs.append(np.asarray(x, np.float32)[:len(chunk)])
         ls.append(np.asarray(lab)[:len(chunk)])
     return DrafterData(np.asarray(sequences, np.int32), np.concatenate(xs), np.concatenate(ls),
