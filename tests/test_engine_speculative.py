@@ -131,6 +131,15 @@ def test_speculative_engine_equals_the_plain_engine(family, models, k3_golden, m
     assert eng.generate([c], max_tokens=12, stop_ids=())[0].tokens == wc.tokens
     assert eng.stats()["slots_busy"] == 0
 
+    # a request that opts out (the server's "speculative": false) is decoded without drafts
+    drafted = eng.stats()["spec_drafted"]
+    h = eng.submit(Request(c, max_tokens=12, stop_ids=(), speculative=False))
+    for _ in range(100):
+        eng.step()
+        if h.finished:
+            break
+    assert h.result(timeout=10).tokens == wc.tokens and eng.stats()["spec_drafted"] == drafted
+
 
 def test_refusals(model, capsys):
     with pytest.raises(EngineError, match="record_logits"):

@@ -435,6 +435,7 @@ ERRORS = [
     ({"prompt": [1, 2], "min_p": 0.1}, 400, "unknown or unsupported field 'min_p'"),
     ({"prompt": [1, 2], "stop": ["x"]}, 400, "stop strings need a tokenizer"),
     ({"prompt": [1, 2], "seed": -1}, 400, "seed"),
+    ({"prompt": [1, 2], "speculative": "no"}, 400, "speculative: expected true or false"),
     ({}, 400, "prompt is required"),
 ]
 

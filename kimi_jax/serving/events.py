@@ -18,7 +18,8 @@ class Request:
     """One generation request. ``stop_ids=None``: the model's default stop ids (the chat turn terminator); ``()``:
     none. ``seed=None``: a fresh random seed. ``logprobs``: report the log-probability of every chosen token (the
     model's, before any constraint). ``constraint``: a :class:`~kimi_jax.text.grammar.Grammar` the output must match
-    (an engine started with ``structured=True``)."""
+    (an engine started with ``structured=True``). ``speculative=False``: no drafts for this request on an engine
+    that drafts (its other requests still draft)."""
 
     prompt: list[int]
     max_tokens: int = 16
@@ -30,6 +31,7 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
     constraint: object = None  # a kimi_jax.text.grammar.Grammar: what the output must match (structured outputs)
+    speculative: bool = True
 
 
 @dataclasses.dataclass

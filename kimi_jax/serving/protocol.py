@@ -12,6 +12,7 @@ What is unusual here:
   ``grammar``, ``json_object``): at most one per request, parsed here into :attr:`Params.constraint`.
   A few that cannot change the tokens (``user``, ``metadata``, ``store``, ``service_tier``,
   ``parallel_tool_calls``) are accepted and ignored.
+* ``speculative: false``: no drafts for this request on a server that drafts (``kimi-jax serve --speculative``).
 * Extensions, as vLLM spells them: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``
   (adds ``prompt_token_ids`` and ``choices[i].token_ids``), and for chat ``chat_template_kwargs: {"thinking": bool,
   "thinking_effort": str}``.
@@ -81,6 +82,7 @@ class Params:
     thinking_effort: str | None = "max"
     constraint: Constraint | ToolCall | None = None  # structured outputs
     constraint_param: str | None = None  # the field it came from (for errors)
+    speculative: bool = True  # False: no drafts for this request
 
 
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
@@ -89,7 +91,8 @@ _OFF = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetiti
         "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
         "top_logprobs": (None, 0)}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "n", "stream", "stream_options", "logprobs", "return_token_ids", "response_format", "structured_outputs"}
+           "n", "stream", "stream_options", "logprobs", "return_token_ids", "response_format", "structured_outputs",
+           "speculative"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "chat_template_kwargs", "reasoning_effort", "response_format"}
@@ -174,7 +177,7 @@ def _common(body: dict, chat_request: bool) -> Params:
         stop=_stop(body), stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=_bool(body, "ignore_eos"), stream=_bool(body, "stream"),
         include_usage=_bool(opts, "include_usage"),
-        return_token_ids=_bool(body, "return_token_ids"))
+        return_token_ids=_bool(body, "return_token_ids"), speculative=_bool(body, "speculative", True))
 
 
 def _as_object(body) -> dict:

@@ -281,6 +281,8 @@ class Scheduler:
         for i in active:
             s = self.running[i]
             room = min(k, s.handle.request.max_tokens - len(s.out) - 1)
+            if not s.handle.request.speculative:
+                continue
             if s.rate >= speculative.MIN_RATE or s.steps % speculative.PROBE == 0:
                 d = speculative.ngram_draft_host(s.prompt + s.out, room, self.drafter)
                 if d:

@@ -247,7 +247,8 @@ class _Server:
             max_tokens = max(1, room) if p.chat else 16
         return eng.submit(Request(prompt=list(prompt), max_tokens=max_tokens, temperature=p.temperature,
                                   top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=stop_ids,
-                                  stop_strings=tuple(stop_strings), logprobs=p.logprobs, constraint=constraint))
+                                  stop_strings=tuple(stop_strings), logprobs=p.logprobs, constraint=constraint,
+                                  speculative=p.speculative))
 
     def _usage(self, h, n: int) -> dict:
         return protocol.usage(h.prompt_tokens, n, getattr(h, "cached_tokens", 0))
