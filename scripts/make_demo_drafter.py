@@ -26,6 +26,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from make_demo_model import conversations, corpus
 
 import kimi_jax
 from kimi_jax.checkpoint.drafter import save_drafter
@@ -35,7 +36,6 @@ from kimi_jax.model.run import RunConfig
 from kimi_jax.text import chat
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.training import dspark as train_dspark
-from make_demo_model import conversations, corpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "kimi_jax" / "assets" / "k3-demo"
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     s = spec.timings["speculative"]
     print(f"held-out: {same}/{len(held)} equal to plain; {s}", file=sys.stderr)
     recipe = {"command": "python scripts/make_demo_drafter.py " + " ".join(argv or sys.argv[1:]),
-              "python": platform.python_version(), "sequences": int(len(seqs)), "steps": args.steps,
+              "python": platform.python_version(), "sequences": len(seqs), "steps": args.steps,
               "final_loss": float(np.mean(losses[-50:])), "heldout_prompts": len(held),
               "heldout_equal_to_plain": same, "heldout_tokens_per_step": s["tokens_per_step"],
               "seconds": round(time.time() - t0)}

@@ -18,8 +18,9 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.checkpoint.names import DSPARK_SHARED, WeightError, dspark_target, finite
-from kimi_jax.checkpoint.safetensors import DTYPES, Checkpoint, CheckpointError
+from kimi_jax.checkpoint.safetensors import DTYPES, Checkpoint
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
+from kimi_jax.model.config import read_json
 from kimi_jax.model.dspark import DSparkConfig, DSparkModel, config_from_dict
 from kimi_jax.model.params import fill, leaves
 from kimi_jax.model.run import RunConfig
@@ -27,22 +28,11 @@ from kimi_jax.model.run import RunConfig
 CONFIG = "config.json"
 
 
-def read_config(path: str) -> dict:
-    file = os.path.join(os.fspath(path), CONFIG)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path}: no {CONFIG} (a DSpark drafter directory holds config.json and safetensors)")
-    try:
-        with open(file) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-
-
 def load_drafter(path, *, dtype=None, target_cfg=None) -> DSparkModel:
     """The drafter in ``path``, its weights in ``dtype`` (default: float32). ``target_cfg``: the target's
     :class:`~kimi_jax.model.config.ModelConfig`, checked against the drafter (vocabulary, hidden size, tapped layers,
     stored shared tensors)."""
-    cfg = config_from_dict(read_config(path))
+    cfg = config_from_dict(read_json(path))
     if target_cfg is not None:
         cfg.check_target(target_cfg)
     dtype = jnp.dtype(dtype or jnp.float32)
