@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax.checkpoint.drafter import load_drafter
+from kimi_jax.checkpoint.drafter import abstract_drafter, load_drafter
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
@@ -95,10 +95,11 @@ class DSpark:
             raise SpeculativeError(f"dspark k={self.k}: this drafter drafts 1 to {n} tokens per step (its block size)")
 
 
-def parse(spec, *, dtype=None) -> NGram | DSpark | None:
+def parse(spec, *, dtype=None, weights: bool = True) -> NGram | DSpark | None:
     """``speculative=`` as given to ``generate``: None, an :class:`NGram` or :class:`DSpark`, or a string ``"ngram"``
     / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH"`` / ``"dspark:PATH,k=N"`` (``dtype``: the drafter's, when
-    it is loaded here)."""
+    it is loaded here). ``weights=False``: a DSpark drafter from its ``config.json`` alone, abstract
+    (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles)."""
     if spec is None or isinstance(spec, (NGram, DSpark)):
         return spec
     if not isinstance(spec, str):
@@ -106,7 +107,7 @@ def parse(spec, *, dtype=None) -> NGram | DSpark | None:
                                "an NGram or a DSpark")
     name, _, rest = spec.partition(":")
     if name == "dspark":
-        return _parse_dspark(spec, rest, dtype)
+        return _parse_dspark(spec, rest, dtype, weights)
     if name != "ngram":
         raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark'")
     kw = {}
@@ -118,14 +119,14 @@ def parse(spec, *, dtype=None) -> NGram | DSpark | None:
     return NGram(**kw)
 
 
-def _parse_dspark(spec: str, rest: str, dtype) -> DSpark:
+def _parse_dspark(spec: str, rest: str, dtype, weights: bool = True) -> DSpark:
     path, _, opts = rest.partition(",")
     if not path:
         raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, 'dspark:PATH[,k=N]'")
     m = re.fullmatch(r"k=(\d+)", opts.strip()) if opts else None
     if opts and not m:
         raise SpeculativeError(f"speculative={spec!r}: {opts!r} is not k=N")
-    model = load_drafter(path, dtype=dtype)
+    model = load_drafter(path, dtype=dtype) if weights else abstract_drafter(path, dtype)
     return DSpark(model, int(m.group(1)) if m else model.cfg.block_size)
 
 
