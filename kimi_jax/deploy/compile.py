@@ -186,7 +186,7 @@ def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: in
     target's hidden states at the tapped layers written into the drafter's context cache), its weights and cache
     abstract and replicated as in :func:`compile_speculative`. Reports as :func:`compile_step` does."""
     if not isinstance(drafter, speculative.DSpark):
-        raise ValueError("compile_prefill_tapped: a DSpark drafter writes a context from the prefill; this is "
+        raise TypeError("compile_prefill_tapped: a DSpark drafter writes a context from the prefill; this is "
                          f"{type(drafter).__name__}")
     graphdef, states, ids, cache, _ = step_inputs(
         cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype, implementation=implementation,
