@@ -5,8 +5,8 @@ The tiny K3 fixture's first 3 layers (a dense layer, KDA and MLA mixers, MXFP4 e
 drafter tapping its layers 0 and 2, compiled for one TPU v5e: the speculative loop (the drafter's block, the verify
 forward returning the tapped hidden states, the drafter's context written from them) holds the target's Pallas
 kernels in both forwards, and its arguments exceed the decode step's by the drafter's weights and context cache
-that the plan counts (plus the loop's token history). The CLI's four programs (with the tapped prefill chunk) are
-``-m slow``.
+that the plan counts (plus the loop's token history). The CLI's four programs (with the tapped prefill chunk, which
+takes every drafter weight though it reads only the context projections) are ``-m slow``.
 """
 
 from __future__ import annotations
@@ -91,3 +91,12 @@ def test_plan_compile_dspark_cli(capsys, tmp_path, k3_tiny_a):
     assert "prefill chunk writing the drafter's context" in out, out
     assert all(n >= expected_kernels(cfg) for n in _kernel_calls(out)), out
     assert len(_ratios(out)) == 4, out
+    # the tapped chunk reads only the drafter's context projections, but takes (keeps resident) all its weights
+    drafter = speculative.parse(f"dspark:{path},k=3", dtype="bfloat16", weights=False)
+    m = aot.target_mesh(aot.parse_target("tpu:v5e:1x1"))
+    plan = make_plan(cfg, {"data": 1}, batch=BATCH, context=CONTEXT, drafter=drafter.model.cfg)
+    kw = dict(batch=BATCH, context=CONTEXT, tokens=16)
+    tapped = compile_lib.compile_prefill_tapped(cfg, m, drafter=drafter, **kw)
+    fresh = compile_lib.compile_step(cfg, m, **kw)
+    extra = tapped["argument"] - fresh["argument"]
+    assert plan.drafter_total <= extra < 1.1 * plan.drafter_total + 4096, (extra, plan.drafter)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from kimi_jax.cli import common
 from kimi_jax.deploy import aot, offload
-from kimi_jax.deploy.plan import CHIPS, GB, Plan, drafter_workspace, format_plan, make_plan, search
+from kimi_jax.deploy.plan import (CHIPS, GB, Plan, drafter_workspace, format_plan, make_plan, search,
+                                  tpu_loop_expert_copies)
 from kimi_jax.generation import speculative
 from kimi_jax.model import config as C
 from kimi_jax.model.run import check_offload
@@ -199,6 +200,8 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=Non
         # positions; a DSpark drafter adds its drafting step's (plan.drafter_workspace)
         plan_args["speculative"] = p.param_total + p.cache_total + p.drafter_total + args.batch * 3 * args.context * 4
         plan_act["speculative"] = p.activation_total * (drafter.k + 1)
+        if target.platform == "tpu":  # the MoE kernel's relayout copies of the experts, hoisted out of the loop
+            plan_act["speculative"] += tpu_loop_expert_copies(cfg, p.sizes, args.layout, args.dtype, args.quantize)
         if dspark is not None:
             plan_act["speculative"] += drafter_workspace(dspark, args.batch, args.context, drafter.k)
             plan_args["prefill_tapped"] = p.param_total + p.cache_total + p.drafter_total

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.generation import speculative
-from kimi_jax.generation.generate import prefill_chunk_tapped
+from kimi_jax.generation.generate import TAPPED_JIT, _prefill_chunk_tapped
 from kimi_jax.generation.sampling import DecodeState, Sampling
 from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
@@ -197,8 +197,10 @@ def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: in
     last = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32, sharding=whole)
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        compiled = prefill_chunk_tapped.lower(graphdef, *states, cache, ids, lengths, last, dgraph, dparams,
-                                              dcache).compile(_compiler_options(graphdef, states))
+        # keep_unused: the chunk reads only the drafter's context projections, but every drafter weight is resident
+        compiled = jax.jit(_prefill_chunk_tapped, keep_unused=True, **TAPPED_JIT).lower(
+            graphdef, *states, cache, ids, lengths, last, dgraph, dparams, dcache).compile(
+            _compiler_options(graphdef, states))
     return _report(compiled, time.perf_counter() - t0, False)
 
 

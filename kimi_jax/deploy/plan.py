@@ -205,6 +205,29 @@ def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16") -> dict:
             "context cache (replicated)": rows * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * itemsize}
 
 
+def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype="bfloat16",
+                           quantize: str | None = None) -> int:
+    """Per chip, the routed-expert weights a TPU decode *loop* holds a second copy of: every leaf whose last dimension
+    is not a multiple of 128 (the packed ``w2`` and its scales, the ``w1`` / ``w3`` scales of an MXFP4 expert stack),
+    padded to one, in the layout the MoE kernel reads. A single step relayouts them layer by layer (a transient
+    copy); inside a ``while_loop`` (the speculative loop) the weights are loop-invariant and XLA:TPU hoists every
+    layer's copy out of the loop, so all of them are live at once (seen in the v5p buffer assignment of the
+    speculative loop: ``u8[22,112,3584,256]`` and friends per scanned run). 0 without routed experts."""
+    sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
+    model, table = _abstract(cfg, jnp.dtype(dtype).name, quantize)
+    specs = sharding.param_specs(model, sizes, sharding.layout(layout), table=table)
+    total = 0
+    for m in table:
+        for name, a in m.arrays.items():
+            key = m.prefix + name
+            if _category(key) != "routed experts":
+                continue
+            local = sharding.shard_shape(a.shape, specs[key], sizes)
+            if local[-1] % 128:
+                total += math.prod(local[:-1]) * -(-local[-1] // 128) * 128 * jnp.dtype(a.dtype).itemsize
+    return total
+
+
 def drafter_workspace(dcfg, batch: int, context: int, k: int) -> int:
     """Estimate of the largest temporaries of one DSpark drafting step inside the speculative loop, per chip (the
     drafter replicated): one draft layer's absorbed attention in float32 over the context and the block (the latent

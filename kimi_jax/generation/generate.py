@@ -119,8 +119,7 @@ CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_
 prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
-def prefill_chunk_tapped(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, dgraph, dparams, dcache):
+def _prefill_chunk_tapped(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, dgraph, dparams, dcache):
     """:func:`_prefill_chunk` that also writes a DSpark drafter's context entries of the chunk's positions (from the
     target's hidden states at its tapped layers). A whole prompt in one call is one chunk after :func:`restart`.
     Returns (cache, last, dcache)."""
@@ -128,6 +127,10 @@ def prefill_chunk_tapped(graphdef, params, cache: Cache, ids_BC, lengths_B, last
     res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=True)
     dcache = speculative_mod.write_context(dgraph, dparams, dcache, res.hidden, cache.lengths, lengths_B)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
+
+
+TAPPED_JIT = dict(static_argnames=("graphdef", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
+prefill_chunk_tapped = jax.jit(_prefill_chunk_tapped, **TAPPED_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
