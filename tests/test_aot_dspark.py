@@ -20,7 +20,7 @@ from flax import nnx
 
 from kimi_jax.deploy import aot
 from kimi_jax.deploy import compile as compile_lib
-from kimi_jax.deploy.plan import drafter_bytes, make_plan
+from kimi_jax.deploy.plan import drafter_bytes, make_plan, tpu_loop_expert_copies
 from kimi_jax.generation import speculative
 from kimi_jax.model import config, params
 from tests import dspark_oracle as oracle
@@ -100,3 +100,13 @@ def test_plan_compile_dspark_cli(capsys, tmp_path, k3_tiny_a):
     fresh = compile_lib.compile_step(cfg, m, **kw)
     extra = tapped["argument"] - fresh["argument"]
     assert plan.drafter_total <= extra < 1.1 * plan.drafter_total + 4096, (extra, plan.drafter)
+
+
+def test_tpu_loop_expert_copies_count_the_padded_expert_leaves():
+    """Full K3 on v5p's expert=8, model=8: per MoE layer, 112 local experts' w2 (packed [3584, 192] -> 256 and its
+    scales [3584, 12] -> 128) and the w1 / w3 scales ([384, 112] -> 128), what the v5p loop's buffer assignment holds."""
+    cfg = config.preset("k3")
+    moe_layers = sum(1 for t in cfg.ffn_types if t == "moe")
+    per_layer = 112 * (3584 * 256 + 3584 * 128 + 2 * 384 * 128)
+    assert tpu_loop_expert_copies(cfg, {"expert": 8, "model": 8}) == moe_layers * per_layer
+    assert tpu_loop_expert_copies(config.preset("kimi-dense"), {"model": 8}) == 0
