@@ -104,7 +104,8 @@ def test_plan_compile_dspark_cli(capsys, tmp_path, k3_tiny_a):
 
 def test_tpu_loop_expert_copies_count_the_padded_expert_leaves():
     """Full K3 on v5p's expert=8, model=8: per MoE layer, 112 local experts' w2 (packed [3584, 192] -> 256 and its
-    scales [3584, 12] -> 128) and the w1 / w3 scales ([384, 112] -> 128), what the v5p loop's buffer assignment holds."""
+    scales [3584, 12] -> 128) and the w1 / w3 scales ([384, 112] -> 128): what the v5p loop's buffer assignment
+    holds."""
     cfg = config.preset("k3")
     moe_layers = sum(1 for t in cfg.ffn_types if t == "moe")
     per_layer = 112 * (3584 * 256 + 3584 * 128 + 2 * 384 * 128)

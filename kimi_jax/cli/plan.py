@@ -207,7 +207,8 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=Non
             plan_args["prefill_tapped"] = p.param_total + p.cache_total + p.drafter_total
             # a fresh chunk's activations, plus the tapped layers' hidden states and the drafter's context input
             taps = len(dspark.target_layer_ids) * dspark.target_hidden_size + dspark.hidden_size
-            plan_act["prefill_tapped"] = plan_act["prefill"] + args.batch * chunk * taps * jnp.dtype(args.dtype).itemsize
+            itemsize = jnp.dtype(args.dtype).itemsize
+            plan_act["prefill_tapped"] = plan_act["prefill"] + args.batch * chunk * taps * itemsize
     titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
               "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)",
               "speculative": f"speculative decode loop ({args.speculative}: verify over [{args.batch}, "
