@@ -28,6 +28,18 @@ from kimi_jax.model.run import RunConfig
 CONFIG = "config.json"
 
 
+def abstract_drafter(path, dtype=None, *, target_cfg=None) -> DSparkModel:
+    """The drafter that ``path``'s ``config.json`` describes, abstract (``nnx.eval_shape``: its parameters are
+    ``jax.ShapeDtypeStruct`` in ``dtype``, default float32; nothing allocated, no weights read): what planning and
+    deviceless compiles need (``kimi-jax plan --compile ... --speculative dspark:PATH``). ``target_cfg``: checked as
+    :func:`load_drafter` checks it."""
+    cfg = config_from_dict(read_json(path))
+    if target_cfg is not None:
+        cfg.check_target(target_cfg)
+    dtype = jnp.dtype(dtype or jnp.float32)
+    return nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+
+
 def load_drafter(path, *, dtype=None, target_cfg=None) -> DSparkModel:
     """The drafter in ``path``, its weights in ``dtype`` (default: float32). ``target_cfg``: the target's
     :class:`~kimi_jax.model.config.ModelConfig`, checked against the drafter (vocabulary, hidden size, tapped layers,

@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax.numpy as jnp
+
 from kimi_jax.cli import common
 from kimi_jax.deploy import aot, offload
-from kimi_jax.deploy.plan import CHIPS, GB, Plan, format_plan, make_plan, search
+from kimi_jax.deploy.plan import (CHIPS, GB, Plan, drafter_workspace, format_plan, make_plan, search,
+                                  tpu_loop_expert_copies)
 from kimi_jax.generation import speculative
 from kimi_jax.model import config as C
 from kimi_jax.model.run import check_offload
@@ -68,7 +71,10 @@ def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
                     help="with --serve: pages in the pool (default: every slot at --max-len, plus half again)")
     pl.add_argument("--speculative", default=None, metavar="SPEC",
                     help="with --compile (not --serve): also compile generate's speculative decode loop with this "
-                         "drafter ('ngram[:k=4,...]'): the verify forward over k + 1 positions per sequence")
+                         "drafter ('ngram[:k=4,...]' or 'dspark:PATH[,k=N]'): the verify forward over k + 1 positions "
+                         "per sequence. A DSpark PATH needs only the drafter's config.json (no weights): the plan "
+                         "counts its weights and context cache (replicated), and with a prefill chunk the chunk that "
+                         "writes its context is compiled too")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=run)
@@ -86,7 +92,8 @@ def _plan(args) -> int:
     """``kimi-jax plan``. Returns the exit status: with ``--compile``, 0 only
     when every compiled program fits the target's HBM."""
     target = None
-    drafter = speculative.parse(args.speculative)  # a wrong spec is named at once
+    # a wrong spec is named at once; a DSpark drafter from its config alone (abstract), in the planned dtype
+    drafter = speculative.parse(args.speculative, dtype=args.dtype, weights=False)
     if drafter is not None and (not args.compile or args.serve):
         raise ValueError("--speculative compiles generate's speculative decode loop: it needs --compile, not --serve")
     if args.compile:
@@ -95,6 +102,9 @@ def _plan(args) -> int:
     cfg = C.preset(args.model) if args.model in C.PRESETS else C.load(args.model)
     if args.layers or args.experts:
         cfg = cfg.sliced(args.layers, args.experts)
+    dspark = drafter.model.cfg if isinstance(drafter, speculative.DSpark) else None
+    if dspark is not None:
+        dspark.check_target(cfg)  # a drafter for another target (or taps past a --layers slice) is named at once
     chips = args.chips.split(",") if args.chips else list(CHIPS)
     unknown = [c for c in chips if c not in CHIPS]
     if unknown:
@@ -117,7 +127,7 @@ def _plan(args) -> int:
     cache_options = dict(kv_cache=args.kv_cache, kda_state=args.kda_state)
     p = make_plan(cfg, sizes, args.layout, batch=args.batch, context=args.context, dtype=args.dtype,
                   kernels=args.kernels, prefill_chunk=chunk, quantize=args.quantize, **cache_options, serve=serve,
-                  model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
+                  drafter=dspark, model_name=args.model + (f" ({args.quantize} weights)" if args.quantize else ""))
     print(format_plan(p, chips, args.reserve, args.hbm_bandwidth))
     if args.offload:
         _offload_cli(cfg, p, args, chips)
@@ -181,20 +191,35 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=Non
     layers = "scanned layers" if args.scan_layers else "unrolled layers"
     print(f"\ncompiled for {target.text}: {devices} device(s) of {aot.target_devices(target)[0].device_kind}, "
           f"{aot.hbm_bytes(target) / GB:.2f} GB HBM each ({source}), {args.kernels} kernels, {layers}")
+    dspark = drafter.model.cfg if isinstance(drafter, speculative.DSpark) else None
     plan_act = {"decode": p.activation_total, "prefill": sum(p.prefill_activations.values())}
+    plan_args = dict.fromkeys(res, p.param_total + p.cache_total)
     if drafter is not None:
-        # the verify forward's activations are a decode step's over k + 1 positions; the loop also holds each
-        # sequence's output and token history (int32, 3 x context); the drafter has no weights
-        plan_act["speculative"] = p.activation_total * (drafter.k + 1) + args.batch * 3 * args.context * 4
+        # the loop also holds each sequence's output and token history (int32, 3 x context); a DSpark drafter its
+        # weights and context cache (in p.drafter). The verify forward's activations are a decode step's over k + 1
+        # positions; a DSpark drafter adds its drafting step's (plan.drafter_workspace)
+        plan_args["speculative"] = p.param_total + p.cache_total + p.drafter_total + args.batch * 3 * args.context * 4
+        plan_act["speculative"] = p.activation_total * (drafter.k + 1)
+        if target.platform == "tpu":  # the MoE kernel's relayout copies of the experts, hoisted out of the loop
+            plan_act["speculative"] += tpu_loop_expert_copies(cfg, p.sizes, args.layout, args.dtype, args.quantize)
+        if dspark is not None:
+            plan_act["speculative"] += drafter_workspace(dspark, args.batch, args.context, drafter.k)
+            plan_args["prefill_tapped"] = p.param_total + p.cache_total + p.drafter_total
+            # a fresh chunk's activations, plus the tapped layers' hidden states and the drafter's context input
+            taps = len(dspark.target_layer_ids) * dspark.target_hidden_size + dspark.hidden_size
+            itemsize = jnp.dtype(args.dtype).itemsize
+            plan_act["prefill_tapped"] = plan_act["prefill"] + args.batch * chunk * taps * itemsize
     titles = {"decode": f"decode step ([{args.batch}, 1] ids)",
               "prefill": f"prefill chunk ([{args.batch}, {chunk}] ids, fresh)",
               "speculative": f"speculative decode loop ({args.speculative}: verify over [{args.batch}, "
-                             f"{drafter.k + 1 if drafter else 0}] ids)"}
+                             f"{drafter.k + 1 if drafter else 0}] ids)",
+              "prefill_tapped": f"prefill chunk writing the drafter's context ([{args.batch}, {chunk}] ids after "
+                                "cached ones, tapped hidden states)"}
     if serve is not None:
         titles = {"decode": f"serving decode step ({serve.slots} slots, page table of {serve.pages_per_seq} pages)",
                   "prefill": f"serving prefill chunk ([1, {chunk}] ids after cached ones)"}
     for name, r in res.items():
-        print(format_compiled(titles[name], p.param_total + p.cache_total, plan_act[name], r))
+        print(format_compiled(titles[name], plan_args[name], plan_act[name], r))
     return 0 if all(r["fits"] for r in res.values()) else 1
 
 

@@ -22,7 +22,8 @@ import numpy as np
 from jax._src import xla_bridge
 from jax.experimental import topologies
 
-from kimi_jax.deploy.compile import compile_serve, compile_speculative, compile_step
+from kimi_jax.deploy.compile import compile_prefill_tapped, compile_serve, compile_speculative, compile_step
+from kimi_jax.generation.speculative import DSpark
 from kimi_jax.parallel import sharding
 
 GIB = 2**30
@@ -167,8 +168,10 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
     for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache (``kv_cache`` / ``kda_state``:
     its storage options, :func:`kimi_jax.model.cache.cache_shapes`). ``serve``: the serving engine's programs over
     its paged cache instead (a :class:`kimi_jax.serving.stepplan.Shapes`; :func:`compile.compile_serve`).
-    ``speculative``: a drafter (:class:`kimi_jax.generation.speculative.NGram`): ``generate``'s speculative decode
-    loop too, as ``"speculative"`` (:func:`compile.compile_speculative`).
+    ``speculative``: a drafter (:class:`kimi_jax.generation.speculative.NGram` or ``DSpark``, which may be abstract):
+    ``generate``'s speculative decode loop too, as ``"speculative"`` (:func:`compile.compile_speculative`); for a
+    DSpark drafter and ``prefill_chunk`` > 0 also the prefill chunk that writes its context, as ``"prefill_tapped"``
+    (:func:`compile.compile_prefill_tapped`).
 
     Returns ``{"decode": r, "prefill": r}``; each ``r`` holds the per-device ``argument`` / ``output`` / ``alias`` /
     ``temp`` / ``peak`` bytes, ``compile_seconds``, ``hbm`` (bytes per device) and ``fits``. A program the compiler
@@ -201,6 +204,13 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
         except Exception as e:  # a refusal is a result, as above
             r = _refused(e, hbm)
         out["speculative"] = _fit(r, hbm)
+    if isinstance(speculative, DSpark) and prefill_chunk:
+        try:
+            r = compile_prefill_tapped(cfg, mesh, layout, batch=batch, context=context, tokens=prefill_chunk,
+                                       drafter=speculative, kv_cache=kv_cache, kda_state=kda_state, **kw)
+        except Exception as e:  # a refusal is a result, as above
+            r = _refused(e, hbm)
+        out["prefill_tapped"] = _fit(r, hbm)
     return out
 
 

@@ -17,10 +17,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.generation import speculative
+from kimi_jax.generation.generate import DRAFTED_JIT, _prefill_chunk_drafted
 from kimi_jax.generation.sampling import DecodeState, Sampling
 from kimi_jax.model import params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
 from kimi_jax.model.decoder import abstract_model
+from kimi_jax.model.dspark import DraftCache, DSparkModel
 from kimi_jax.model.hot_experts import routed_experts
 from kimi_jax.model.offload import HOST, HotExperts, cache_host_shardings
 from kimi_jax.model.quantize import quantize as quantize_model
@@ -125,25 +127,79 @@ def compile_step(cfg, mesh, layout="tp_ep", *, batch: int, context: int, tokens:
 def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, drafter, dtype="bfloat16",
                         implementation: str | None = None, scan_layers: bool = False, quantize: str | None = None,
                         kv_cache: str | None = None, kda_state=None) -> dict:
-    """Compile ``generate``'s speculative decode loop (:func:`kimi_jax.generation.speculative.decode`: the n-gram
+    """Compile ``generate``'s speculative decode loop (:func:`kimi_jax.generation.speculative.decode`: the
     ``drafter``, the verify forward over ``k + 1`` positions with the KDA layers in verify mode, the acceptance and
     the cache commit, and the plain one-position step for when no row drafts, in one ``while_loop``) for ``batch``
     sequences in a cache of ``context`` positions, a history of ``2 * context`` tokens (prompt + output). Reports as
-    :func:`compile_step` does."""
+    :func:`compile_step` does.
+
+    ``drafter``: an :class:`~kimi_jax.generation.speculative.NGram`, or a
+    :class:`~kimi_jax.generation.speculative.DSpark` (loaded or abstract: only its config and ``k`` are used), whose
+    weights (in ``dtype``) and context cache (:class:`~kimi_jax.model.dspark.DraftCache`, ``context`` positions)
+    are abstract arguments replicated over ``mesh``, as ``generate`` places them; the verify forward then also
+    returns the target's hidden states and the loop writes the drafter's context from the tapped layers."""
     graphdef, states, _, cache, _ = step_inputs(
         cfg, mesh, layout, batch=batch, context=context, dtype=dtype, implementation=implementation,
         scan_layers=scan_layers, quantize=quantize, kv_cache=kv_cache, kda_state=kda_state)
     whole = NamedSharding(mesh, PartitionSpec())
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
     i32, f32, B = jnp.int32, jnp.float32, batch
+    static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype)
     dec = DecodeState(cache, arg((B,), i32), arg((B, context), i32), arg((B,), i32), arg((B,), jnp.bool_))
     state = speculative.SpecState(dec, arg((B, 2 * context), i32), arg((B,), i32), arg((B,), i32), arg((B,), i32),
-                                  arg((B,), i32), arg((B,), f32))
+                                  arg((B,), i32), arg((B,), f32), dcache)
     samp = Sampling(arg((B,), f32), arg((B,), i32), arg((B,), f32), arg((B,), i32), arg((4,), i32),
                     arg((), jnp.uint32))
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        compiled = speculative.decode.lower(graphdef, *states, state, samp, arg((), i32), drafter=drafter).compile(
+        compiled = speculative.decode.lower(graphdef, *states, state, samp, arg((), i32), drafter=static,
+                                            dgraph=dgraph, dparams=dparams).compile(
+            _compiler_options(graphdef, states))
+    return _report(compiled, time.perf_counter() - t0, False)
+
+
+def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16"):
+    """(the loop's static drafter, the drafter's graph, its abstract weights, its abstract context cache) for
+    ``drafter`` on ``mesh``: for an n-gram drafter ``(drafter, None, None, None)``; for a DSpark drafter its weights
+    in ``dtype`` and a :class:`~kimi_jax.model.dspark.DraftCache` of ``[layers, batch, context, kv_lora_rank]`` +
+    ``kpe``, replicated (``generate`` places both on every device of its mesh)."""
+    if not isinstance(drafter, speculative.DSpark):
+        return drafter, None, None, None
+    dt = jnp.dtype(dtype)
+    dcfg = drafter.model.cfg
+    model = nnx.eval_shape(lambda: DSparkModel(dcfg, run=RunConfig(dtype=dt), param_dtype=dt))
+    static, dgraph, weights = speculative.static(speculative.DSpark(model, drafter.k))
+    whole = NamedSharding(mesh, PartitionSpec())
+    dparams = params.fill(weights, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)
+                                    for k, v in params.leaves(weights).items()})
+    n = dcfg.num_layers
+    dcache = DraftCache(jax.ShapeDtypeStruct((n, batch, context, dcfg.kv_lora_rank), dt, sharding=whole),
+                        jax.ShapeDtypeStruct((n, batch, context, dcfg.qk_rope_head_dim), dt, sharding=whole))
+    return static, dgraph, dparams, dcache
+
+
+def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int, drafter,
+                           dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False,
+                           quantize: str | None = None, kv_cache: str | None = None, kda_state=None) -> dict:
+    """Compile the prefill chunk ``generate`` runs with a DSpark ``drafter``
+    (:func:`kimi_jax.generation.generate.prefill_chunk_drafted`: ``[batch, tokens]`` ids continuing the cache, the
+    target's hidden states at the tapped layers written into the drafter's context cache), its weights and cache
+    abstract and replicated as in :func:`compile_speculative`. Reports as :func:`compile_step` does."""
+    if not isinstance(drafter, speculative.DSpark):
+        raise TypeError("compile_prefill_tapped: a DSpark drafter writes a context from the prefill; this is "
+                         f"{type(drafter).__name__}")
+    graphdef, states, ids, cache, _ = step_inputs(
+        cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype, implementation=implementation,
+        scan_layers=scan_layers, quantize=quantize, kv_cache=kv_cache, kda_state=kda_state)
+    static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype)
+    whole = NamedSharding(mesh, PartitionSpec())
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=whole)
+    last = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32, sharding=whole)
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
+        # keep_unused: the chunk reads only the drafter's context projections, but every drafter weight is resident
+        compiled = jax.jit(_prefill_chunk_drafted, keep_unused=True, **DRAFTED_JIT).lower(
+            graphdef, *states, cache, ids, lengths, last, static, dgraph, dparams, dcache).compile(
             _compiler_options(graphdef, states))
     return _report(compiled, time.perf_counter() - t0, False)
 

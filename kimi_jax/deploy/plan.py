@@ -28,6 +28,7 @@ from kimi_jax.model import params
 from kimi_jax.model.cache import MLACache, cache_shapes, paged_cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
+from kimi_jax.model.dspark import DSparkModel
 from kimi_jax.model.quantize import quantize as quantize_model
 from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import sharding
@@ -72,6 +73,7 @@ class Plan:
     kda_state: str = "float32"
     local_experts: int = 0  # routed experts one chip holds per MoE layer
     expert_dtypes: tuple = ()  # the distinct dtypes of the routed-expert weights' leaves (a packed weight: its fields)
+    drafter: dict = dataclasses.field(default_factory=dict)  # a DSpark drafter's weights and context cache per chip
 
     @property
     def chips(self) -> int:
@@ -90,8 +92,12 @@ class Plan:
         return sum(self.activations.values())
 
     @property
+    def drafter_total(self) -> int:
+        return sum(self.drafter.values())
+
+    @property
     def total(self) -> int:
-        return self.param_total + self.cache_total + self.activation_total
+        return self.param_total + self.cache_total + self.drafter_total + self.activation_total
 
     def step_seconds(self, bandwidth: float) -> float:
         return sum(self.step_read.values()) / bandwidth
@@ -129,7 +135,8 @@ def _spec_axes(part):
 
 def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, context: int, dtype="bfloat16",
               kernels: str = "pallas", prefill_chunk: int = 0, model_name: str = "",
-              quantize: str | None = None, kv_cache: str | None = None, kda_state=None, serve=None) -> Plan:
+              quantize: str | None = None, kv_cache: str | None = None, kda_state=None, serve=None,
+              drafter=None) -> Plan:
     """Per-chip bytes for ``cfg`` on a mesh of ``sizes`` (``{"data","expert","model"}``) under ``layout``.
 
     ``serve``: the serving engine's shapes (:class:`kimi_jax.serving.stepplan.Shapes`) instead of a generation
@@ -142,6 +149,9 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     of one layer upcast to float32). ``quantize``: the weight-only format of :func:`kimi_jax.model.quantize.quantize`
     (its default module classes), so parameters count their packed fields. ``kv_cache`` / ``kda_state``: the
     cache's storage options (:func:`kimi_jax.model.cache.cache_shapes`): int8 rows count codes and scales.
+    ``drafter``: a DSpark drafter's :class:`~kimi_jax.model.dspark.DSparkConfig`: its weights (in ``dtype``) and
+    its context cache for ``batch`` x ``context`` positions, replicated on every chip as ``generate`` places them
+    (:func:`drafter_bytes`).
     """
     if kernels not in ("pallas", "reference"):
         raise ValueError(f"kernels={kernels!r}: choose pallas or reference")
@@ -173,7 +183,59 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     e_dtypes = tuple(dict.fromkeys(a.dtype for m in table for n, a in m.arrays.items()
                                    if _category(m.prefix + n) == "routed experts"))
     return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
-                prefill, notes, kv_cache, state, e_loc, e_dtypes)
+                prefill, notes, kv_cache, state, e_loc, e_dtypes,
+                drafter_bytes(drafter, batch, context, dt.name) if drafter is not None else {})
+
+
+@functools.lru_cache(maxsize=8)
+def _drafter_weight_bytes(dcfg, dtype: str) -> int:
+    dt = jnp.dtype(dtype)
+    model = nnx.eval_shape(lambda: DSparkModel(dcfg, run=RunConfig(dtype=dt), param_dtype=dt))
+    return sum(math.prod(v.shape) * v.dtype.itemsize for v in params.leaves(nnx.state(model, nnx.Param)).values())
+
+
+def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16") -> dict:
+    """Per chip, a DSpark drafter (``dcfg``, a :class:`~kimi_jax.model.dspark.DSparkConfig`) as ``generate`` holds
+    it on a mesh, replicated: its own weights in ``dtype`` (the target's embedding and lm_head are shared, not
+    counted again), and its context cache (:class:`~kimi_jax.model.dspark.DraftCache`: ``c [layers, batch, context,
+    kv_lora_rank]`` and ``kpe [layers, batch, context, qk_rope_head_dim]`` in ``dtype``)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    rows = dcfg.num_layers * batch * context
+    return {"weights (replicated)": _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name),
+            "context cache (replicated)": rows * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * itemsize}
+
+
+def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype="bfloat16",
+                           quantize: str | None = None) -> int:
+    """Per chip, the routed-expert weights a TPU decode *loop* holds a second copy of: every leaf whose last dimension
+    is not a multiple of 128 (the packed ``w2`` and its scales, the ``w1`` / ``w3`` scales of an MXFP4 expert stack),
+    padded to one, in the layout the MoE kernel reads. A single step relayouts them layer by layer (a transient
+    copy); inside a ``while_loop`` (the speculative loop) the weights are loop-invariant and XLA:TPU hoists every
+    layer's copy out of the loop, so all of them are live at once (seen in the v5p buffer assignment of the
+    speculative loop: ``u8[22,112,3584,256]`` and friends per scanned run). 0 without routed experts."""
+    sizes = {a: int(sizes.get(a, 1)) for a in sharding.MESH_AXES}
+    model, table = _abstract(cfg, jnp.dtype(dtype).name, quantize)
+    specs = sharding.param_specs(model, sizes, sharding.layout(layout), table=table)
+    total = 0
+    for m in table:
+        for name, a in m.arrays.items():
+            key = m.prefix + name
+            if _category(key) != "routed experts":
+                continue
+            local = sharding.shard_shape(a.shape, specs[key], sizes)
+            if local[-1] % 128:
+                total += math.prod(local[:-1]) * -(-local[-1] // 128) * 128 * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def drafter_workspace(dcfg, batch: int, context: int, k: int) -> int:
+    """Estimate of the largest temporaries of one DSpark drafting step inside the speculative loop, per chip (the
+    drafter replicated): one draft layer's absorbed attention in float32 over the context and the block (the latent
+    and rope keys upcast, ``[B, L + k, r + rope]``; scores and probabilities ``[B, H, k, L + k]``), and the block's
+    base logits ``[B, k, V]`` float32."""
+    L = context + k
+    attn = batch * L * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * 4 + 2 * batch * dcfg.num_heads * k * L * 4
+    return attn + batch * k * dcfg.vocab_size * 4
 
 
 def _param_bytes(table, specs, sizes) -> tuple[dict, int, dict]:
@@ -366,6 +428,8 @@ def format_plan(p: Plan, chips=None, reserve: float = 0.1, bandwidth: float | No
             lines.append(f"  cache   {labels[k]:<34}{_gb(v)}")
     for k, v in p.activations.items():
         lines.append(f"  decode  {k:<34}{_gb(v)}")
+    for k, v in p.drafter.items():
+        lines.append(f"  drafter {k:<34}{_gb(v)}")
     lines.append(f"  {'total':<42}{_gb(p.total)}")
     if p.prefill_activations:
         lines.append("prefill-chunk activations (estimate, not in the total)")

@@ -119,10 +119,8 @@ CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_
 prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"),
-                   donate_argnames=("cache", "last_BV", "dcache"))
-def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
-                          dcache):
+def _prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
+                           dcache):
     """:func:`_prefill_chunk` that also brings a drafter's cache along (:func:`~kimi_jax.generation.speculative.
     follow_prefill`: a DSpark drafter's context entries from the target's hidden states at its tapped layers, a draft
     model's own prefill). A whole prompt in one call is one chunk after :func:`restart`. Returns (cache, last,
@@ -133,6 +131,10 @@ def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, las
     dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, model, res, cache.lengths,
                                             lengths_B)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
+
+
+DRAFTED_JIT = dict(static_argnames=("graphdef", "drafter", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
+prefill_chunk_drafted = jax.jit(_prefill_chunk_drafted, **DRAFTED_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))

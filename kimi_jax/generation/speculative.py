@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax.checkpoint.drafter import load_drafter
+from kimi_jax.checkpoint.drafter import abstract_drafter, load_drafter
 from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
 from kimi_jax.model.attention import commit_verified
@@ -111,10 +111,11 @@ class DraftModel:
             raise SpeculativeError(f"draft model k={self.k}: draft 1 to 16 tokens per step")
 
 
-def parse(spec, *, dtype=None) -> NGram | DSpark | DraftModel | None:
+def parse(spec, *, dtype=None, weights: bool = True) -> NGram | DSpark | DraftModel | None:
     """``speculative=`` as given to ``generate``: None, an :class:`NGram`, :class:`DSpark` or :class:`DraftModel`,
     or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``
-    (``dtype``: the drafter's, when it is loaded here)."""
+    (``dtype``: the drafter's, when it is loaded here). ``weights=False``: a DSpark drafter from its ``config.json``
+    alone, abstract (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles)."""
     if spec is None or isinstance(spec, (NGram, DSpark, DraftModel)):
         return spec
     if not isinstance(spec, str):
@@ -122,7 +123,7 @@ def parse(spec, *, dtype=None) -> NGram | DSpark | DraftModel | None:
                                "'draft:PATH[,k=N]', an NGram, a DSpark or a DraftModel")
     name, _, rest = spec.partition(":")
     if name in ("dspark", "draft"):
-        return _parse_model(spec, name, rest, dtype)
+        return _parse_model(spec, name, rest, dtype, weights)
     if name != "ngram":
         raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark', 'draft'")
     kw = {}
@@ -134,7 +135,7 @@ def parse(spec, *, dtype=None) -> NGram | DSpark | DraftModel | None:
     return NGram(**kw)
 
 
-def _parse_model(spec: str, name: str, rest: str, dtype) -> DSpark | DraftModel:
+def _parse_model(spec: str, name: str, rest: str, dtype, weights: bool = True) -> DSpark | DraftModel:
     path, _, opts = rest.partition(",")
     if not path:
         raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, '{name}:PATH[,k=N]'")
@@ -143,7 +144,7 @@ def _parse_model(spec: str, name: str, rest: str, dtype) -> DSpark | DraftModel:
         raise SpeculativeError(f"speculative={spec!r}: {opts!r} is not k=N")
     if name == "draft":
         return DraftModel(from_pretrained(path, dtype=dtype, progress=False), int(m.group(1)) if m else 4)
-    model = load_drafter(path, dtype=dtype)
+    model = load_drafter(path, dtype=dtype) if weights else abstract_drafter(path, dtype)
     return DSpark(model, int(m.group(1)) if m else model.cfg.block_size)
 
 
@@ -249,7 +250,7 @@ def accept(logits_BKV, drafts_BK, dlen_B, temperature_B, top_k_B, top_p_B, keys)
 
 def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> SpecState:
     """The speculative loop's state after a prefill: the history holds each prompt and its first new token;
-    ``dcache``: a DSpark drafter's context entries of the prompts (:func:`write_context`)."""
+    ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`)."""
     B, T = prompt_BT.shape
     L = T + out_len
     hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))

@@ -1,0 +1,113 @@
+"""A DSpark drafter in the deviceless compiles and the plan (issue 37): ``kimi-jax plan --compile TARGET
+--speculative dspark:PATH`` where PATH holds only the drafter's ``config.json``.
+
+The tiny K3 fixture's first 3 layers (a dense layer, KDA and MLA mixers, MXFP4 experts) as the target, a tiny
+drafter tapping its layers 0 and 2, compiled for one TPU v5e: the speculative loop (the drafter's block, the verify
+forward returning the tapped hidden states, the drafter's context written from them) holds the target's Pallas
+kernels in both forwards, and its arguments exceed the decode step's by the drafter's weights and context cache
+that the plan counts (plus the loop's token history). The CLI's four programs (with the tapped prefill chunk, which
+takes every drafter weight though it reads only the context projections) are ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import pytest
+from flax import nnx
+
+from kimi_jax.deploy import aot
+from kimi_jax.deploy import compile as compile_lib
+from kimi_jax.deploy.plan import drafter_bytes, make_plan, tpu_loop_expert_copies
+from kimi_jax.generation import speculative
+from kimi_jax.model import config, params
+from tests import dspark_oracle as oracle
+from tests.test_aot import _kernel_calls, _plan, _ratios
+from tests.test_aot_sharded import expected_kernels
+
+BATCH, CONTEXT, LAYERS = 2, 64, 3
+
+
+def _drafter_dir(tmp_path, cfg, **overrides):
+    keys = dict(hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size, target_layer_ids=[0, LAYERS - 1],
+                num_target_layers=2, block_size=3)
+    d = oracle.tiny_config(cfg.vocab_size, **{**keys, **overrides})
+    path = tmp_path / "drafter"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(d))  # no weights: the plan needs none
+    return str(path)
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_dspark_loop_compiles_and_the_plan_counts_the_drafter(tmp_path, k3_tiny_a):
+    cfg = config.load(k3_tiny_a).sliced(LAYERS)
+    drafter = speculative.parse(f"dspark:{_drafter_dir(tmp_path, cfg)},k=3", dtype="bfloat16", weights=False)
+    weights = params.leaves(nnx.state(drafter.model, nnx.Param))
+    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in weights.values())  # abstract: no weights read
+    m = aot.target_mesh(aot.parse_target("tpu:v5e:1x1"))
+    plan = make_plan(cfg, {"data": 1}, batch=BATCH, context=CONTEXT, drafter=drafter.model.cfg)
+    _, _, dparams, dcache = compile_lib.drafter_inputs(drafter, m, batch=BATCH, context=CONTEXT)
+    # the plan counts exactly the weights and the DraftCache the compiled loop takes
+    assert plan.drafter == drafter_bytes(drafter.model.cfg, BATCH, CONTEXT)
+    assert plan.drafter["weights (replicated)"] == _nbytes(dparams) > 0
+    assert plan.drafter["context cache (replicated)"] == _nbytes(dcache)
+    assert dcache.c.shape == (2, BATCH, CONTEXT, 32) and dcache.kpe.shape == (2, BATCH, CONTEXT, 8)
+    assert plan.total == plan.param_total + plan.cache_total + plan.drafter_total + plan.activation_total
+
+    spec = compile_lib.compile_speculative(cfg, m, batch=BATCH, context=CONTEXT, drafter=drafter)
+    dec = compile_lib.compile_step(cfg, m, batch=BATCH, context=CONTEXT)
+    assert spec["pallas_calls"] >= 2 * expected_kernels(cfg), spec  # the verify forward's and the plain step's
+    history = BATCH * 3 * CONTEXT * 4  # the loop's output and token history (int32)
+    extra = spec["argument"] - dec["argument"]
+    # the compiler pads small arrays to its tiles: the drafter's arguments at least, and not much more
+    assert plan.drafter_total + history <= extra < 1.1 * (plan.drafter_total + history), (extra, plan.drafter)
+
+
+def test_dspark_for_another_target_is_refused_by_name(capsys, tmp_path, k3_tiny_a):
+    cfg = config.load(k3_tiny_a)
+    path = _drafter_dir(tmp_path, cfg, target_layer_ids=[0, 40])
+    rc, out, err = _plan(capsys, "--model", k3_tiny_a, "--compile", "tpu:v5e:1x1", "--mesh", "data=1",
+                         "--speculative", f"dspark:{path}")
+    assert rc == 2 and "target_layer_ids [40]" in err and out == "", err
+
+
+@pytest.mark.slow
+def test_plan_compile_dspark_cli(capsys, tmp_path, k3_tiny_a):
+    """The CLI as a user runs it: the decode step, a fresh prefill chunk, the speculative loop and the prefill chunk
+    that writes the drafter's context, each fitting with its Pallas kernels; the plan prints the drafter's bytes."""
+    cfg = config.load(k3_tiny_a).sliced(LAYERS)
+    path = _drafter_dir(tmp_path, cfg)
+    rc, out, err = _plan(capsys, "--model", k3_tiny_a, "--layers", str(LAYERS), "--compile", "tpu:v5e:1x1", "--mesh",
+                         "data=1", "--batch", str(BATCH), "--context", str(CONTEXT), "--prefill-chunk", "16",
+                         "--speculative", f"dspark:{path},k=3")
+    assert rc == 0, out + err
+    assert "drafter weights (replicated)" in out and "drafter context cache (replicated)" in out, out
+    assert out.count("compiled in") == 4 and out.count(", fits (") == 4, out
+    assert "prefill chunk writing the drafter's context" in out, out
+    assert all(n >= expected_kernels(cfg) for n in _kernel_calls(out)), out
+    assert len(_ratios(out)) == 4, out
+    # the tapped chunk reads only the drafter's context projections, but takes (keeps resident) all its weights
+    drafter = speculative.parse(f"dspark:{path},k=3", dtype="bfloat16", weights=False)
+    m = aot.target_mesh(aot.parse_target("tpu:v5e:1x1"))
+    plan = make_plan(cfg, {"data": 1}, batch=BATCH, context=CONTEXT, drafter=drafter.model.cfg)
+    kw = dict(batch=BATCH, context=CONTEXT, tokens=16)
+    tapped = compile_lib.compile_prefill_tapped(cfg, m, drafter=drafter, **kw)
+    fresh = compile_lib.compile_step(cfg, m, **kw)
+    extra = tapped["argument"] - fresh["argument"]
+    assert plan.drafter_total <= extra < 1.1 * plan.drafter_total + 4096, (extra, plan.drafter)
+
+
+def test_tpu_loop_expert_copies_count_the_padded_expert_leaves():
+    """Full K3 on v5p's expert=8, model=8: per MoE layer, 112 local experts' w2 (packed [3584, 192] -> 256 and its
+    scales [3584, 12] -> 128) and the w1 / w3 scales ([384, 112] -> 128): what the v5p loop's buffer assignment
+    holds."""
+    cfg = config.preset("k3")
+    moe_layers = sum(1 for t in cfg.ffn_types if t == "moe")
+    per_layer = 112 * (3584 * 256 + 3584 * 128 + 2 * 384 * 128)
+    assert tpu_loop_expert_copies(cfg, {"expert": 8, "model": 8}) == moe_layers * per_layer
+    assert tpu_loop_expert_copies(config.preset("kimi-dense"), {"model": 8}) == 0
