@@ -5,9 +5,14 @@ Everything runs inside one compiled ``lax.while_loop``, as the plain decode loop
 generate.decode`): the drafter, the verify forward, the acceptance and the cache commit are traced, so the host is
 not in the loop per step and a warm generator never recompiles.
 
-* **Drafter: prompt lookup (n-gram).** Each sequence's history (prompt + output so far) lives on the device. The
-  longest recent suffix of ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) is looked up in the history; the
-  most recent earlier occurrence proposes the tokens that followed it. No weights.
+* **Drafters.** Prompt lookup (:class:`NGram`): each sequence's history (prompt + output so far) lives on the
+  device; the longest recent suffix of ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) is looked up in it and
+  the most recent earlier occurrence proposes the tokens that followed it; no weights. A DSpark drafter
+  (:class:`DSpark`, :mod:`kimi_jax.model.dspark`): one forward of a small model drafts the whole block from the
+  target's hidden states, whose context entries the target's prefill and verify calls write as they go. A draft
+  model (:class:`DraftModel`): ``k`` greedy one-token steps of a smaller model of the family from its own cache,
+  which then follows the kept tokens as the target's cache does. Every drafter's proposal is one token per position
+  for certain (greedy), which is what the acceptance below assumes.
 * **Verify.** The target runs over ``[last token, d_1 .. d_k]`` continuing the cache (``prefix=True``), with the KDA
   layers in verify mode (:func:`kimi_jax.model.cache.for_verify`): they run the decode recurrence over the positions
   but leave their state and conv tails as they were, recording the recurrence's inputs.
@@ -15,8 +20,8 @@ not in the loop per step and a warm generator never recompiles.
   accepted while ``d_{i+1} == t_i``, so the output equals plain greedy decoding token for token (up to the float
   rounding of a ``k + 1``-row forward against a one-row one). Sampled rows (temperature > 0): rejection sampling
   (Leviathan et al. 2023, Chen et al. 2023) against the distribution the plain sampler draws from (temperature, top-k,
-  top-p: :func:`kimi_jax.generation.sampling.probabilities`). A prompt-lookup draft is one token for certain (its
-  proposal puts all its mass on it), so ``d_{i+1}`` is accepted with probability ``p_i(d_{i+1})``; at the first
+  top-p: :func:`kimi_jax.generation.sampling.probabilities`). A draft is one token for certain (its proposal puts
+  all its mass on it), so ``d_{i+1}`` is accepted with probability ``p_i(d_{i+1})``; at the first
   rejection the token is drawn from ``p_i`` without ``d_{i+1}`` (renormalised), and when every draft is accepted the
   next is drawn from ``p_a``: each kept token has exactly the plain sampler's distribution given the ones before
   it (not the same draws: the random numbers are used differently). The sequence gains ``t_0 .. t_a`` (``a``
