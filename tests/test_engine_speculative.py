@@ -152,3 +152,83 @@ def test_refusals(model, capsys):
     assert "ngram k=0" in capsys.readouterr().err
     assert main(["serve", "--speculative", "ngram", "--batch-invariant"]) == 2
     assert "not with --batch-invariant" in capsys.readouterr().err
+
+
+def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, models, tmp_path, monkeypatch):
+    """A DSpark drafter on the device (``speculative=DSpark``) on the K3 fixture: a 3-chunk prompt, then a prompt
+    sharing its first chunk (a prefix hit: the drafter's context comes with the pages). Each step's block is
+    recorded: for every row that kept tokens, the drafter's base logits equal the float64 oracle's computed from the
+    target's hidden states of the whole sequence so far (so prefill chunks, verify steps and shared pages wrote the
+    drafter's context right). The drafts the verify steps get are the plain reply with one wrong token at a moving
+    position (every acceptance length occurs); greedy replies equal the plain engine's."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kimi_jax.checkpoint.drafter import load_drafter
+    from kimi_jax.serving import steps
+    from tests import dspark_oracle as oracle
+    from tests.test_dspark import _write
+
+    V, n = model.cfg.vocab_size, 3
+    cfg = oracle.tiny_config(V, hidden_size=model.cfg.hidden_size, target_hidden_size=model.cfg.hidden_size,
+                             target_layer_ids=[1, 4, 8], num_target_layers=3, block_size=n)
+    tensors = oracle.random_checkpoint(cfg, seed=1)
+    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), n)
+    a = _prompts(V, (70,), seed=5)[0]
+    b = a[:40] + _prompts(V, (9,), seed=6)[0]
+    want = [w.tokens for w in models("k3")[1].generate([a, b], max_tokens=12, stop_ids=())]
+    fulls = [a + want[0], b + want[1]]
+    now, seen = [0], []  # the request running (one at a time), the recorded blocks
+
+    def oracle_drafts(written, ctx_len, anchor):
+        out = np.zeros((len(written), n), np.int32)
+        full = fulls[now[0]]
+        for r in np.flatnonzero(np.asarray(written) > 0):
+            c = int(ctx_len[r])
+            if c < len(full) and full[c] == int(anchor[r]):  # a decoding row: its reply, one token wrong
+                d = (full[c + 1: c + 1 + n] + [0] * n)[:n]
+                if c % (n + 1) < n:
+                    d[c % (n + 1)] = (d[c % (n + 1)] + 1) % V
+                out[r] = d
+        return out
+
+    original = steps.draft_step
+
+    def recorded(dgraph, dparams, pools, embed, head, taps, table, lengths, rows, tokens, written, *, k, **kw):
+        pools, _ = original(dgraph, dparams, pools, embed, head, taps, table, lengths, rows, tokens, written, k=k,
+                            **kw)
+        dmodel = nnx.merge(dgraph, dparams)
+        ctx_len = jnp.take(lengths, rows, mode="clip")
+        anchor = jnp.take_along_axis(tokens, jnp.clip(written - 1, 0, tokens.shape[1] - 1)[:, None], axis=1)[:, 0]
+        base = dmodel.base_logits(dmodel.page_view(pools, table), embed, head, anchor, ctx_len, k)
+        jax.debug.callback(lambda *x: seen.append([now[0]] + [np.asarray(v) for v in x]), written, ctx_len, anchor,
+                           base)
+        drafts = jax.pure_callback(oracle_drafts, jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32), written,
+                                   ctx_len, anchor)
+        return pools, drafts
+
+    monkeypatch.setattr(steps, "draft_step", recorded)
+    monkeypatch.setattr(steps, "_PROGRAMS", {})  # compiled anew, with the recording
+    eng = Engine(model, **SHAPES, speculative=drafter)
+    for i, p in enumerate((a, b)):
+        now[0] = i
+        assert eng.generate([p], max_tokens=12, stop_ids=())[0].tokens == want[i]
+    st = eng.stats()
+    assert st["prefix_hit_tokens"] == 32 and st["spec_accepted"] > 0, st
+    assert st["decode_steps"] < 2 * 11, st  # fewer forwards than tokens
+
+    embed = np.asarray(model.embed_tokens[...], np.float64)
+    head = np.asarray(model.lm_head[...], np.float64)
+    taps = []
+    for full in fulls:
+        hidden = model(jnp.asarray([full]), return_hidden=True).hidden
+        taps.append(np.concatenate([np.asarray(hidden[i][0], np.float64) for i in cfg["target_layer_ids"]], -1))
+    checked = 0
+    for i, written, ctx_len, anchor, base in seen:
+        for r in np.flatnonzero(written > 0):
+            c = int(ctx_len[r])
+            want_base, _ = oracle.draft(cfg, tensors, embed, head, taps[i][:c], int(anchor[r]), n)
+            np.testing.assert_allclose(base[r], want_base, atol=1e-4 * np.abs(want_base).max())
+            checked += 1
+    assert checked >= 10, checked

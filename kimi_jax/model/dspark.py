@@ -276,22 +276,53 @@ class DSparkModel(nnx.Module):
         ``out`` (:func:`target_taps`)."""
         return target_taps(target, out, self.cfg.target_layer_ids, self.cfg.aux_hidden_stream)
 
+    def context_entries(self, taps_BTX, start_B):
+        """Every draft layer's context entries ``(c [layers, B, T, r], kpe [layers, B, T, rope])`` of the positions
+        ``start ..`` from ``taps``."""
+        run, cfg = self.run, self.cfg
+        T = taps_BTX.shape[1]
+        ctx = rms_norm(linear(taps_BTX, self.context_proj[...], run), self.context_norm[...], cfg.rms_norm_eps, run)
+        pos = start_B[:, None] + jnp.arange(T)[None]
+        latents = [layer.self_attn.latent(ctx, pos, run) for layer in self.layers]
+        return jnp.stack([c for c, _ in latents]), jnp.stack([kpe for _, kpe in latents])
+
     def write_context(self, cache: DraftCache, taps_BTX, start_B, lengths_B) -> DraftCache:
         """``cache`` with the context entries of positions ``start .. start+lengths-1`` written from ``taps`` (rows
         ``0 .. lengths-1`` of each sequence; the rest dropped)."""
-        run, cfg = self.run, self.cfg
         B, T, _ = taps_BTX.shape
-        ctx = rms_norm(linear(taps_BTX, self.context_proj[...], run), self.context_norm[...], cfg.rms_norm_eps, run)
-        pos = start_B[:, None] + jnp.arange(T)[None]
+        c, kpe = self.context_entries(taps_BTX, start_B)
         L = cache.c.shape[2]
-        dest = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], pos, L)  # L: out of range, dropped
-        rows = jnp.arange(B)[:, None]
-        cs, kpes = [], []
-        for i, layer in enumerate(self.layers):
-            c, kpe = layer.self_attn.latent(ctx, pos, run)
-            cs.append(cache.c[i].at[rows, dest].set(c.astype(cache.c.dtype), mode="drop"))
-            kpes.append(cache.kpe[i].at[rows, dest].set(kpe.astype(cache.kpe.dtype), mode="drop"))
-        return DraftCache(jnp.stack(cs), jnp.stack(kpes))
+        dest = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], start_B[:, None] + jnp.arange(T)[None], L)
+        rows = jnp.arange(B)[:, None]  # L: out of range, dropped
+        return DraftCache(cache.c.at[:, rows, dest].set(c.astype(cache.c.dtype), mode="drop"),
+                          cache.kpe.at[:, rows, dest].set(kpe.astype(cache.kpe.dtype), mode="drop"))
+
+    # -- the paged form (the serving engine's): pools ``[layers, pages, page_size, ...]`` read through page tables
+
+    def empty_pages(self, n_pages: int, page_size: int, dtype=None) -> DraftCache:
+        """Context pools of ``n_pages`` pages of ``page_size`` positions (:meth:`write_pages`, :meth:`page_view`)."""
+        return self.empty_cache(n_pages, page_size, dtype)
+
+    def write_pages(self, pools: DraftCache, taps_BTX, page_table_BW, start_B, lengths_B) -> DraftCache:
+        """:meth:`write_context` into page pools: position ``p`` of row ``b`` lives at offset ``p % page_size`` of
+        page ``page_table[b, p // page_size]``."""
+        B, T, _ = taps_BTX.shape
+        n_pages, P = pools.c.shape[1], pools.c.shape[2]
+        c, kpe = self.context_entries(taps_BTX, start_B)
+        pos = start_B[:, None] + jnp.arange(T)[None]
+        W = page_table_BW.shape[1]
+        page = jnp.take_along_axis(page_table_BW, jnp.clip(pos // P, 0, W - 1), axis=1)
+        page = jnp.where((jnp.arange(T)[None] < lengths_B[:, None]) & (pos < W * P), page, n_pages)  # dropped
+        return DraftCache(pools.c.at[:, page, pos % P].set(c.astype(pools.c.dtype), mode="drop"),
+                          pools.kpe.at[:, page, pos % P].set(kpe.astype(pools.kpe.dtype), mode="drop"))
+
+    @staticmethod
+    def page_view(pools: DraftCache, page_table_BW) -> DraftCache:
+        """The rows' contexts ``[layers, B, W * page_size, ...]`` gathered from the pools (for :meth:`draft`)."""
+        def view(a):
+            g = a[:, page_table_BW]  # [layers, B, W, P, d]
+            return g.reshape(g.shape[0], g.shape[1], g.shape[2] * g.shape[3], g.shape[4])
+        return DraftCache(view(pools.c), view(pools.kpe))
 
     def base_logits(self, cache: DraftCache, embed_VD, head_VD, anchor_B, ctx_len_B, n: int):
         """The block's logits before the Markov head, ``[B, n, V]`` float32: slot ``i`` for the token at

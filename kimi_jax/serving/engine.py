@@ -80,10 +80,13 @@ class Engine:
     decode step at full width (``benchmarks/serve.py --batch-invariant``).
     ``record_logits``: keep every step's float32 logits on the handles (tests). ``peer_timeout``: on several
     processes, seconds without a heartbeat after which a process counts as gone (:mod:`kimi_jax.serving.multihost`).
-    ``speculative``: a drafter (``"ngram[:k=4,max_n=3,min_n=1]"``, :mod:`kimi_jax.generation.speculative`): the
-    scheduler drafts each decoding slot's next tokens from its prompt and reply (prompt lookup) and a step in which
-    some slot drafted is one verify forward over every slot (:func:`kimi_jax.serving.steps.verify_step`); greedy
-    replies are the plain engine's, sampled ones have its distribution (rejection sampling).
+    ``speculative``: a drafter (:mod:`kimi_jax.generation.speculative`): ``"ngram[:k=4,max_n=3,min_n=1]"``, the
+    scheduler drafts each decoding slot's next tokens from its prompt and reply (prompt lookup); or
+    ``"dspark:PATH[,k=N]"`` (or a :class:`~kimi_jax.generation.speculative.DSpark`), a DSpark drafter on the device
+    whose context pools share the cache's pages (prefix hits and spills carry them): every compute step also drafts
+    each row's next block (:func:`kimi_jax.serving.steps.draft_step`). A step in which some slot has drafts is one
+    verify forward over every slot (:func:`kimi_jax.serving.steps.verify_step`); greedy replies are the plain
+    engine's, sampled ones have its distribution (rejection sampling). Draft models: not in the engine yet.
     ``structured``: requests may carry a constraint (:attr:`Request.constraint`): each step's allowed-token bitmasks
     are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling: every compute
     program takes one bitmask per row (a row without a constraint allows every id, which leaves its logits as they
@@ -95,7 +98,7 @@ class Engine:
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
                  compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
                  peer_timeout: float = 20.0, speculative=None, structured: bool = False):
-        drafter = speculative_mod.parse(speculative)
+        drafter = _drafter(speculative, model)
         if drafter is not None and (batch_invariant or record_logits):
             raise EngineError("speculative decoding: not with batch_invariant or record_logits yet")
         self.shapes = engine_shapes(slots=slots, max_len=max_len, page_size=page_size, pages=pages,
@@ -108,7 +111,8 @@ class Engine:
         self.cfg, self.tokenizer = model.cfg, tokenizer
         self.slots, self.max_len, self.page_size, self.n_pages = sh.slots, sh.max_len, sh.page_size, sh.n_pages
         try:
-            self.executor = Executor(model, sh, record=record_logits)
+            self.executor = Executor(model, sh, record=record_logits,
+                                     drafter=drafter if isinstance(drafter, speculative_mod.DSpark) else None)
         except CacheTooLarge as e:
             raise EngineError(str(e)) from None
         self.scheduler = Scheduler(sh, tokenizer, prefix_cache_bytes=prefix_cache_bytes,
@@ -342,3 +346,21 @@ class Engine:
             peers = {} if self.watchdog is None else dict(self.watchdog.peers)
             out["peer_compiles_after_warmup"] = {str(p): c for p, (_, c) in sorted(peers.items())}
         return out
+
+
+def _drafter(speculative, model):
+    """The engine's drafter from ``speculative`` (:func:`kimi_jax.generation.speculative.parse`), checked against
+    ``model`` and in its dtype; refused where the engine cannot run it."""
+    drafter = speculative_mod.parse(speculative, dtype=model.run.dtype)
+    if isinstance(drafter, speculative_mod.DraftModel):
+        raise EngineError("speculative decoding with a draft model: not in the serving engine yet (generate runs "
+                          "it: kimi_jax.generate(..., speculative='draft:PATH')); the engine runs 'ngram' and "
+                          "'dspark:PATH'")
+    if isinstance(drafter, speculative_mod.DSpark):
+        try:
+            drafter.model.cfg.check_target(model.cfg)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        drafter = drafter.astype(model.run.dtype)
+    return drafter
+

@@ -74,9 +74,13 @@ def to_device(tree):
 
 class Executor:
     """The device state of one engine (see the module docstring): ``model`` (on one device, or on a mesh through its
-    ``run.parallel``), the cache of ``shapes``. ``record``: every compute op also returns its float32 logits."""
+    ``run.parallel``), the cache of ``shapes``. ``record``: every compute op also returns its float32 logits.
+    ``drafter``: a DSpark drafter (:class:`~kimi_jax.generation.speculative.DSpark`, in the model's dtype): its
+    weights (replicated on a mesh) and its context pools (pages of the cache's page table) join the state; every
+    compute op also writes the context of the positions it kept and drafts each row's next block
+    (:func:`kimi_jax.serving.steps.draft_step`), returned last."""
 
-    def __init__(self, model, shapes: Shapes, *, record: bool = False):
+    def __init__(self, model, shapes: Shapes, *, record: bool = False, drafter=None):
         self.shapes, self.record = shapes, bool(record)
         self.cfg, self.dtype, self.scan = model.cfg, model.run.dtype, model.run.scan_layers
         self.graphdef, self.params = nnx.split(model)
@@ -85,23 +89,49 @@ class Executor:
                                                scan=self.scan)
         self.shardings = None if parallel is None else paged_cache_shardings(
             self.cfg, self.cache_shapes, parallel.mesh, parallel.layout)
+        self.replicated = None if parallel is None else jax.sharding.NamedSharding(parallel.mesh,
+                                                                                  jax.sharding.PartitionSpec())
+        self._drafter(model, drafter)
         self.check_fits()
-        replicated = None if parallel is None else jax.sharding.NamedSharding(parallel.mesh,
-                                                                             jax.sharding.PartitionSpec())
-        self.programs = steps.programs(self.graphdef, self.shardings, replicated,
+        self.programs = steps.programs(self.graphdef, self.shardings, self.replicated,
                                        compiler_options=model.run.compiler_options())
         kda = [e for e, _ in steps._entries(self.cache_shapes) if isinstance(e, KDACache)]
         attn = [e for e, _ in steps._entries(self.cache_shapes) if not isinstance(e, KDACache)]
-        # one slot's KDA state and conv tails, one page of every attention pool: the prefix cache's units
+        # one slot's KDA state and conv tails, one page of every attention pool (and of a drafter's context pools):
+        # the prefix cache's units
         self.snap_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kda)) // shapes.slots
-        self.page_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(attn)) // shapes.n_pages
+        self.page_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((attn, self.pool_shapes))
+                              ) // shapes.n_pages
         self._ones: dict[tuple[int, int], np.ndarray] = {}  # (rows, positions) -> masks allowing every id
         self.reset()
 
+    def _drafter(self, model, drafter) -> None:
+        """A DSpark drafter's weights placed (replicated on a mesh), its context pools' shapes, its programs."""
+        self.drafter = drafter
+        self.tap = self.dparams = self.pool_shapes = None
+        if drafter is None:
+            return
+        dcfg = drafter.model.cfg
+        self.tap = (tuple(dcfg.target_layer_ids), dcfg.aux_hidden_stream)
+        self.dgraph, dparams = nnx.split(drafter.model)
+        self.pool_shapes = jax.eval_shape(lambda: drafter.model.empty_pages(self.shapes.n_pages, self.shapes.page_size,
+                                                                           self.dtype))
+        if self.replicated is None:
+            device = next(iter(jax.tree.leaves(self.params)[0].devices()))
+            self.dparams = jax.device_put(dparams, device)
+        else:  # every process holds the same drafter: each fills its own devices
+            self.dparams = jax.tree.map(lambda a: jax.make_array_from_callback(
+                a.shape, self.replicated, lambda index, a=np.asarray(a): a[index]), dparams)
+        table = model.embed_tokens[...]
+        self.head = (table, table if self.cfg.tie_word_embeddings else model.lm_head[...])
+        self.dprograms = steps.draft_programs(self.dgraph, drafter.k, self.replicated, self.replicated)
+
     def check_fits(self) -> None:
-        """Refuse, before allocating, a cache larger than the memory free on the device holding the most of it."""
+        """Refuse, before allocating, a cache (and a drafter's weights and context pools) larger than the memory free
+        on the device holding the most of it."""
         sh = self.shapes
         leaves = jax.tree.leaves(self.cache_shapes)
+        drafter = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.dparams, self.pool_shapes)))
         if self.shardings is None:
             need, devices = sum(s.size * s.dtype.itemsize for s in leaves), jax.local_devices()[:1]
         else:
@@ -109,10 +139,11 @@ class Executor:
             need = sum(math.prod(sh_.shard_shape(s.shape)) * s.dtype.itemsize for s, sh_ in zip(leaves, shards))
             devices = jax.local_devices()
         free = min((f for f in map(free_memory, devices) if f is not None), default=None)
-        if free is not None and need > free:
-            raise CacheTooLarge(f"the paged cache ({sh.slots} slots, {sh.n_pages} pages of {sh.page_size} tokens) "
-                                f"needs {need / 1e9:.2f} GB per device but {free / 1e9:.2f} GB are free: lower "
-                                "slots, max_len or pages")
+        if free is not None and need + drafter > free:
+            what = "" if not drafter else f" and the DSpark drafter ({drafter / 1e9:.2f} GB: weights, context pools)"
+            raise CacheTooLarge(f"the paged cache ({sh.slots} slots, {sh.n_pages} pages of {sh.page_size} tokens)"
+                                f"{what} need {(need + drafter) / 1e9:.2f} GB per device but {free / 1e9:.2f} GB are "
+                                "free: lower slots, max_len or pages")
 
     def reset(self) -> None:
         """A fresh cache and empty tables (at start, and after a failed step: a donated cache may be gone)."""
@@ -127,6 +158,11 @@ class Executor:
         else:
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.cache_shapes)  # noqa: E731
             self.cache = jax.jit(zeros, out_shardings=self.shardings)()
+        self.pools = None
+        if self.drafter is not None:
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pool_shapes)  # noqa: E731
+            self.pools = jax.jit(zeros, out_shardings=self.replicated)() if self.replicated is not None else \
+                jax.device_put(zeros(), next(iter(jax.tree.leaves(self.dparams)[0].devices())))
         self.table = np.zeros((sh.slots, sh.pages_per_seq), np.int32)
         self.temperature = np.zeros((sh.slots,), np.float32)
         self.top_k = np.zeros((sh.slots,), np.int32)
@@ -140,8 +176,9 @@ class Executor:
     # -- plans ----------------------------------------------------------------------------------------------------
 
     def run(self, plan: StepPlan):
-        """Apply ``plan``'s ops in order. Returns its compute op's (tokens, log-probabilities, logits or None) as
-        device arrays (replicated) -- a verify step's (tokens, kept, accepted, log-probabilities) -- or None."""
+        """Apply ``plan``'s ops in order. Returns its compute op's (tokens, log-probabilities, logits or None, drafts
+        or None) as device arrays (replicated) -- a verify step's (tokens, kept, accepted, log-probabilities, drafts
+        or None) -- or None. Drafts ``[B, k]``: a DSpark drafter's next block for each row after the step."""
         out = None
         for op in plan.ops:
             got = self._apply[type(op)](self, op)
@@ -179,13 +216,25 @@ class Executor:
 
     def _copy_page(self, op: CopyPage):
         self.cache = self.programs.copy_page(self.cache, np.int32(op.src), np.int32(op.dst))
+        if self.pools is not None:
+            self.pools = self.dprograms.copy_page(self.pools, np.int32(op.src), np.int32(op.dst))
+
+    def _take_page(self, page: int):
+        """Page ``page`` of the cache's pools and of a drafter's (None without one)."""
+        take = self.programs.take_page(self.cache, np.int32(page))
+        return take, None if self.pools is None else self.dprograms.take_page(self.pools, np.int32(page))
+
+    def _put_page(self, page: int, data) -> None:
+        self.cache = self.programs.put_page(self.cache, np.int32(page), data[0])
+        if self.pools is not None:
+            self.pools = self.dprograms.put_page(self.pools, np.int32(page), data[1])
 
     def _spill_pages(self, op: SpillPages):
-        self.host_pages[op.key] = [to_host(self.programs.take_page(self.cache, np.int32(p))) for p in op.pages]
+        self.host_pages[op.key] = [to_host(self._take_page(p)) for p in op.pages]
 
     def _restore_pages(self, op: RestorePages):
         for page, data in zip(op.pages, self.host_pages.pop(op.key)):
-            self.cache = self.programs.put_page(self.cache, np.int32(page), to_device(data))
+            self._put_page(page, to_device(data))
 
     def _drop_pages(self, op: DropPages):
         del self.host_pages[op.key]
@@ -224,30 +273,41 @@ class Executor:
     def _prefill(self, op: Prefill):
         ids = np.zeros((1, op.bucket), np.int32)
         ids[0, : len(op.ids)] = op.ids
-        self.cache, tok, logp, logits = self.programs.prefill_chunk(
-            self.params, self.cache, self.table[op.slot : op.slot + 1, : op.width], np.int32(op.slot), ids,
-            np.int32(len(op.ids)), self._sampling([op.slot], [0]), self._take_mask(1), fresh=op.start == 0,
-            record=self.record)
-        return tok, logp, logits
+        table = self.table[op.slot : op.slot + 1, : op.width]
+        self.cache, tok, logp, logits, taps = self.programs.prefill_chunk(
+            self.params, self.cache, table, np.int32(op.slot), ids, np.int32(len(op.ids)),
+            self._sampling([op.slot], [0]), self._take_mask(1), fresh=op.start == 0, record=self.record, tap=self.tap)
+        return tok, logp, logits, self._draft(taps, table, np.array([op.slot], np.int32), tok[:, None],
+                                              np.array([len(op.ids)], np.int32))
+
+    def _draft(self, taps, table, rows, tokens, written):
+        """A DSpark drafter's step after a compute op (:func:`kimi_jax.serving.steps.draft_step`): its drafts
+        ``[B, k]``, or None without a drafter."""
+        if self.pools is None:
+            return None
+        self.pools, drafts = self.dprograms.draft_step(self.dparams, self.pools, *self.head, taps, table,
+                                                       self.cache.lengths, rows, tokens, written)
+        return drafts
 
     def _decode(self, op: Decode):
         rows, tokens, counts, live = op.columns()
         table = np.zeros((len(rows), op.width), np.int32)
         table[live] = self.table[rows[live], : op.width]
         samp = self._sampling([int(r) if ok else None for r, ok in zip(rows, live)], counts)
-        self.cache, tok, logp, logits = self.programs.decode_step(
+        self.cache, tok, logp, logits, taps = self.programs.decode_step(
             self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows,
-            self._take_mask(len(rows)), record=self.record)
-        return tok, logp, logits
+            self._take_mask(len(rows)), record=self.record, tap=self.tap)
+        return tok, logp, logits, self._draft(taps, table, rows, tok[:, None], live.astype(np.int32))
 
     def _verify(self, op: Verify):
         tokens, dlen, counts, live = op.columns()
         table = np.zeros((len(live), op.width), np.int32)
         table[live] = self.table[live, : op.width]
         samp = self._sampling([k if ok else None for k, ok in enumerate(live)], counts)
-        self.cache, tok, kept, accepted, logp = self.programs.verify_step(
-            self.params, self.cache, table, tokens, dlen, live, samp, self._take_mask(len(live), tokens.shape[1]))
-        return tok, kept, accepted, logp
+        self.cache, tok, kept, accepted, logp, taps = self.programs.verify_step(
+            self.params, self.cache, table, tokens, dlen, live, samp, self._take_mask(len(live), tokens.shape[1]),
+            tap=self.tap)
+        return tok, kept, accepted, logp, self._draft(taps, table, np.arange(len(live), dtype=np.int32), tok, kept)
 
     def _stop(self, op: Stop):
         pass
@@ -281,24 +341,32 @@ class Executor:
         def mask(*lead):  # structured outputs: every program takes a mask
             return np.full((*lead, n_words), -1, np.int32) if sh.structured else None
 
+        # every row inactive or of no length: nothing is written (a drafter's step runs on the same shapes)
         def prefill(T, width, fresh):
-            self.cache, *_ = self.programs.prefill_chunk(
-                self.params, self.cache, self.table[:1, :width], np.int32(0), np.zeros((1, T), np.int32),
-                np.int32(0), samp, mask(1), fresh=fresh, record=self.record)
+            table = self.table[:1, :width]
+            self.cache, tok, _, _, taps = self.programs.prefill_chunk(
+                self.params, self.cache, table, np.int32(0), np.zeros((1, T), np.int32),
+                np.int32(0), samp, mask(1), fresh=fresh, record=self.record, tap=self.tap)
+            self._draft(taps, table, np.zeros((1,), np.int32), tok[:, None], np.zeros((1,), np.int32))
 
         def decode(b, width):
             rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
-            self.cache, *_ = self.programs.decode_step(
-                self.params, self.cache, np.zeros((b, width), np.int32), np.zeros((b,), np.int32),
+            table = np.zeros((b, width), np.int32)
+            self.cache, tok, _, _, taps = self.programs.decode_step(
+                self.params, self.cache, table, np.zeros((b,), np.int32),
                 np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b),
-                record=self.record)
+                record=self.record, tap=self.tap)
+            rows = np.arange(b, dtype=np.int32) if rows is None else rows
+            self._draft(taps, table, rows, tok[:, None], np.zeros((b,), np.int32))
 
         def verify(width):
             k1 = sh.spec_k + 1
-            self.cache, *_ = self.programs.verify_step(
-                self.params, self.cache, np.zeros((sh.slots, width), np.int32), np.zeros((sh.slots, k1), np.int32),
+            table = np.zeros((sh.slots, width), np.int32)
+            self.cache, tok, kept, _, _, taps = self.programs.verify_step(
+                self.params, self.cache, table, np.zeros((sh.slots, k1), np.int32),
                 np.zeros((sh.slots,), np.int32), np.zeros((sh.slots,), bool),
-                self._sampling([None] * sh.slots, [0] * sh.slots), mask(sh.slots, k1))
+                self._sampling([None] * sh.slots, [0] * sh.slots), mask(sh.slots, k1), tap=self.tap)
+            self._draft(taps, table, np.arange(sh.slots, dtype=np.int32), tok, kept)  # kept: all 0
 
         def snapshots():
             state = self.programs.take_state(self.cache, np.int32(0))
@@ -306,9 +374,8 @@ class Executor:
                 self.cache = self.programs.put_state(self.cache, np.int32(0), snap, np.int32(0))
 
         def pages():
-            self.cache = self.programs.copy_page(self.cache, np.int32(0), np.int32(0))
-            page = to_device(to_host(self.programs.take_page(self.cache, np.int32(0))))
-            self.cache = self.programs.put_page(self.cache, np.int32(0), page)
+            self._copy_page(CopyPage(0, 0))
+            self._put_page(0, to_device(to_host(self._take_page(0))))
 
         for T in sh.buckets:
             for width, fresh in ((sh.fresh_width, True), (sh.pages_per_seq, False)):

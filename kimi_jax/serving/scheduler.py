@@ -56,6 +56,7 @@ class Slot:
     rate: float = 1.0  # recent share of its drafts accepted (speculative decoding)
     steps: int = 0  # decode and verify steps it took part in
     guide: Guide | None = None  # its constraint's state (structured outputs)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # a DSpark drafter's block after its last step
 
 
 class Scheduler:
@@ -234,14 +235,22 @@ class Scheduler:
             self.prefix.insert(s.prompt[:end], s.pages[: -(-end // sh.page_size)], i)
         return self._plan()
 
-    def prefilled(self, plan: StepPlan, tok, logp, logits) -> None:
-        """``plan``'s chunk ran and drew ``tok [1]``: the first token when it ended the prompt."""
+    def prefilled(self, plan: StepPlan, tok, logp, logits, drafts=None) -> None:
+        """``plan``'s chunk ran and drew ``tok [1]``: the first token when it ended the prompt (``drafts [1, k]``: a
+        DSpark drafter's block after it)."""
         i = plan.compute.slot
         s = self.running[i]
         if s is not None and s.pos == len(s.prompt):
             s.decoding = True
             s.handle.timings["first_token"] = time.perf_counter()
+            self._drafted(s, drafts, 0)
             self._accept(i, int(tok[0]), float(logp[0]), None if logits is None else logits[0])
+
+    @staticmethod
+    def _drafted(s: Slot, drafts, row: int) -> None:
+        """Keep row ``row`` of a DSpark drafter's ``drafts`` (None: no such drafter) as slot ``s``'s next block."""
+        if drafts is not None:
+            s.drafts = [int(t) for t in drafts[row]]
 
     def decode_plan(self) -> StepPlan | None:
         """One decode step for the decoding slots: over all slots, or, when few decode, over a bucket of rows
@@ -284,7 +293,10 @@ class Scheduler:
             if not s.handle.request.speculative:
                 continue
             if s.rate >= speculative.MIN_RATE or s.steps % speculative.PROBE == 0:
-                d = speculative.ngram_draft_host(s.prompt + s.out, room, self.drafter)
+                if isinstance(self.drafter, speculative.NGram):
+                    d = speculative.ngram_draft_host(s.prompt + s.out, room, self.drafter)
+                else:  # the device drafted it after the slot's last step
+                    d = s.drafts[:max(room, 0)]
                 if d:
                     drafts[i] = d
         if not drafts:
@@ -347,24 +359,27 @@ class Scheduler:
         return out
 
     def decoded(self, plan: StepPlan, *out) -> None:
-        """``plan``'s decode step drew ``tok [B]`` for its rows (``out``: tokens, log-probabilities, logits), or its
-        verify step kept ``tokens[b, :kept[b]]`` (``out``: tokens, kept, accepted, log-probabilities)."""
+        """``plan``'s decode step drew ``tok [B]`` for its rows (``out``: tokens, log-probabilities, logits, drafts), or
+        its verify step kept ``tokens[b, :kept[b]]`` (``out``: tokens, kept, accepted, log-probabilities, drafts);
+        ``drafts [B, k]``: a DSpark drafter's next block of each row, or None."""
         if isinstance(plan.compute, Verify):
             return self._verified(plan, *out)
-        tok, logp, logits = out
+        tok, logp, logits, drafts = out
         rows, _, _, live = plan.compute.columns()
         for k in np.flatnonzero(live):
             i = int(rows[k])
             self.running[i].pos += 1
             self.running[i].steps += 1
+            self._drafted(self.running[i], drafts, k)
             self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
 
-    def _verified(self, plan: StepPlan, tok, kept, accepted, logp) -> None:
+    def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts) -> None:
         _, dlen, _, live = plan.compute.columns()
         for i in np.flatnonzero(live):
             i = int(i)
             s, n = self.running[i], int(kept[i])
             s.steps += 1
+            self._drafted(s, drafts, i)
             if dlen[i]:
                 s.rate = (1 - speculative.EMA) * s.rate + speculative.EMA * float(accepted[i]) / float(dlen[i])
             self.counters["spec_accepted"] += int(accepted[i])

@@ -7,6 +7,10 @@
   leaves their KDA state, conv tails and pages untouched.
 * :func:`verify_step`: speculative decoding's step: each slot's drafted tokens checked in one forward, the accepted
   ones and the next token kept, the cache committed over exactly those (the engine's ``speculative=``).
+* :func:`draft_step`: a DSpark drafter after any of those: the context entries of the positions the step kept into
+  its page pools (the target's page table), then every row's next block of drafts (the engine's
+  ``speculative="dspark:PATH"``); :func:`copy_draft_page` / :func:`take_draft_page` / :func:`put_draft_page`: its
+  pools' pages, alongside the cache's.
 * :func:`take_state` / :func:`put_state`: a slot's KDA state and conv tails out of the cache (a prefix snapshot) and
   back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool; :func:`take_page` /
   :func:`put_page`: one page of every pool out (to host memory) and back.
@@ -31,6 +35,7 @@ from kimi_jax.generation.generate import sample
 from kimi_jax.generation.sampling import apply_bitmask
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import Cache, KDACache, for_verify
+from kimi_jax.model.dspark import DraftCache, target_taps
 
 
 @struct.dataclass
@@ -70,39 +75,40 @@ def _rebuild(cache: Cache, fn) -> Cache:
 
 
 def prefill_chunk(graphdef, params, cache: Cache, page_row, slot, ids_BT, n_valid, samp: SlotSampling, mask_BW=None,
-                  *, fresh: bool, record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
+                  *, fresh: bool, record: bool = False, tap=None, constrain=lambda c: c, replicate=lambda x: x):
     """One chunk of slot ``slot``'s prompt: ``ids [1, T]`` with ``n_valid`` tokens, at positions from the slot's
     cache length (0 when ``fresh``); ``mask [1, W]``: the ids the token may be (:func:`choose`). Returns (cache,
-    token [1], logprob [1], logits [1, V] or None)."""
+    token [1], logprob [1], logits [1, V] or None, taps [1, T, X] or None: :func:`taps`)."""
     model = nnx.merge(graphdef, params)
     rows = jnp.reshape(slot, (1,))  # the slot's KDA entries as a batch of one row
     view = _rows_view(cache, rows)
-    res = model(ids_BT, cache=view, lengths=n_valid[None], prefix=not fresh, last_only=True, page_table=page_row)
+    res = model(ids_BT, cache=view, lengths=n_valid[None], prefix=not fresh, last_only=True, page_table=page_row,
+                return_hidden=tap is not None)
     cache = constrain(_rows_merge(cache, res.cache, rows))
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp, mask_BW)
-    return cache, *replicate((tok, logp, logits if record else None))
+    return cache, *replicate((tok, logp, logits if record else None)), taps(model, res, tap)
 
 
 def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, samp: SlotSampling, rows_B=None,
-                mask_BW=None, *, record: bool = False, constrain=lambda c: c, replicate=lambda x: x):
+                mask_BW=None, *, record: bool = False, tap=None, constrain=lambda c: c, replicate=lambda x: x):
     """One decode step. ``rows`` None: over every slot (``B`` = slots). ``rows [B]``: over those slots only (indices
     past the last slot pad the bucket; they are inactive), their KDA entries gathered and written back, so a few
     active slots do not pay for all (the MoE of an idle slot's row still routes and reads experts). Every other
     operand is per row (``mask [B, W]``: the ids each row may draw, :func:`choose`). Returns (cache, token [B],
-    logprob [B], logits [B, V] or None)."""
+    logprob [B], logits [B, V] or None, taps [B, 1, X] or None)."""
     model = nnx.merge(graphdef, params)
     view = cache if rows_B is None else _rows_view(cache, rows_B)
     res = model(tokens_B[:, None], cache=view, lengths=active_B.astype(jnp.int32), prefix=True, last_only=True,
-                page_table=page_table)
+                page_table=page_table, return_hidden=tap is not None)
     new = res.cache if rows_B is None else _rows_merge(cache, res.cache, rows_B)
     logits = res.logits[:, 0]
     tok, logp = choose(logits, samp, mask_BW)
-    return constrain(new), *replicate((tok, logp, logits if record else None))
+    return constrain(new), *replicate((tok, logp, logits if record else None)), taps(model, res, tap)
 
 
 def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling,
-                mask_BKW=None, *, constrain=lambda c: c, replicate=lambda x: x):
+                mask_BKW=None, *, tap=None, constrain=lambda c: c, replicate=lambda x: x):
     """One speculative step over every slot: ``tokens [B, k + 1]`` is each slot's last token then up to ``k`` drafted
     ones (``dlen [B]`` of them real), checked by one forward over the ``k + 1`` positions, written through the page
     table (the scheduler allocates pages for all of them), with the KDA layers in verify mode; the accepted drafts
@@ -110,13 +116,14 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     sampling, keyed by :func:`request_keys` as :func:`choose` is) and the cache committed over exactly
     those positions (:func:`kimi_jax.model.attention.commit_verified`). Inactive slots feed nothing and keep
     everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B],
-    the tokens' log-probabilities [B, k + 1]) -- stop ids and budgets are the scheduler's to apply. ``mask [B, k + 1,
+    the tokens' log-probabilities [B, k + 1], taps [B, k + 1, X] or None) -- stop ids and budgets are the
+    scheduler's to apply. ``mask [B, k + 1,
     W]``: the ids each position may be (structured outputs): the target distribution is the masked one, so a draft
     the constraint refuses is rejected and the kept tokens obey it."""
     model = nnx.merge(graphdef, params)
     K1 = tokens_BK.shape[1]
     res = model(tokens_BK, cache=for_verify(cache, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
-                page_table=page_table)
+                page_table=page_table, return_hidden=tap is not None)
     keys = lambda: jax.vmap(lambda i: request_keys(samp, i), out_axes=1)(jnp.arange(K1))  # noqa: E731
     logits = res.logits.astype(jnp.float32)
     target = logits if mask_BKW is None else apply_bitmask(logits, mask_BKW)
@@ -124,7 +131,44 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     kept = jnp.where(active_B, a + 1, 0)
     new = commit_verified(res.cache, cache.lengths, kept, model.run)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)
-    return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0), logp[..., 0]))
+    return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0), logp[..., 0])), taps(model, res, tap)
+
+
+def taps(model, res, tap):
+    """A DSpark drafter's input from a model call with ``return_hidden`` (``tap``: its ``(target_layer_ids,
+    aux_hidden_stream)``, :func:`kimi_jax.model.dspark.target_taps`); None without one."""
+    return None if tap is None else target_taps(model, res, *tap)
+
+
+def draft_step(dgraph, dparams, pools: DraftCache, embed_VD, head_VD, taps_BTX, page_table, lengths, rows_B, tokens_BK,
+               written_B, *, k: int, constrain=lambda c: c, replicate=lambda x: x):
+    """A DSpark drafter after a compute step over rows ``rows`` (their page-table rows ``page_table``; ``lengths``:
+    every slot's cache length after the step): the context entries of the ``written`` positions the step kept,
+    from its ``taps``, into the drafter's page pools; then each row's next block of ``k`` drafts, anchored on the
+    last token the row kept (``tokens[b, written[b] - 1]``, the next one it feeds) at its cache length. Returns
+    (pools, drafts [B, k]); rows that kept nothing write nothing (their drafts are not used)."""
+    dmodel = nnx.merge(dgraph, dparams)
+    ctx_len = jnp.take(lengths, rows_B, mode="clip")
+    pools = dmodel.write_pages(pools, taps_BTX, page_table, ctx_len - written_B, written_B)
+    at = jnp.clip(written_B - 1, 0, tokens_BK.shape[1] - 1)
+    anchor = jnp.take_along_axis(tokens_BK, at[:, None], axis=1)[:, 0]
+    drafts = dmodel.draft(dmodel.page_view(pools, page_table), embed_VD, head_VD, anchor, ctx_len, k)
+    return constrain(pools), replicate(drafts)
+
+
+def copy_draft_page(pools: DraftCache, src, dst, *, constrain=lambda c: c):
+    """:func:`copy_page` for a drafter's page pools."""
+    return constrain(jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pools))
+
+
+def take_draft_page(pools: DraftCache, page):
+    """:func:`take_page` for a drafter's page pools."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, page, 1, 1), pools)
+
+
+def put_draft_page(pools: DraftCache, page, data, *, constrain=lambda c: c):
+    """:func:`put_page` for a drafter's page pools."""
+    return constrain(jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, page, 1), pools, data))
 
 
 def _rows_view(cache: Cache, rows):
@@ -248,13 +292,42 @@ def programs(graphdef, cache_sharding=None, replicated=None, compiler_options=No
         cached = dict(donate_argnames=("cache",))
         model = dict(cached, compiler_options=opts or None)  # the programs that run the model
         _PROGRAMS[key] = Programs(
-            jax.jit(functools.partial(prefill_chunk, graphdef, **kw, **out), static_argnames=("fresh", "record"),
+            jax.jit(functools.partial(prefill_chunk, graphdef, **kw, **out), static_argnames=("fresh", "record", "tap"),
                     **model),
-            jax.jit(functools.partial(decode_step, graphdef, **kw, **out), static_argnames=("record",), **model),
+            jax.jit(functools.partial(decode_step, graphdef, **kw, **out), static_argnames=("record", "tap"),
+                    **model),
             jax.jit(take_state),
             jax.jit(functools.partial(put_state, **kw), **cached),
             jax.jit(functools.partial(copy_page, **kw), **cached),
             jax.jit(take_page),
             jax.jit(functools.partial(put_page, **kw), **cached),
-            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), **model))
+            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), static_argnames=("tap",), **model))
+    return _PROGRAMS[key]
+
+
+class DraftPrograms(NamedTuple):
+    """A DSpark drafter's functions jitted (graphdef and block bound; the page pools donated)."""
+
+    draft_step: Callable
+    copy_page: Callable
+    take_page: Callable
+    put_page: Callable
+
+
+def draft_programs(dgraph, k: int, pool_sharding=None, replicated=None) -> DraftPrograms:
+    """:class:`DraftPrograms` for a drafter's ``dgraph`` drafting ``k`` tokens; ``pool_sharding``: what its page
+    pools are constrained to (None: one device), ``replicated``: what the drafts are (as :func:`programs`)."""
+    key = ("draft", dgraph, k, pool_sharding, replicated)
+    if key not in _PROGRAMS:
+        kw, out = {}, {}
+        if pool_sharding is not None:
+            kw["constrain"] = lambda c: jax.lax.with_sharding_constraint(c, pool_sharding)
+        if replicated is not None:
+            out["replicate"] = lambda x: jax.lax.with_sharding_constraint(x, replicated)
+        pools = dict(donate_argnames=("pools",))
+        _PROGRAMS[key] = DraftPrograms(
+            jax.jit(functools.partial(draft_step, dgraph, k=k, **kw, **out), **pools),
+            jax.jit(functools.partial(copy_draft_page, **kw), **pools),
+            jax.jit(take_draft_page),
+            jax.jit(functools.partial(put_draft_page, **kw), **pools))
     return _PROGRAMS[key]
