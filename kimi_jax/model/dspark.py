@@ -306,7 +306,7 @@ class DSparkModel(nnx.Module):
     def write_pages(self, pools: DraftCache, taps_BTX, page_table_BW, start_B, lengths_B) -> DraftCache:
         """:meth:`write_context` into page pools: position ``p`` of row ``b`` lives at offset ``p % page_size`` of
         page ``page_table[b, p // page_size]``."""
-        B, T, _ = taps_BTX.shape
+        T = taps_BTX.shape[1]
         n_pages, P = pools.c.shape[1], pools.c.shape[2]
         c, kpe = self.context_entries(taps_BTX, start_B)
         pos = start_B[:, None] + jnp.arange(T)[None]
