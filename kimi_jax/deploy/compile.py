@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import DRAFTED_JIT, _prefill_chunk_drafted
 from kimi_jax.generation.sampling import DecodeState, Sampling
-from kimi_jax.model import params
+from kimi_jax.model import dspark, params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
 from kimi_jax.model.decoder import abstract_model
-from kimi_jax.model.dspark import DraftCache, DSparkModel
+from kimi_jax.model.dspark import DraftCache
 from kimi_jax.model.hot_experts import routed_experts
 from kimi_jax.model.offload import HOST, HotExperts, cache_host_shardings
 from kimi_jax.model.quantize import quantize as quantize_model
@@ -167,8 +167,7 @@ def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16")
         return drafter, None, None, None
     dt = jnp.dtype(dtype)
     dcfg = drafter.model.cfg
-    model = nnx.eval_shape(lambda: DSparkModel(dcfg, run=RunConfig(dtype=dt), param_dtype=dt))
-    static, dgraph, weights = speculative.static(speculative.DSpark(model, drafter.k))
+    static, dgraph, weights = speculative.static(speculative.DSpark(dspark.abstract(dcfg, dt), drafter.k))
     whole = NamedSharding(mesh, PartitionSpec())
     dparams = params.fill(weights, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)
                                     for k, v in params.leaves(weights).items()})
