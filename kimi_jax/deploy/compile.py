@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.generation import speculative
-from kimi_jax.generation.generate import DRAFTED_JIT, _prefill_chunk_drafted
+from kimi_jax.generation.generate import prefill_chunk_drafted
 from kimi_jax.generation.sampling import DecodeState, Sampling
 from kimi_jax.model import dspark, params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
@@ -196,8 +196,7 @@ def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: in
     last = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32, sharding=whole)
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        # keep_unused: the chunk reads only the drafter's context projections, but every drafter weight is resident
-        compiled = jax.jit(_prefill_chunk_drafted, keep_unused=True, **DRAFTED_JIT).lower(
+        compiled = prefill_chunk_drafted.lower(
             graphdef, *states, cache, ids, lengths, last, static, dgraph, dparams, dcache).compile(
             _compiler_options(graphdef, states))
     return _report(compiled, time.perf_counter() - t0, False)

@@ -119,22 +119,22 @@ CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_
 prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
-def _prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
-                           dcache):
+# keep_unused: a DSpark chunk reads only the drafter's context projections, but every drafter weight is an input (and
+# resident): so the program that ``kimi-jax plan --compile`` reports (:mod:`kimi_jax.deploy.compile`) is this one
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"),
+                   donate_argnames=("cache", "last_BV", "dcache"), keep_unused=True)
+def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
+                          dcache):
     """:func:`_prefill_chunk` that also brings a drafter's cache along (:func:`~kimi_jax.generation.speculative.
     follow_prefill`: a DSpark drafter's context entries from the target's hidden states at its tapped layers, a draft
     model's own prefill). A whole prompt in one call is one chunk after :func:`restart`. Returns (cache, last,
-    dcache)."""
+    dcache); ``cache``, ``last`` and ``dcache`` are donated."""
     model = nnx.merge(graphdef, params)
     tapped = isinstance(drafter, speculative_mod.BlockDraft)
     res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=tapped)
     dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, model, res, cache.lengths,
                                             lengths_B)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
-
-
-DRAFTED_JIT = dict(static_argnames=("graphdef", "drafter", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
-prefill_chunk_drafted = jax.jit(_prefill_chunk_drafted, **DRAFTED_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
