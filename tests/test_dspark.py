@@ -10,15 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kimi_jax
 from kimi_jax.checkpoint.drafter import load_drafter
 from kimi_jax.checkpoint.names import WeightError
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
+from kimi_jax.checkpoint.synthetic import write_checkpoint
 from kimi_jax.generation import speculative
-from kimi_jax.generation.generate import Generator
+from kimi_jax.generation.generate import GenerationError, Generator
 from kimi_jax.model import dspark
 from kimi_jax.model.dspark import DSparkConfigError
+from kimi_jax.model.run import RunConfig
 from tests import dspark_oracle as oracle
 
 DEMO = os.path.join(os.path.dirname(kimi_jax.__file__), "assets", "k3-demo")
@@ -127,6 +130,35 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
         assert full[c] == anchor[0]  # the anchor is the token after the context
         want, _ = oracle.draft(cfg, tensors, embed, head, taps[:c], int(anchor[0]), 3)
         np.testing.assert_allclose(got[0], want, atol=1e-4 * np.abs(want).max())
+    held = gen._drafters[drafter]  # split and placed once per drafter: the next request takes the same
+    assert gen.generate([prompt], 12, stop=(), speculative=drafter).tokens == spec.tokens
+    assert gen._drafters[drafter] is held
+
+
+def test_the_memory_check_counts_the_drafter(tmp_path):
+    """Before allocating, a Generator counts a DSpark drafter's context cache and the copy of its weights it makes
+    (in the model's dtype): a budget the target's cache and prefill fit but not with the drafter's is refused,
+    naming the drafter. A 2-layer synthetic target, one 16-token prefill compiled; no cache allocated."""
+    model = kimi_jax.from_pretrained(write_checkpoint(str(tmp_path), "llama", dtype="float32"), dtype="float32",
+                                     progress=False)
+    dcfg = dspark.config_from_dict(oracle.tiny_config(
+        model.cfg.vocab_size, hidden_size=model.cfg.hidden_size, target_hidden_size=model.cfg.hidden_size,
+        target_layer_ids=[0, 1], num_target_layers=2, block_size=3))
+    resident = speculative.DSpark(dspark.DSparkModel(dcfg, run=RunConfig(dtype=jnp.float32)), 3)  # on the device, f32
+    bf16 = speculative.DSpark(dspark.abstract(dcfg, jnp.bfloat16), 3)  # the generator makes an f32 copy
+    prompt, S = list(range(3, 15)), 64
+    plain = Generator(model, None, max_len=S).plan([prompt], 4, stop=())
+    assert plain.drafter_bytes == 0
+    context = dspark.cache_bytes(dcfg, 1, S, jnp.float32)
+    assert Generator(model, None, max_len=S).plan([prompt], 4, stop=(), speculative=resident).drafter_bytes == context
+    weights = sum(a.size * 4 for a in jax.tree.leaves(nnx.state(bf16.model)))
+    assert Generator(model, None, max_len=S).plan([prompt], 4, stop=(), speculative=bf16).drafter_bytes == (
+        context + weights)
+    tight = Generator(model, None, max_len=S, memory_budget=plain.cache_bytes + plain.working_bytes + context // 2)
+    assert tight.plan([prompt], 4, stop=()).chunk == plain.chunk  # the target alone fits
+    with pytest.raises(GenerationError, match=r"and the DSpark drafter [0-9.]+ GB more \(context cache [0-9.]+ GB, "
+                                              r"weights 0.00 GB\).* or without the DSpark drafter"):
+        tight.plan([prompt], 4, stop=(), speculative=resident)
 
 
 def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():

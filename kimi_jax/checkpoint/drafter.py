@@ -21,9 +21,8 @@ from kimi_jax.checkpoint.names import DSPARK_SHARED, WeightError, dspark_target,
 from kimi_jax.checkpoint.safetensors import DTYPES, Checkpoint
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
 from kimi_jax.model.config import read_json
-from kimi_jax.model.dspark import DSparkConfig, DSparkModel, config_from_dict
+from kimi_jax.model.dspark import DSparkModel, abstract, config_from_dict
 from kimi_jax.model.params import fill, leaves
-from kimi_jax.model.run import RunConfig
 
 CONFIG = "config.json"
 
@@ -36,19 +35,15 @@ def abstract_drafter(path, dtype=None, *, target_cfg=None) -> DSparkModel:
     cfg = config_from_dict(read_json(path))
     if target_cfg is not None:
         cfg.check_target(target_cfg)
-    dtype = jnp.dtype(dtype or jnp.float32)
-    return nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+    return abstract(cfg, dtype)
 
 
 def load_drafter(path, *, dtype=None, target_cfg=None) -> DSparkModel:
     """The drafter in ``path``, its weights in ``dtype`` (default: float32). ``target_cfg``: the target's
     :class:`~kimi_jax.model.config.ModelConfig`, checked against the drafter (vocabulary, hidden size, tapped layers,
     stored shared tensors)."""
-    cfg = config_from_dict(read_json(path))
-    if target_cfg is not None:
-        cfg.check_target(target_cfg)
-    dtype = jnp.dtype(dtype or jnp.float32)
-    model = nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+    model = abstract_drafter(path, dtype, target_cfg=target_cfg)
+    cfg, dtype = model.cfg, model.run.dtype
     slots = leaves(nnx.state(model, nnx.Param))
     ckpt = Checkpoint(path)
     filled: dict[str, np.ndarray] = {}
@@ -75,7 +70,8 @@ def load_drafter(path, *, dtype=None, target_cfg=None) -> DSparkModel:
     missing = sorted(set(slots) - set(filled))
     if missing:
         raise WeightError(f"{path}: the drafter checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
-    return _build(cfg, dtype, filled)
+    nnx.update(model, fill(nnx.state(model, nnx.Param), {k: jnp.asarray(v) for k, v in filled.items()}))
+    return model
 
 
 def _check_shared(name: str, shape, target_cfg, where: str) -> None:
@@ -85,13 +81,6 @@ def _check_shared(name: str, shape, target_cfg, where: str) -> None:
         if tuple(shape) != want:
             raise WeightError(f"{where}: the drafter stores the target's {stem} as {list(shape)}, but the target's "
                               f"is {list(want)}: a drafter for another model")
-
-
-def _build(cfg: DSparkConfig, dtype, values: dict[str, np.ndarray]) -> DSparkModel:
-    model = DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype)
-    state = fill(nnx.state(model, nnx.Param), {k: jnp.asarray(v) for k, v in values.items()})
-    nnx.update(model, state)
-    return model
 
 
 def save_drafter(model: DSparkModel, config: dict, path, *, dtype="BF16") -> None:

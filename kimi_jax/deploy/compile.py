@@ -17,12 +17,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.generation import speculative
-from kimi_jax.generation.generate import DRAFTED_JIT, _prefill_chunk_drafted
+from kimi_jax.generation.generate import prefill_chunk_drafted
 from kimi_jax.generation.sampling import DecodeState, Sampling
-from kimi_jax.model import params
+from kimi_jax.model import dspark, params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
 from kimi_jax.model.decoder import abstract_model
-from kimi_jax.model.dspark import DraftCache, DSparkModel
+from kimi_jax.model.dspark import DraftCache
 from kimi_jax.model.hot_experts import routed_experts
 from kimi_jax.model.offload import HOST, HotExperts, cache_host_shardings
 from kimi_jax.model.quantize import quantize as quantize_model
@@ -167,8 +167,7 @@ def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16")
         return drafter, None, None, None
     dt = jnp.dtype(dtype)
     dcfg = drafter.model.cfg
-    model = nnx.eval_shape(lambda: DSparkModel(dcfg, run=RunConfig(dtype=dt), param_dtype=dt))
-    static, dgraph, weights = speculative.static(speculative.DSpark(model, drafter.k))
+    static, dgraph, weights = speculative.static(speculative.DSpark(dspark.abstract(dcfg, dt), drafter.k))
     whole = NamedSharding(mesh, PartitionSpec())
     dparams = params.fill(weights, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)
                                     for k, v in params.leaves(weights).items()})
@@ -197,8 +196,7 @@ def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: in
     last = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32, sharding=whole)
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
-        # keep_unused: the chunk reads only the drafter's context projections, but every drafter weight is resident
-        compiled = jax.jit(_prefill_chunk_drafted, keep_unused=True, **DRAFTED_JIT).lower(
+        compiled = prefill_chunk_drafted.lower(
             graphdef, *states, cache, ids, lengths, last, static, dgraph, dparams, dcache).compile(
             _compiler_options(graphdef, states))
     return _report(compiled, time.perf_counter() - t0, False)

@@ -24,11 +24,10 @@ from jax.sharding import PartitionSpec
 
 from kernels_pallas import packed
 from kimi_jax.deploy.compile import compile_step
-from kimi_jax.model import params
+from kimi_jax.model import dspark, params
 from kimi_jax.model.cache import MLACache, cache_shapes, paged_cache_shapes
 from kimi_jax.model.config import ModelConfig
 from kimi_jax.model.decoder import abstract_model
-from kimi_jax.model.dspark import DSparkModel
 from kimi_jax.model.quantize import quantize as quantize_model
 from kimi_jax.model.run import RunConfig
 from kimi_jax.parallel import sharding
@@ -189,8 +188,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
 
 @functools.lru_cache(maxsize=8)
 def _drafter_weight_bytes(dcfg, dtype: str) -> int:
-    dt = jnp.dtype(dtype)
-    model = nnx.eval_shape(lambda: DSparkModel(dcfg, run=RunConfig(dtype=dt), param_dtype=dt))
+    model = dspark.abstract(dcfg, dtype)
     return sum(math.prod(v.shape) * v.dtype.itemsize for v in params.leaves(nnx.state(model, nnx.Param)).values())
 
 
@@ -199,10 +197,8 @@ def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16") -> dict:
     it on a mesh, replicated: its own weights in ``dtype`` (the target's embedding and lm_head are shared, not
     counted again), and its context cache (:class:`~kimi_jax.model.dspark.DraftCache`: ``c [layers, batch, context,
     kv_lora_rank]`` and ``kpe [layers, batch, context, qk_rope_head_dim]`` in ``dtype``)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    rows = dcfg.num_layers * batch * context
     return {"weights (replicated)": _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name),
-            "context cache (replicated)": rows * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * itemsize}
+            "context cache (replicated)": dspark.cache_bytes(dcfg, batch, context, dtype)}
 
 
 def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype="bfloat16",

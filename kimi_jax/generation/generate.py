@@ -16,9 +16,9 @@ How it is built (and why):
   finished sequences feed length 0, which leaves their cache untouched), with the loop state -- cache included --
   donated. The host is not in the loop per token.
 * Before anything is allocated, the cache and the prefill's working memory (XLA's count for the compiled programs:
-  temporaries and outputs) are checked against the memory budget (default: 90% of what the device has free); a
-  prefill that does not fit is re-planned in smaller chunks, and what cannot fit even then is refused, naming the
-  limit. The prefill programs are therefore compiled ahead of time, from shapes (:func:`jax.jit`'s ``lower``).
+  temporaries and outputs), with a DSpark drafter or a draft model its cache and the copy of its weights the generator
+  makes, are checked against the memory budget (default: 90% of what the device has free); a prefill that does not
+  fit is re-planned in smaller chunks, and what cannot fit even then is refused, naming the limit. The prefill programs are therefore compiled ahead of time, from shapes (:func:`jax.jit`'s ``lower``).
 * Streaming calls the same compiled decode function with a traced step limit (``stream_every`` steps per
   call) and hands the new tokens to the callback in between. We chose this over ``io_callback`` because it
   keeps the loop free of host round-trips (a callback would sync device and host every token), needs no
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kimi_jax.model import offload
+from kimi_jax.model import dspark, offload
 from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
 from kimi_jax.model.config import model_dir
 from kimi_jax.generation.sampling import (  # noqa: F401 (re-exported: the engine and tests import them from here)
@@ -119,22 +119,22 @@ CHUNK_JIT = dict(static_argnames=("graphdef",), donate_argnames=("cache", "last_
 prefill_chunk = jax.jit(_prefill_chunk, **CHUNK_JIT)
 
 
-def _prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
-                           dcache):
+# keep_unused: a DSpark chunk reads only the drafter's context projections, but every drafter weight is an input (and
+# resident): so the program that ``kimi-jax plan --compile`` reports (:mod:`kimi_jax.deploy.compile`) is this one
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"),
+                   donate_argnames=("cache", "last_BV", "dcache"), keep_unused=True)
+def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, last_BV, drafter, dgraph, dparams,
+                          dcache):
     """:func:`_prefill_chunk` that also brings a drafter's cache along (:func:`~kimi_jax.generation.speculative.
     follow_prefill`: a DSpark drafter's context entries from the target's hidden states at its tapped layers, a draft
     model's own prefill). A whole prompt in one call is one chunk after :func:`restart`. Returns (cache, last,
-    dcache)."""
+    dcache); ``cache``, ``last`` and ``dcache`` are donated."""
     model = nnx.merge(graphdef, params)
     tapped = isinstance(drafter, speculative_mod.BlockDraft)
     res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=tapped)
     dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, model, res, cache.lengths,
                                             lengths_B)
     return res.cache, jnp.where((lengths_B > 0)[:, None], res.logits[:, 0], last_BV), dcache
-
-
-DRAFTED_JIT = dict(static_argnames=("graphdef", "drafter", "dgraph"), donate_argnames=("cache", "last_BV", "dcache"))
-prefill_chunk_drafted = jax.jit(_prefill_chunk_drafted, **DRAFTED_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("out_len", "record_logits"))
@@ -302,8 +302,21 @@ class PrefillPlan:
     cache_bytes: int  # the cache of this batch bucket (what lives in host memory not counted)
     working_bytes: int  # the largest call's temporaries and new outputs, as XLA counts them for the compiled program
     limit: int | None  # the memory budget it was checked against (None: unknown, not checked)
+    drafter_bytes: int = 0  # a DSpark drafter's or a draft model's cache and new copy of its weights (counted too)
     programs: tuple = dataclasses.field(default=(), repr=False, compare=False)  # compiled: (prefill,) or
     # (restart, chunk, first token)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drafter:
+    """A drafter as a :class:`Generator` runs it: the loop's static drafter (:func:`~kimi_jax.generation.speculative.
+    static`) and, for a DSpark drafter or a draft model, its graph, its weights placed where the programs take them
+    (replicated over the model's mesh) and the model they belong to (a DSpark drafter in the model's dtype)."""
+
+    kind: object
+    graph: object = None
+    params: object = None
+    model: object = None
 
 
 class Generator:
@@ -346,6 +359,8 @@ class Generator:
         self.prompt_buckets = tuple(sorted(prompt_buckets)) if prompt_buckets else _pow2_buckets(
             min(min_prompt_bucket, self.max_len), self.max_len)
         self._caches: dict[int, Cache] = {}
+        # a drafter model split and placed once (:meth:`_drafter`), kept while the drafter object lives
+        self._drafters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # what the compiled prefill programs depend on besides the request's shapes (:meth:`_compiled`)
         self._signature = (self.graphdef, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                                                 for a in jax.tree.leaves(self.params)),
@@ -415,43 +430,105 @@ class Generator:
         return out + (f", {'/'.join(self.offload)} in host memory" if self.offload else "")
 
     def plan(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, stop: Sequence[int] | None = None,
-             record_logits: bool = False) -> PrefillPlan:
+             record_logits: bool = False, speculative=None) -> PrefillPlan:
         """How :meth:`generate` would prefill these prompts and the memory it would take, checked against the limit
-        (a :class:`GenerationError` names it when even the smallest chunk does not fit). Compiles the prefill
-        programs (they are kept for :meth:`generate`); allocates nothing."""
+        (a :class:`GenerationError` names it when even the smallest chunk does not fit; a DSpark drafter's or a draft
+        model's cache and weights counted, ``speculative`` as :meth:`generate` takes it). Compiles the prefill
+        programs (they are kept for :meth:`generate`); allocates nothing (a ``"dspark:PATH"`` drafter is read from
+        its ``config.json`` alone)."""
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, 0.0, 0, 1.0)
         stop = self._check_request(ids, budget, stop, 0, 1)
+        drafter = speculative_mod.parse(speculative, dtype=self.dtype, weights=False)
+        self._check_drafter(drafter, record_logits)
         B, T, _, _, samp = self._batch(ids, budget, temp, topk, topp, stop, 0)
-        return self._plan(B, T, max(len(p) for p in ids), samp, record_logits)
+        return self._plan(B, T, max(len(p) for p in ids), samp, record_logits, drafter)
 
-    def _plan(self, B: int, T: int, longest: int, samp: Sampling, record_logits: bool) -> PrefillPlan:
+    def _plan(self, B: int, T: int, longest: int, samp: Sampling, record_logits: bool, drafter=None) -> PrefillPlan:
         """Choose the prefill chunk for a batch bucket ``B`` of prompts padded to ``T`` (the longest has ``longest``
         tokens): one call when the prompt bucket fits in ``prefill_chunk`` and the budget, else the longest chunk
-        whose compiled programs fit. Refuses, before allocating, a cache or a prefill that cannot fit."""
+        whose compiled programs fit. Refuses, before allocating, a cache or a prefill that cannot fit, a DSpark
+        ``drafter``'s or a draft model's cache and weights (:meth:`_drafter_bytes`) counted with the cache."""
         cache_bytes, devices = self._device_bytes(B)
         limit, name = self._limit(B, cache_bytes, devices)
-        if limit is not None and cache_bytes > limit:
+        who, parts = self._drafter_bytes(drafter, B)
+        extra = sum(parts.values())
+        drafted, undrafted = "", ""  # what the errors say of the drafter
+        if extra:
+            shown = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
+            drafted, undrafted = f" and {who} {extra / 1e9:.2f} GB more ({shown})", f" or without {who}"
+        if limit is not None and cache_bytes + extra > limit:
             raise GenerationError(
                 f"the cache for {B} sequence(s) x {self.max_len} tokens needs {cache_bytes / 1e9:.2f} GB per device "
-                f"({self._cache_format()}), but {name}: lower max_len (the cache length; prompt + new tokens must "
-                "fit in it) or generate for fewer prompts at once")
+                f"({self._cache_format()}){drafted}, but {name}: lower max_len (the cache length; prompt + new "
+                f"tokens must fit in it) or generate for fewer prompts at once{undrafted}")
         floor = min(MIN_CHUNK, self.prefill_chunk)
         chunk = min(T, self.prefill_chunk)
         while True:
             programs, working = self._compiled(B, T, chunk, samp, record_logits)
-            if limit is None or cache_bytes + working <= limit:
-                return PrefillPlan(chunk, -(-longest // chunk), cache_bytes, working, limit, programs)
+            if limit is None or cache_bytes + extra + working <= limit:
+                return PrefillPlan(chunk, -(-longest // chunk), cache_bytes, working, limit, extra, programs)
             if chunk <= floor:
                 raise GenerationError(
-                    f"prefilling {B} sequence(s) of up to {longest} tokens needs {(cache_bytes + working) / 1e9:.2f} "
-                    f"GB per device even in chunks of {chunk} tokens (the cache of {self.max_len} tokens, "
-                    f"{cache_bytes / 1e9:.2f} GB, plus {working / 1e9:.2f} GB of working memory), but {name}: lower "
-                    "max_len (the cache length), shorten the prompts or generate for fewer at once")
+                    f"prefilling {B} sequence(s) of up to {longest} tokens needs "
+                    f"{(cache_bytes + extra + working) / 1e9:.2f} GB per device even in chunks of {chunk} tokens (the "
+                    f"cache of {self.max_len} tokens, {cache_bytes / 1e9:.2f} GB, plus {working / 1e9:.2f} GB of "
+                    f"working memory{drafted}), but {name}: lower max_len (the cache length), shorten the prompts or "
+                    f"generate for fewer at once{undrafted}")
             # a chunk's working memory grows about linearly with its length (its attention reads the whole cache):
             # aim at what the budget leaves, a power of two so that requests share the programs
-            fit = chunk * max(limit - cache_bytes, 0) / working
+            fit = chunk * max(limit - cache_bytes - extra, 0) / working
             chunk = max(floor, min(chunk // 2, 1 << max(int(fit), 1).bit_length() - 1))
+
+    def _check_drafter(self, drafter, record_logits: bool) -> None:
+        """Refuse a drafter this model cannot use (before anything is compiled or allocated)."""
+        if drafter is None:
+            return
+        if record_logits:
+            raise GenerationError("speculative decoding: no record_logits=True yet")
+        if isinstance(drafter, speculative_mod.DSpark):
+            drafter.model.cfg.check_target(self.cfg)
+        if isinstance(drafter, speculative_mod.DraftModel) and drafter.model.cfg.vocab_size != self.cfg.vocab_size:
+            raise GenerationError(f"the draft model's vocabulary has {drafter.model.cfg.vocab_size} ids, the "
+                                  f"model's {self.cfg.vocab_size}: a draft model must share the tokenizer")
+
+    def _drafter_bytes(self, drafter, B: int) -> tuple[str, dict[str, int]]:
+        """(what to call it, bytes per device by part) that a DSpark drafter or a draft model adds to a request of
+        bucket ``B`` (an n-gram drafter or none: nothing): its cache, made for each request and replicated over
+        the model's mesh (a DSpark drafter's context cache: :func:`kimi_jax.model.dspark.cache_bytes`, what the
+        deployment plan counts), and the copy of its weights that :meth:`_drafter` makes (in the model's dtype, on
+        every device): none once this generator holds it, and none of a weight already in that dtype and place."""
+        if isinstance(drafter, speculative_mod.DSpark):
+            who, parts = "the DSpark drafter", {"context cache": dspark.cache_bytes(drafter.model.cfg, B,
+                                                                                      self.max_len, self.dtype)}
+            dtype = None if drafter.model.run.dtype == self.dtype else jnp.dtype(self.dtype)  # DSpark.astype
+        elif isinstance(drafter, speculative_mod.DraftModel):
+            run = drafter.model.run
+            shapes = cache_shapes(drafter.model.cfg, B, self.max_len, run.dtype, scan=run.scan_layers)
+            who, parts = "the draft model", {"cache": sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))}
+            dtype = None
+        else:
+            return "", {}
+        weights = 0
+        if drafter not in self._drafters:
+            for a in jax.tree.leaves(nnx.state(drafter.model)):
+                placed = isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._last_sharding, a.ndim)
+                if dtype not in (None, a.dtype) or not placed:
+                    weights += a.size * jnp.dtype(dtype or a.dtype).itemsize
+        return who, {**parts, "weights": weights}
+
+    def _drafter(self, drafter) -> _Drafter | None:
+        """``drafter`` as the compiled loops take it: a DSpark drafter (in the model's dtype) or a draft model split
+        and its weights placed once, kept for the next request while ``drafter`` lives."""
+        if not isinstance(drafter, (speculative_mod.DSpark, speculative_mod.DraftModel)):
+            return None if drafter is None else _Drafter(drafter)
+        got = self._drafters.get(drafter)
+        if got is None:  # (the value must not hold ``drafter`` itself: the key would never be dropped)
+            use = drafter.astype(self.dtype) if isinstance(drafter, speculative_mod.DSpark) else drafter
+            kind, graph, weights = speculative_mod.static(use)
+            got = _Drafter(kind, graph, jax.device_put(weights, self._last_sharding), use.model)
+            self._drafters[drafter] = got
+        return got
 
     def _compiled(self, B: int, T: int, chunk: int, samp: Sampling, record_logits: bool) -> tuple[tuple, int]:
         """The compiled prefill programs of a bucket (one call when ``chunk == T``, else the restart of the cache, a
@@ -496,27 +573,25 @@ class Generator:
         return start(last, samp).replace(cache=cache)
 
     def _prefill_drafted(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling,
-                         drafter) -> tuple[DecodeState, object]:
-        """:meth:`_prefill` for a DSpark ``drafter`` or a draft model: the prompts' chunks (one when the plan has one
-        call) also bring the drafter's cache along. Returns (decode state, the drafter's cache)."""
-        kind, dgraph, dparams = speculative_mod.static(drafter)
+                         drafter: _Drafter) -> tuple[DecodeState, object]:
+        """:meth:`_prefill` for a DSpark ``drafter`` or a draft model (:meth:`_drafter`): the prompts' chunks (one
+        when the plan has one call) also bring the drafter's cache along. Returns (decode state, its cache)."""
         B = tokens.shape[0]
         C = plan.chunk if len(plan.programs) > 1 else tokens.shape[1]
         calls = -(-tokens.shape[1] // C)
         tokens = np.pad(tokens, [(0, 0), (0, calls * C - tokens.shape[1])])
         place = lambda x: jax.device_put(x, self._last_sharding)  # noqa: E731  (replicated over a mesh)
-        if isinstance(drafter, speculative_mod.DSpark):
-            dcache = drafter.model.empty_cache(B, self.max_len)
+        dmodel = drafter.model
+        if isinstance(drafter.kind, speculative_mod.BlockDraft):
+            dcache = place(dmodel.empty_cache(B, self.max_len))
         else:
-            dcache = init_cache(drafter.model.cfg, B, self.max_len, drafter.model.run.dtype,
-                                scan=drafter.model.run.scan_layers)
-        dparams, dcache = place(dparams), place(dcache)
+            dcache = place(init_cache(dmodel.cfg, B, self.max_len, dmodel.run.dtype, scan=dmodel.run.scan_layers))
         cache, last = restart(cache), place(np.zeros((B, self.cfg.vocab_size), np.float32))
         for i in range(calls):
             n = np.clip(lengths - i * C, 0, C).astype(np.int32)
             cache, last, dcache = prefill_chunk_drafted(self.graphdef, self.params, cache,
-                                                        tokens[:, i * C:(i + 1) * C], n, last, kind, dgraph, dparams,
-                                                        dcache)
+                                                        tokens[:, i * C:(i + 1) * C], n, last, drafter.kind,
+                                                        drafter.graph, drafter.params, dcache)
         return first_token(last, samp, out_len=self.max_len).replace(cache=cache), dcache
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
@@ -537,21 +612,15 @@ class Generator:
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
         drafter = speculative_mod.parse(speculative, dtype=self.dtype)
-        if drafter is not None:
-            if record_logits:
-                raise GenerationError("speculative decoding: no record_logits=True yet")
-            if isinstance(drafter, speculative_mod.DSpark):
-                drafter.model.cfg.check_target(self.cfg)
-                drafter = drafter.astype(self.dtype)
-            if isinstance(drafter, speculative_mod.DraftModel) and drafter.model.cfg.vocab_size != self.cfg.vocab_size:
-                raise GenerationError(f"the draft model's vocabulary has {drafter.model.cfg.vocab_size} ids, the "
-                                      f"model's {self.cfg.vocab_size}: a draft model must share the tokenizer")
+        self._check_drafter(drafter, record_logits)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
-        plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits)  # refuses what cannot fit
+        # refuses what cannot fit, a drafter's cache and weights counted
+        plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits, drafter)
+        drafter = self._drafter(drafter)
 
         t0 = time.perf_counter()
         dcache = None
-        if isinstance(drafter, (speculative_mod.DSpark, speculative_mod.DraftModel)):
+        if drafter is not None and drafter.model is not None:
             st, dcache = self._prefill_drafted(plan, self._cache(B), tokens, lengths, samp, drafter)
         else:
             st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
@@ -631,7 +700,7 @@ class Generator:
         return B, T, tokens, lengths, samp
 
     def _decode_streaming(self, st, samp: Sampling, n: int, stop: list[int], stream, stream_every: int,
-                          drafter=None):
+                          drafter: _Drafter | None = None):
         """Decode ``stream_every`` steps per compiled call until every sequence is done, handing each call's new
         tokens (and text, stop ids left out) of the ``n`` real sequences to ``stream``. With a ``drafter``, ``st`` is
         a :class:`~kimi_jax.generation.speculative.SpecState` and each step a verify step."""
@@ -659,13 +728,10 @@ class Generator:
             emit(dec(st), final=bool(np.all(_host(dec(st).done))))
         return st
 
-    def _decode_spec(self, st, samp: Sampling, steps: int, drafter):
+    def _decode_spec(self, st, samp: Sampling, steps: int, drafter: _Drafter):
         """Up to ``steps`` verify steps of the speculative loop (:func:`kimi_jax.generation.speculative.decode`)."""
-        static, dgraph, dparams = speculative_mod.static(drafter)
-        if dparams is not None:
-            dparams = jax.device_put(dparams, self._last_sharding)
-        return speculative_mod.decode(self.graphdef, self.params, st, samp, np.int32(steps), drafter=static,
-                                      dgraph=dgraph, dparams=dparams)
+        return speculative_mod.decode(self.graphdef, self.params, st, samp, np.int32(steps), drafter=drafter.kind,
+                                      dgraph=drafter.graph, dparams=drafter.params)
 
     def _result(self, st: DecodeState, ids: list[list[int]], stop: list[int], record_logits: bool, B: int, T: int,
                 prefill_s: float, decode_s: float) -> Generation:

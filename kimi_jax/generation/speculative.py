@@ -46,10 +46,9 @@ from flax import nnx, struct
 from kimi_jax.checkpoint.drafter import abstract_drafter, load_drafter
 from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
+from kimi_jax.model import dspark
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
-from kimi_jax.model.dspark import DSparkModel
-from kimi_jax.model.run import RunConfig
 
 EMA = 0.3  # weight of the latest step in a row's acceptance rate
 MIN_RATE = 0.15  # below this a row stops drafting ...
@@ -90,8 +89,7 @@ class DSpark:
         dtype = jnp.dtype(dtype)
         if self.model.run.dtype == dtype:
             return self
-        cfg = self.model.cfg
-        model = nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+        model = dspark.abstract(self.model.cfg, dtype)
         nnx.update(model, jax.tree.map(lambda a: a.astype(dtype), nnx.state(self.model, nnx.Param)))
         return DSpark(model, self.k)
 

@@ -144,6 +144,21 @@ def config_from_dict(d: dict) -> DSparkConfig:
         raise DSparkConfigError(f"drafter config.json has no {e.args[0]!r}") from None
 
 
+def abstract(cfg: DSparkConfig, dtype=None) -> DSparkModel:
+    """The drafter of ``cfg`` with ``ShapeDtypeStruct`` leaves in ``dtype`` (default float32), its products in
+    ``dtype`` too: shapes and dtypes, no memory. Loading fills it; plans and deviceless compiles count and lower it."""
+    dtype = jnp.dtype(dtype or F32)
+    return nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+
+
+def cache_bytes(cfg: DSparkConfig, batch: int, length: int, dtype) -> int:
+    """Bytes of the :class:`DraftCache` that :meth:`DSparkModel.empty_cache` makes for ``batch`` sequences of
+    ``length`` positions in ``dtype``: ``c [layers, batch, length, kv_lora_rank]`` and
+    ``kpe [layers, batch, length, qk_rope_head_dim]``."""
+    rows = cfg.num_layers * batch * length
+    return rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(dtype).itemsize
+
+
 @struct.dataclass
 class DraftCache:
     """Every draft layer's latent context entries: ``c [layers, B, L, kv_lora_rank]`` (after ``kv_a_layernorm``)
