@@ -1,6 +1,7 @@
 """The serving engine on a mesh of 8 simulated CPU devices (run by tests/test_engine.py in a subprocess: jax must see
 the devices from its first import). Serves the same requests, prefix hits included, on one device and on a mesh;
-prints one JSON line of the largest logit difference and whether every token matched."""
+prints one JSON line of the largest logit difference and whether every token matched. A third argument, a DSpark
+drafter's directory: both engines run it (``speculative="dspark:DIR"``; no logits recorded then)."""
 
 import json
 import os
@@ -16,8 +17,9 @@ from kimi_jax.parallel.sharding import make_mesh  # noqa: E402
 from kimi_jax.serving.engine import Engine  # noqa: E402
 
 
-def serve(model, prompts):
-    eng = Engine(model, slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, record_logits=True)
+def serve(model, prompts, drafter=None):
+    spec = dict(speculative=f"dspark:{drafter}") if drafter else dict(record_logits=True)
+    eng = Engine(model, slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, **spec)
     eng.warmup()
     first = eng.generate(prompts[:2], max_tokens=6, stop_ids=())
     rest = eng.generate(prompts[2:], max_tokens=6, stop_ids=())  # prefix hits on the first two
@@ -25,21 +27,22 @@ def serve(model, prompts):
 
 
 def main():
-    path, mesh_text = sys.argv[1], sys.argv[2]
+    path, mesh_text, drafter = sys.argv[1], sys.argv[2], (sys.argv[3:] or [None])[0]
     data, expert, model_axis = (int(v) for v in mesh_text.split("x"))
     one = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
     rng = np.random.default_rng(0)
     V = one.cfg.vocab_size
     a, b = rng.integers(3, V, 45).tolist(), rng.integers(3, V, 20).tolist()
     prompts = [a, b, a + [5, 6, 7], b + [9] * 12]
-    ref, _ = serve(one, prompts)
+    ref, _ = serve(one, prompts, drafter)
     sharded = kimi_jax.from_pretrained(path, dtype="float32", progress=False,
                                        mesh=make_mesh(data, expert, model_axis))
-    got, eng = serve(sharded, prompts)
+    got, eng = serve(sharded, prompts, drafter)
     leaf = eng.cache.layers[0].state  # a KDA state: its heads split over the model axis
     print(json.dumps({
         "tokens_equal": all(r.tokens == g.tokens for r, g in zip(ref, got)),
-        "max_diff": max(float(np.abs(r.logits - g.logits).max()) for r, g in zip(ref, got)),
+        "max_diff": None if drafter else max(float(np.abs(r.logits - g.logits).max()) for r, g in zip(ref, got)),
+        "spec": {k: eng.stats()[k] for k in ("spec_steps", "spec_drafted", "spec_accepted")},
         "cached": [g.cached_tokens for g in got],
         "state_sharding": str(leaf.sharding.spec),
         "compiles_after_warmup": eng.stats()["compiles_after_warmup"],

@@ -121,7 +121,7 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
     assert spec.tokens == plain.tokens
     assert len(seen) >= 3
     full = prompt + spec.tokens[0]
-    hidden = model(jnp.asarray([full]), return_hidden=True).hidden
+    hidden = nnx.jit(lambda m, ids: m(ids, return_hidden=True).hidden)(model, jnp.asarray([full]))  # eager: 30 s
     taps = np.concatenate([np.asarray(hidden[i][0], np.float64) for i in cfg["target_layer_ids"]], axis=-1)
     embed = np.asarray(model.embed_tokens[...], np.float64)
     head = np.asarray(model.lm_head[...], np.float64)

@@ -321,6 +321,36 @@ def test_engine_on_a_mesh_equals_one_device(k3_tiny_a, mesh, state_spec):
     assert r["state_sharding"] == state_spec, r
 
 
+@pytest.mark.slow  # ~3-5 min on 2 cores (two 8-device engines with a drafter in a subprocess)
+def test_dspark_engine_on_a_mesh_equals_one_device(k3_tiny_a, tmp_path):
+    """A DSpark drafter in the engine on a data x model mesh (its weights and context pools replicated, filled on
+    each device): the same greedy tokens as on one device, prefix hits included, drafts verified, no compile after
+    warm-up."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests import dspark_oracle as oracle
+    from tests.test_dspark import _write
+
+    with open(os.path.join(k3_tiny_a, "config.json")) as f:
+        target = json.load(f)["text_config"]
+    H = target["hidden_size"]
+    cfg = oracle.tiny_config(target["vocab_size"], hidden_size=H, target_hidden_size=H, target_layer_ids=[1, 4, 8],
+                             num_target_layers=3, block_size=3)
+    drafter = _write(tmp_path, cfg, oracle.random_checkpoint(cfg, seed=2))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "tests.engine_mesh_worker", k3_tiny_a, "2x1x4", drafter], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
+    assert r["spec"]["spec_steps"] > 0, r
+
+
 def test_prefix_pages_spill_to_host_and_come_back(families, engines):
     """A pool of 8 pages of 16 tokens: a second conversation needs the pages the first one's prefix entries hold, so
     their cache pages move to host memory (not dropped); the first conversation's next turn then hits its stored

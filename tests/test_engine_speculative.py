@@ -152,6 +152,10 @@ def test_refusals(model, capsys):
     assert "ngram k=0" in capsys.readouterr().err
     assert main(["serve", "--speculative", "ngram", "--batch-invariant"]) == 2
     assert "not with --batch-invariant" in capsys.readouterr().err
+    assert main(["serve", "--speculative", "draft:/nowhere"]) == 2
+    assert "draft models do not run in the server" in capsys.readouterr().err
+    assert main(["serve", "--speculative", "dspark:/nowhere"]) == 2  # its config.json read before the model loads
+    assert "/nowhere" in capsys.readouterr().err
 
 
 def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, models, tmp_path, monkeypatch):
@@ -220,10 +224,11 @@ def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, mod
 
     embed = np.asarray(model.embed_tokens[...], np.float64)
     head = np.asarray(model.lm_head[...], np.float64)
+    hidden = nnx.jit(lambda m, ids: m(ids, return_hidden=True).hidden)
     taps = []
     for full in fulls:
-        hidden = model(jnp.asarray([full]), return_hidden=True).hidden
-        taps.append(np.concatenate([np.asarray(hidden[i][0], np.float64) for i in cfg["target_layer_ids"]], -1))
+        hs = hidden(model, jnp.asarray([full]))
+        taps.append(np.concatenate([np.asarray(hs[i][0], np.float64) for i in cfg["target_layer_ids"]], axis=-1))
     checked = 0
     for i, written, ctx_len, anchor, base in seen:
         for r in np.flatnonzero(written > 0):
@@ -232,3 +237,41 @@ def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, mod
             np.testing.assert_allclose(base[r], want_base, atol=1e-4 * np.abs(want_base).max())
             checked += 1
     assert checked >= 10, checked
+
+
+@pytest.mark.slow  # ~90 s on 2 cores: the demo model's programs with and without the drafter
+def test_shipped_demo_drafter_in_the_engine():
+    """The demo model's shipped drafter through the engine, warmed up: four chat questions it was not trained on in
+    flight at once (prompts of several chunks), then a follow-up turn (a prefix hit): greedy replies equal the
+    plain engine's, drafts are accepted (over 2 new tokens per verify forward and slot), and nothing compiles
+    after the warm-up."""
+    import os
+
+    from kimi_jax.text import chat
+    from kimi_jax.text.tokenizer import load_tokenizer
+
+    demo = os.path.join(os.path.dirname(kimi_jax.__file__), "assets", "k3-demo")
+    model = kimi_jax.from_pretrained(demo, dtype="float32", progress=False)
+    tok = load_tokenizer(demo)
+    qs = ["What is the zipfile module?", "How do I sort a list in Python?", "Explain recursion.",
+          "What does the json module do?"]
+    turns = [[{"role": "user", "content": q}] for q in qs]
+    ids = [chat.encode(tok, t, add_generation_prompt=True) for t in turns]
+    shapes = dict(slots=4, max_len=256, page_size=16, prefill_chunk=32, min_chunk=16)
+    plain = Engine(model, tok, **shapes)
+    want = plain.generate(ids, max_tokens=48)
+    follow = chat.encode(tok, turns[0] + [{"role": "assistant", "content": want[0].text},
+                                          {"role": "user", "content": "And the tarfile module?"}],
+                         add_generation_prompt=True)
+    want_follow = plain.generate([follow], max_tokens=32)[0]
+    eng = Engine(model, tok, **shapes, speculative=f"dspark:{demo}-dspark")
+    eng.warmup()  # last: compiles after it are counted (by every engine of the process)
+    got = eng.generate(ids, max_tokens=48)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    hit = eng.generate([follow], max_tokens=32)[0]
+    assert hit.tokens == want_follow.tokens and hit.cached_tokens > 0
+    st = eng.stats()
+    new = sum(len(g.tokens) - 1 for g in got) + len(hit.tokens) - 1
+    # more than half the new tokens were accepted drafts: over 2 tokens per slot and forward
+    assert st["compiles_after_warmup"] == 0 and st["spec_accepted"] > new / 2, st
+    assert st["spec_accepted"] > 0.6 * st["spec_drafted"], st
