@@ -214,7 +214,7 @@ def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, mod
 
     monkeypatch.setattr(steps, "draft_step", recorded)
     monkeypatch.setattr(steps, "_PROGRAMS", {})  # compiled anew, with the recording
-    eng = Engine(model, **SHAPES, speculative=drafter)
+    eng = Engine(model, **{**SHAPES, "compact_decode": True}, speculative=drafter)  # one row per step: compacted
     for i, p in enumerate((a, b)):
         now[0] = i
         assert eng.generate([p], max_tokens=12, stop_ids=())[0].tokens == want[i]

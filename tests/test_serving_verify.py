@@ -43,7 +43,7 @@ def test_verify_step_keeps_the_decode_steps_tokens_and_cache(k3_tiny_a, scan):
     for slot, n in enumerate((11, 20)):
         ids = np.zeros((1, 32), np.int32)
         ids[0, :n] = rng.integers(3, model.cfg.vocab_size, n)
-        cache, tok, _, _ = prefill(params, cache, table[slot:slot + 1], jnp.int32(slot), jnp.asarray(ids),
+        cache, tok, *_ = prefill(params, cache, table[slot:slot + 1], jnp.int32(slot), jnp.asarray(ids),
                                    jnp.int32(n), _samp(1))
         first.append(int(tok[0]))
 
@@ -51,7 +51,7 @@ def test_verify_step_keeps_the_decode_steps_tokens_and_cache(k3_tiny_a, scan):
     plain, toks, last = cache, [[t] for t in first], jnp.asarray(first, jnp.int32)
     for step in range(4):
         active = jnp.asarray([step < 2, True])
-        plain, last, _, _ = decode(params, plain, table, last, active, _samp())
+        plain, last, *_ = decode(params, plain, table, last, active, _samp())
         for b in range(SLOTS):
             if bool(active[b]):
                 toks[b].append(int(last[b]))
@@ -59,7 +59,7 @@ def test_verify_step_keeps_the_decode_steps_tokens_and_cache(k3_tiny_a, scan):
     # speculative: one verify step; slot 0's second draft is wrong, slot 1's three are right
     drafts = np.array([[toks[0][1], toks[0][2] + 1, 5], toks[1][1:4]], np.int32)
     x = jnp.asarray(np.concatenate([np.array(first, np.int32)[:, None], drafts], axis=1))
-    spec, t, kept, accepted, _ = verify(params, cache, table, x, jnp.asarray([3, 3], jnp.int32), jnp.asarray([True, True]),
+    spec, t, kept, accepted, *_ = verify(params, cache, table, x, jnp.asarray([3, 3], jnp.int32), jnp.asarray([True, True]),
                                      _samp())
     assert kept.tolist() == [2, 4] and accepted.tolist() == [1, 3]
     assert [np.asarray(t)[b, :int(kept[b])].tolist() for b in range(SLOTS)] == [toks[0][1:3], toks[1][1:5]]
@@ -73,7 +73,7 @@ def test_verify_step_keeps_the_decode_steps_tokens_and_cache(k3_tiny_a, scan):
     nxt = jnp.asarray([toks[0][2], toks[1][4]], jnp.int32)
     both = jnp.asarray([True, True])
     record = jax.jit(functools.partial(steps.decode_step, graphdef, record=True))
-    _, tp, _, lp = record(params, plain, table, nxt, both, _samp())
-    _, ts, _, ls = record(params, spec, table, nxt, both, _samp())
+    _, tp, _, lp, _ = record(params, plain, table, nxt, both, _samp())
+    _, ts, _, ls, _ = record(params, spec, table, nxt, both, _samp())
     np.testing.assert_allclose(np.asarray(ls), np.asarray(lp), atol=1e-4)
     assert ts.tolist() == tp.tolist()

@@ -15,7 +15,8 @@ def _every_op():
             sp.SpillPages(13, (1, 2)), sp.RestorePages(13, (6, 7)), sp.DropPages(13),
             sp.Prefill(3, 32, 64, 4, tuple(range(100, 140))),
             sp.Decode.make(16, [0, 2, 8, 8], [11, 12, 0, 0], [3, 1, 0, 0], [True, True, False, False], all_rows=False),
-            sp.Verify.make(4, [[11, 5, 6, 0], [0, 0, 0, 0], [12, 7, 0, 0]], [2, 0, 1], [3, 0, 9], [True, False, True]),
+            sp.Verify.make(4, [0, 3, 2], [[11, 5, 6, 0], [0, 0, 0, 0], [12, 7, 0, 0]], [2, 0, 1], [3, 0, 9],
+                           [True, False, True], all_rows=False),
             sp.Stop(), sp.Mask.make([2, 0], [[[-1, 0, 5]], [[2**31 - 1, -2**31, 7]]]))
 
 
@@ -31,8 +32,8 @@ def test_a_plan_of_every_op_round_trips_exactly():
     rows, tokens, counts, live = plan.ops[12].columns()
     assert rows.tolist() == [0, 2, 8, 8] and live.tolist() == [True, True, False, False]
     assert plan.compute is plan.ops[11]  # the first compute op: the one whose results the plan returns
-    tokens, dlen, counts, live = sp.StepPlan.from_bytes(data).ops[13].columns()
-    assert tokens.tolist() == [[11, 5, 6, 0], [0, 0, 0, 0], [12, 7, 0, 0]] and dlen.tolist() == [2, 0, 1]
+    rows, tokens, dlen, counts, live = sp.StepPlan.from_bytes(data).ops[13].columns()
+    assert rows.tolist() == [0, 3, 2] and tokens.tolist() == [[11, 5, 6, 0], [0, 0, 0, 0], [12, 7, 0, 0]] and dlen.tolist() == [2, 0, 1]
     assert counts.tolist() == [3, 0, 9] and live.tolist() == [True, False, True]
     # a mask's rows land where named, the others allow every id; int32 words keep every bit
     full = sp.StepPlan.from_bytes(data).ops[15].full(4)

@@ -85,7 +85,7 @@ class Engine:
     ``"dspark:PATH[,k=N]"`` (or a :class:`~kimi_jax.generation.speculative.DSpark`), a DSpark drafter on the device
     whose context pools share the cache's pages (prefix hits and spills carry them): every compute step also drafts
     each row's next block (:func:`kimi_jax.serving.steps.draft_step`). A step in which some slot has drafts is one
-    verify forward over every slot (:func:`kimi_jax.serving.steps.verify_step`); greedy replies are the plain
+    verify forward over the decoding slots (:func:`kimi_jax.serving.steps.verify_step`); greedy replies are the plain
     engine's, sampled ones have its distribution (rejection sampling). Draft models: not in the engine yet.
     ``structured``: requests may carry a constraint (:attr:`Request.constraint`): each step's allowed-token bitmasks
     are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling: every compute

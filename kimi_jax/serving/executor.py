@@ -300,14 +300,14 @@ class Executor:
         return tok, logp, logits, self._draft(taps, table, rows, tok[:, None], live.astype(np.int32))
 
     def _verify(self, op: Verify):
-        tokens, dlen, counts, live = op.columns()
-        table = np.zeros((len(live), op.width), np.int32)
-        table[live] = self.table[live, : op.width]
-        samp = self._sampling([k if ok else None for k, ok in enumerate(live)], counts)
+        rows, tokens, dlen, counts, live = op.columns()
+        table = np.zeros((len(rows), op.width), np.int32)
+        table[live] = self.table[rows[live], : op.width]
+        samp = self._sampling([int(r) if ok else None for r, ok in zip(rows, live)], counts)
         self.cache, tok, kept, accepted, logp, taps = self.programs.verify_step(
-            self.params, self.cache, table, tokens, dlen, live, samp, self._take_mask(len(live), tokens.shape[1]),
-            tap=self.tap)
-        return tok, kept, accepted, logp, self._draft(taps, table, np.arange(len(live), dtype=np.int32), tok, kept)
+            self.params, self.cache, table, tokens, dlen, live, samp, None if op.all_rows else rows,
+            self._take_mask(len(live), tokens.shape[1]), tap=self.tap)
+        return tok, kept, accepted, logp, self._draft(taps, table, rows, tok, kept)
 
     def _stop(self, op: Stop):
         pass
@@ -359,14 +359,15 @@ class Executor:
             rows = np.arange(b, dtype=np.int32) if rows is None else rows
             self._draft(taps, table, rows, tok[:, None], np.zeros((b,), np.int32))
 
-        def verify(width):
+        def verify(b, width):
             k1 = sh.spec_k + 1
-            table = np.zeros((sh.slots, width), np.int32)
+            rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
+            table = np.zeros((b, width), np.int32)
             self.cache, tok, kept, _, _, taps = self.programs.verify_step(
-                self.params, self.cache, table, np.zeros((sh.slots, k1), np.int32),
-                np.zeros((sh.slots,), np.int32), np.zeros((sh.slots,), bool),
-                self._sampling([None] * sh.slots, [0] * sh.slots), mask(sh.slots, k1), tap=self.tap)
-            self._draft(taps, table, np.arange(sh.slots, dtype=np.int32), tok, kept)  # kept: all 0
+                self.params, self.cache, table, np.zeros((b, k1), np.int32), np.zeros((b,), np.int32),
+                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b, k1), tap=self.tap)
+            rows = np.arange(b, dtype=np.int32) if rows is None else rows
+            self._draft(taps, table, rows, tok, kept)  # kept: all 0
 
         def snapshots():
             state = self.programs.take_state(self.cache, np.int32(0))
@@ -385,7 +386,8 @@ class Executor:
             for width in sh.widths:
                 out.append((f"decode step of {b} rows x {width} pages", lambda b=b, width=width: decode(b, width)))
         if sh.spec_k:
-            for width in sh.widths:
-                out.append((f"speculative verify step of {sh.spec_k} drafts x {width} pages",
-                            lambda width=width: verify(width)))
+            for b in sh.row_buckets:
+                for width in sh.widths:
+                    out.append((f"speculative verify step of {b} rows x {sh.spec_k} drafts x {width} pages",
+                                lambda b=b, width=width: verify(b, width)))
         return out + [("prefix snapshots", snapshots), ("page copies", pages)]

@@ -283,8 +283,9 @@ class Scheduler:
         return self._plan()
 
     def _verify_plan(self, active: list[int]) -> StepPlan | None:
-        """A verify step over every slot when some decoding slot has drafts (its prompt and reply looked up; a slot
-        whose drafts were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
+        """A verify step over the decoding slots (rows as :meth:`decode_plan`'s) when some has drafts (n-gram: its
+        prompt and reply looked up; DSpark: the block the device drafted after its last step; a slot whose drafts
+        were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
         sh, k = self.shapes, self.shapes.spec_k
         drafts = {}
         for i in active:
@@ -305,17 +306,22 @@ class Scheduler:
         active = [i for i in active if self.running[i] is not None]
         if not active:
             return None
-        tokens = np.zeros((sh.slots, k + 1), np.int64)
-        dlen, counts, live = (np.zeros((sh.slots,), np.int64) for _ in range(3))
-        for i in active:
+        b = sh.rows(len(active))  # as a decode step: every slot, or a bucket of rows holding the active ones
+        rows = list(range(sh.slots)) if b == sh.slots else active + [sh.slots] * (b - len(active))
+        tokens = np.zeros((b, k + 1), np.int64)
+        dlen, counts, live = (np.zeros((b,), np.int64) for _ in range(3))
+        for j, i in enumerate(rows):
+            if i not in active:
+                continue
             s, d = self.running[i], drafts.get(i, [])
             self._cover(i, s, s.pos + 1 + len(d))  # within its reservation: room leaves the budget's last token
-            tokens[i, 0], tokens[i, 1:1 + len(d)] = s.last, d
-            dlen[i], counts[i], live[i] = len(d), len(s.out), 1
+            tokens[j, 0], tokens[j, 1:1 + len(d)] = s.last, d
+            dlen[j], counts[j], live[j] = len(d), len(s.out), 1
         width = sh.width(max(len(self.running[i].pages) for i in active))
         if masks:
-            self._emit(Mask.make(list(masks), list(masks.values())))
-        self._emit(Verify.make(width, tokens, dlen, counts, live))
+            at = [j for j, i in enumerate(rows) if i in masks]
+            self._emit(Mask.make(at, [masks[rows[j]] for j in at]))
+        self._emit(Verify.make(width, rows, tokens, dlen, counts, live, all_rows=b == sh.slots))
         self.counters["decode_steps"] += 1
         self.counters["spec_steps"] += 1
         self.counters["spec_drafted"] += int(dlen.sum())
@@ -374,19 +380,19 @@ class Scheduler:
             self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
 
     def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts) -> None:
-        _, dlen, _, live = plan.compute.columns()
-        for i in np.flatnonzero(live):
-            i = int(i)
-            s, n = self.running[i], int(kept[i])
+        rows, _, dlen, _, live = plan.compute.columns()
+        for r in np.flatnonzero(live):
+            i = int(rows[r])
+            s, n = self.running[i], int(kept[r])
             s.steps += 1
-            self._drafted(s, drafts, i)
-            if dlen[i]:
-                s.rate = (1 - speculative.EMA) * s.rate + speculative.EMA * float(accepted[i]) / float(dlen[i])
-            self.counters["spec_accepted"] += int(accepted[i])
+            self._drafted(s, drafts, r)
+            if dlen[r]:
+                s.rate = (1 - speculative.EMA) * s.rate + speculative.EMA * float(accepted[r]) / float(dlen[r])
+            self.counters["spec_accepted"] += int(accepted[r])
             for j in range(n):
                 s.pos += 1
                 s.extra = n - 1 - j
-                self._accept(i, int(tok[i, j]), float(logp[i, j]), None)
+                self._accept(i, int(tok[r, j]), float(logp[r, j]), None)
                 if self.running[i] is not s:  # finished (a stop, the budget): the rest is dropped
                     break
 

@@ -235,27 +235,29 @@ class Decode(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Verify(Op):
-    """One speculative step over every slot: per slot its ``k + 1`` input tokens (the last drawn, then the drafts),
-    how many of the drafts are real, the tokens its request has drawn and whether it is live. ``width``: page-table
-    entries read."""
+    """One speculative step over ``rows`` (slot indices; past the last slot: padding) or, with ``all_rows``, over
+    every slot in order: per row its ``k + 1`` input tokens (the last drawn, then the drafts), how many of the drafts
+    are real, the tokens its request has drawn and whether it is live. ``width``: page-table entries read."""
 
     code: ClassVar[int] = 15
     tail: ClassVar[str] = "table"
     width: int
     k1: int
-    table: tuple[int, ...]  # [k1 + 3, B] flattened: tokens (k1 rows), draft lengths, counts, live
+    all_rows: int
+    table: tuple[int, ...]  # [k1 + 4, B] flattened: tokens (k1 rows), draft lengths, counts, live, rows
 
     @classmethod
-    def make(cls, width: int, tokens, dlen, counts, live) -> "Verify":
+    def make(cls, width: int, rows, tokens, dlen, counts, live, all_rows: bool) -> "Verify":
         tokens = np.asarray(tokens, np.int64)  # [B, k1]
-        table = np.concatenate([tokens.T, np.stack([np.asarray(dlen), np.asarray(counts), np.asarray(live)])])
-        return cls(width, tokens.shape[1], tuple(table.astype(np.int64).reshape(-1).tolist()))
+        table = np.concatenate([tokens.T, np.stack([np.asarray(dlen), np.asarray(counts), np.asarray(live),
+                                                    np.asarray(rows)])])
+        return cls(width, tokens.shape[1], int(all_rows), tuple(table.astype(np.int64).reshape(-1).tolist()))
 
-    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens int32 ``[B, k1]``, draft lengths, counts int32 ``[B]``, live bool ``[B]``)."""
-        t = np.asarray(self.table, np.int64).reshape(self.k1 + 3, -1)
-        return (t[: self.k1].T.astype(np.int32).copy(), t[self.k1].astype(np.int32), t[self.k1 + 1].astype(np.int32),
-                t[self.k1 + 2].astype(bool))
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, tokens int32 ``[B, k1]``, draft lengths, counts int32 ``[B]``, live bool ``[B]``)."""
+        t = np.asarray(self.table, np.int64).reshape(self.k1 + 4, -1)
+        return (t[self.k1 + 3].astype(np.int32), t[: self.k1].T.astype(np.int32).copy(), t[self.k1].astype(np.int32),
+                t[self.k1 + 1].astype(np.int32), t[self.k1 + 2].astype(bool))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,8 +108,9 @@ def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, 
 
 
 def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling,
-                mask_BKW=None, *, tap=None, constrain=lambda c: c, replicate=lambda x: x):
-    """One speculative step over every slot: ``tokens [B, k + 1]`` is each slot's last token then up to ``k`` drafted
+                rows_B=None, mask_BKW=None, *, tap=None, constrain=lambda c: c, replicate=lambda x: x):
+    """One speculative step over every slot (``rows`` None) or over ``rows`` (as :func:`decode_step`'s):
+    ``tokens [B, k + 1]`` is each slot's last token then up to ``k`` drafted
     ones (``dlen [B]`` of them real), checked by one forward over the ``k + 1`` positions, written through the page
     table (the scheduler allocates pages for all of them), with the KDA layers in verify mode; the accepted drafts
     and the target's next token are kept (greedy slots: the drafts equal to the argmax; sampled slots: rejection
@@ -122,14 +123,16 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     the constraint refuses is rejected and the kept tokens obey it."""
     model = nnx.merge(graphdef, params)
     K1 = tokens_BK.shape[1]
-    res = model(tokens_BK, cache=for_verify(cache, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
+    view = cache if rows_B is None else _rows_view(cache, rows_B)
+    res = model(tokens_BK, cache=for_verify(view, K1), lengths=jnp.where(active_B, dlen_B + 1, 0), prefix=True,
                 page_table=page_table, return_hidden=tap is not None)
     keys = lambda: jax.vmap(lambda i: request_keys(samp, i), out_axes=1)(jnp.arange(K1))  # noqa: E731
     logits = res.logits.astype(jnp.float32)
     target = logits if mask_BKW is None else apply_bitmask(logits, mask_BKW)
     t, a = speculative.accept(target, tokens_BK[:, 1:], dlen_B, samp.temperature, samp.top_k, samp.top_p, keys)
     kept = jnp.where(active_B, a + 1, 0)
-    new = commit_verified(res.cache, cache.lengths, kept, model.run)
+    new = commit_verified(res.cache, view.lengths, kept, model.run)
+    new = new if rows_B is None else _rows_merge(cache, new, rows_B)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)
     return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0), logp[..., 0])), taps(model, res, tap)
 
