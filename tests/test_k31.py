@@ -4,11 +4,33 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import glob
+import json
+import os
+import shutil
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
 
+from kernels_pallas import dsa
+from kernels_pallas.dsa import reference as dsa_reference
+from kimi_jax.checkpoint import synthetic
+from kimi_jax.checkpoint.loading import from_pretrained
+from kimi_jax.checkpoint.names import WeightError
 from kimi_jax.cli import main
 from kimi_jax.model import config as C
+from kimi_jax.model import params
+from kimi_jax.model.attention import Step
+from kimi_jax.model.cache import init_cache
+from kimi_jax.model.decoder import KimiModel
+from kimi_jax.model.run import RunConfig
+from tests import k31_oracle as oracle
 
 
 def _tiny(**dsa) -> dict:
@@ -72,8 +94,226 @@ def test_k31_refusals():
         C.from_dict(c)
 
 
-def test_info_shows_the_indexer(capsys):
-    assert main(["info", "k3.1"]) == 0
+
+
+# -- checkpoint ----------------------------------------------------------------------------------------------------
+
+INDEXER = ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias")
+
+
+@pytest.fixture(scope="module")
+def k31_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("k31"))
+    assert main(["make-tiny", path, "--family", "k3.1", "--dtype", "float32", "--shards", "2"]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def k31_model(k31_dir):
+    return from_pretrained(k31_dir, dtype="float32", progress=False)
+
+
+def _tensors(path) -> dict:
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def test_make_tiny_k31_writes_the_released_layout_and_loads(k31_dir, k31_model):
+    tensors = _tensors(k31_dir)
+    cfg = k31_model.cfg
+    ix = cfg.mla.indexer
+    mla_layers = [i for i, kind in enumerate(cfg.attn_types) if kind == "mla"]
+    names = {n for n in tensors if ".indexer." in n}
+    assert names == {f"language_model.model.layers.{i}.self_attn.indexer.{t}" for i in mla_layers for t in INDEXER}
+    i = mla_layers[0]
+    pre = f"language_model.model.layers.{i}.self_attn.indexer."
+    assert tensors[pre + "wq_b.weight"].shape == (ix.num_heads * ix.head_dim, ix.q_lora_rank)
+    assert tensors[pre + "wk.weight"].shape == (ix.head_dim, ix.hidden)
+    assert tensors[pre + "weights_proj.weight"].shape == (ix.num_heads, ix.hidden)
+    got = k31_model.layers[i].self_attn.indexer
+    for leaf, name in (("wq_b", "wq_b.weight"), ("wk", "wk.weight"), ("weights_proj", "weights_proj.weight"),
+                       ("k_norm", "k_norm.weight"), ("k_norm_bias", "k_norm.bias")):
+        np.testing.assert_array_equal(np.asarray(getattr(got, leaf)[...]), tensors[pre + name])
+
+
+def test_info_shows_the_indexer(k31_dir, capsys):
+    capsys.readouterr()
+    assert main(["info", k31_dir]) == 0
     out = capsys.readouterr().out
-    assert "DSA indexer (K3.1) in each of the 24 MLA layers: 32 heads x 128, top-2048 keys per query" in out
-    assert "parameters:" in out
+    assert "DSA indexer (K3.1) in each of the 3 MLA layers: 2 heads x 16, top-16 keys per query" in out, out
+
+
+def test_k_norm_bias_is_optional(k31_dir, tmp_path):
+    """A checkpoint without ``k_norm.bias`` loads with a zero bias (the format leaves the bias open)."""
+    shutil.copytree(k31_dir, tmp_path, dirs_exist_ok=True)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    for f in glob.glob(str(tmp_path / "*.safetensors")):
+        kept = {n: v for n, v in load_file(f).items() if not n.endswith("k_norm.bias")}
+        os.remove(f)
+        save_file(kept, f)
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.endswith("k_norm.bias")}
+    index_file.write_text(json.dumps(index))
+    m = from_pretrained(str(tmp_path), dtype="float32", progress=False)
+    assert not np.any(np.asarray(m.layers[3].self_attn.indexer.k_norm_bias[...]))
+
+
+def test_indexer_shape_mismatch_names_the_tensor(tmp_path):
+    """Tensors written for 8-dim indexer heads under a config that says 16: refused before anything is read."""
+    synthetic.write_checkpoint(tmp_path, "k3.1", config=_tiny(index_head_dim=8), dtype="float32", num_shards=1)
+    (tmp_path / "config.json").write_text(json.dumps(_tiny(index_head_dim=16)))
+    with pytest.raises(WeightError, match=r"tensor 'language_model\.model\.layers\.\d\.self_attn\.indexer\."
+                                          r"(wq_b|wk|k_norm)\.(weight|bias)'.*does not fit parameter"):
+        from_pretrained(str(tmp_path), dtype="float32", progress=False)
+
+
+# -- the math --------------------------------------------------------------------------------------------------------
+
+F32 = jnp.float32
+RUN = RunConfig(dtype=F32)
+LAYERS = 4  # the tiny K3.1 sliced to KDA x3 + one MLA layer with its indexer: the model tests compile in seconds
+
+
+def _with_weights(cfg, src):
+    """A model of ``cfg`` holding ``src``'s weights (every leaf ``cfg`` has; K3: all but the indexers)."""
+    m = KimiModel(cfg, run=RUN, rngs=nnx.Rngs(1))
+    have = params.leaves(nnx.state(src, nnx.Param))
+    state = nnx.state(m, nnx.Param)
+    params.fill(state, {k: have[k] for k in params.leaves(state)})
+    nnx.update(m, state)
+    return m
+
+
+def _with_topk(cfg, topk):
+    return cfg.replace(mla=dataclasses.replace(cfg.mla, indexer=dataclasses.replace(cfg.mla.indexer, topk=topk)))
+
+
+def _jitted(model):
+    """``call(ids, cache=None, prefix=False) -> (logits, cache)``: ``model`` as one jitted function."""
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames="prefix")
+    def call(state, ids, cache, prefix):
+        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=prefix)
+        return out.logits, out.cache
+
+    return lambda ids, cache=None, prefix=False: call(state, ids, cache, prefix)
+
+
+def _prefill_then_decode(model, ids, n_prefill, max_len):
+    """Logits ``[B, T, V]``: a cached prefill of the first ``n_prefill`` tokens, then one decode step per token."""
+    call = _jitted(model)
+    lg, cache = call(ids[:, :n_prefill], init_cache(model.cfg, ids.shape[0], max_len, F32))
+    logits = [lg]
+    for t in range(n_prefill, ids.shape[1]):
+        lg, cache = call(ids[:, t:t + 1], cache, prefix=True)
+        logits.append(lg)
+    return jnp.concatenate(logits, axis=1)
+
+
+def test_k31_equals_k3_while_contexts_fit_in_topk(k31_model):
+    """must-show 1: with every context <= top-k (16) each query selects all its keys, so K3.1 is K3 with the same
+    weights (indexers ignored) to float32 rounding -- prefill, and a cached prefill plus decode steps. Past 16 keys
+    the selection bites and the two differ."""
+    cfg = k31_model.cfg.sliced(LAYERS)
+    k31 = _with_weights(cfg, k31_model)
+    k3 = _with_weights(cfg.replace(mla=dataclasses.replace(cfg.mla, indexer=None)), k31_model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
+    a, b = _jitted(k31)(ids)[0], _jitted(k3)(ids)[0]
+    assert float(jnp.max(jnp.abs(a[:, :16] - b[:, :16]))) < 1e-4
+    assert float(jnp.min(jnp.max(jnp.abs(a[:, 16:] - b[:, 16:]), axis=(0, 2)))) > 1e-3  # every row past 16 differs
+    a = _prefill_then_decode(k31, ids[:, :16], 10, 16)
+    b = _prefill_then_decode(k3, ids[:, :16], 10, 16)
+    assert float(jnp.max(jnp.abs(a - b))) < 1e-4
+
+
+def _oracle_inputs(layer):
+    """(oracle config dict, oracle tensors float64) of one K3.1 MLA module."""
+    c, ix = layer.cfg, layer.cfg.indexer
+    cfg = {"hidden_size": c.hidden, "num_attention_heads": c.num_heads, "q_lora_rank": c.q_lora_rank,
+           "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_dim, "qk_rope_head_dim": c.qk_rope_dim,
+           "v_head_dim": c.v_dim, "mla_use_output_gate": c.output_gate, "rms_norm_eps": ix.norm_eps,
+           "mla_norm_eps": c.lora_norm_eps, "dsa_config": {"index_n_heads": ix.num_heads,
+                                                           "index_head_dim": ix.head_dim, "index_topk": ix.topk}}
+    f64 = lambda a: np.asarray(a[...], np.float64)
+    t = {oracle.P + f"{n}.weight": f64(getattr(layer, n)) for n in
+         ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "g_proj",
+          "o_proj")}
+    idx = layer.indexer
+    t.update({oracle.IDX + "wq_b.weight": f64(idx.wq_b), oracle.IDX + "wk.weight": f64(idx.wk),
+              oracle.IDX + "weights_proj.weight": f64(idx.weights_proj), oracle.IDX + "k_norm.weight": f64(idx.k_norm),
+              oracle.IDX + "k_norm.bias": f64(idx.k_norm_bias)})
+    return cfg, t
+
+
+def _same_up_to_ties(ours, scores, k, tol=1e-6):
+    """Our selection ``[T, S]`` against the oracle's scores: each row keeps min(k, visible) keys, and wherever it
+    differs from the oracle's choice the keys swapped in and out score the row's k-th best (an exact tie) within
+    ``tol``. Returns the number of rows that differ."""
+    want = oracle.topk_mask(scores, k)
+    differ = 0
+    for t in range(scores.shape[0]):
+        assert ours[t].sum() == want[t].sum() == min(k, t + 1), t
+        if (ours[t] != want[t]).any():
+            differ += 1
+            kth = np.sort(scores[t, want[t]])[0]
+            swapped = scores[t, ours[t] != want[t]]
+            np.testing.assert_allclose(swapped, kth, rtol=tol, atol=tol, err_msg=f"row {t}: not a tie")
+    return differ
+
+
+def test_one_mla_layer_matches_the_float64_oracle(k31_model):
+    """must-show 2: top-4 over 64 tokens. One MLA layer of the model (its weights) against tests/k31_oracle.py in
+    float32: the selection (ties allowed), the prefill output, and every decode step's output over a cache."""
+    cfg = _with_topk(k31_model.cfg, 4)
+    layer = _with_weights(cfg, k31_model).layers[3].self_attn
+    ocfg, tensors = _oracle_inputs(layer)
+    T = 64
+    x = np.random.default_rng(1).standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    want = oracle.mla_layer(ocfg, tensors, x, index_topk=4)
+    scores = oracle.index_scores(ocfg, tensors, x, oracle.q_lora(ocfg, tensors, x))
+
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    step = Step(pos, jnp.ones((1, T), bool), jnp.full((1,), T, jnp.int32), False)
+    *_, index = layer._projections(jnp.asarray(x)[None], RUN)
+    chosen = np.asarray(dsa.select(index.q, index.w, index.k, pos, topk=4))[0]
+    assert _same_up_to_ties(chosen, scores, 4) == 0  # no exact ties at the boundary in this draw
+    y, _ = layer(jnp.asarray(x)[None], step, None, RUN)
+    assert np.max(np.abs(np.asarray(y[0]) - want)) < 1e-5
+
+    n0 = 8  # a cached prefill of 8 tokens, then 56 decode steps
+    cache = init_cache(cfg, 1, T, F32).layers[3]
+    y0, cache = layer(jnp.asarray(x[None, :n0]), Step(pos[:, :n0], jnp.ones((1, n0), bool),
+                                                      jnp.full((1,), n0, jnp.int32), False), cache, RUN)
+    graphdef, state = nnx.split(layer)
+    one = jnp.ones((1, 1), bool), jnp.ones((1,), jnp.int32)
+    decode = jax.jit(lambda s, xt, c, p: nnx.merge(graphdef, s)(xt, Step(p, *one, True), c, RUN))
+    ys = [y0[0]]
+    for t in range(n0, T):
+        yt, cache = decode(state, jnp.asarray(x[None, t:t + 1]), cache, pos[:, t:t + 1])
+        ys.append(yt[0])
+    err = np.max(np.abs(np.concatenate([np.asarray(v) for v in ys]) - want))
+    assert err < 1e-5, err
+
+
+def test_k31_prefill_equals_decode(k31_model):
+    """The whole model with top-4: logits of one prefill equal a cached prefill plus decode steps."""
+    m = _with_weights(_with_topk(k31_model.cfg.sliced(LAYERS), 4), k31_model)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, m.cfg.vocab_size, (2, 24)), jnp.int32)
+    full = _jitted(m)(ids)[0]
+    steps = _prefill_then_decode(m, ids, 8, 32)
+    assert float(jnp.max(jnp.abs(full - steps))) < 1e-4
+
+
+def test_selection_ties_go_to_the_later_key():
+    """Equal indexer scores: the later key wins; a row with at most k visible keys keeps them all."""
+    scores = jnp.asarray([[[1.0, 2.0, 2.0, 0.0, 2.0, -jnp.inf]]])
+    got = dsa_reference.top_keys(scores, jnp.asarray([[4]]), topk=2)
+    np.testing.assert_array_equal(np.asarray(got)[0, 0], [False, False, True, False, True, False])
+    got = dsa_reference.top_keys(scores, jnp.asarray([[1]]), topk=2)
+    np.testing.assert_array_equal(np.asarray(got)[0, 0], [True, True, False, False, False, False])
+    zeros = jnp.zeros((1, 1, 6))  # all ReLUs zero: every score ties
+    np.testing.assert_array_equal(np.asarray(dsa_reference.top_keys(zeros, jnp.asarray([[5]]), topk=3))[0, 0],
+                                  oracle.topk_mask(np.zeros((6, 6)), 3)[5])
