@@ -196,7 +196,7 @@ def _one_mla_layer(src, indexer=True):
     m = KimiModel(one, run=RUN, rngs=nnx.Rngs(1))
     have = params.leaves(nnx.state(src, nnx.Param))
     state = nnx.state(m, nnx.Param)
-    at = lambda k: k.replace("layers.0.self_attn.", f"layers.{mla}.self_attn.")  # noqa: E731
+    at = lambda k: k.replace("layers.0.self_attn.", f"layers.{mla}.self_attn.")
     params.fill(state, {k: have[at(k)] for k in params.leaves(state)})
     nnx.update(m, state)
     return m
