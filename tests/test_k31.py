@@ -219,12 +219,16 @@ def _jitted(model):
     return lambda ids, cache=None, prefix=False: call(state, ids, cache, prefix)
 
 
-def _prefill_then_decode(model, ids, n_prefill, max_len):
-    """Logits ``[B, T, V]``: a cached prefill of the first ``n_prefill`` tokens, then one decode step per token."""
+def _prefill_then_decode(model, ids, n_prefill, max_len, chunk=0):
+    """Logits ``[B, T, V]``: a cached prefill of the first ``n_prefill`` tokens, a continued prefill of the next
+    ``chunk`` (if any), then one decode step per token."""
     call = _jitted(model)
     lg, cache = call(ids[:, :n_prefill], init_cache(model.cfg, ids.shape[0], max_len, F32))
     logits = [lg]
-    for t in range(n_prefill, ids.shape[1]):
+    if chunk:
+        lg, cache = call(ids[:, n_prefill:n_prefill + chunk], cache, prefix=True)
+        logits.append(lg)
+    for t in range(n_prefill + chunk, ids.shape[1]):
         lg, cache = call(ids[:, t:t + 1], cache, prefix=True)
         logits.append(lg)
     return jnp.concatenate(logits, axis=1)
@@ -232,12 +236,13 @@ def _prefill_then_decode(model, ids, n_prefill, max_len):
 
 def test_k31_equals_k3_while_contexts_fit_in_topk(k31_model):
     """must-show 1: with every context <= top-k (16) each query selects all its keys, so K3.1 is K3 with the same
-    weights (indexers ignored) to float32 rounding -- a cached prefill of 12 tokens and decode steps up to 16
-    tokens. Past 16 keys the selection bites: every later decode step differs."""
+    weights (indexers ignored) to float32 rounding -- a prefill of 8 tokens (its 8 keys <= 16: the dense path), a
+    continued prefill of 4 and decode steps up to 16 tokens over a 20-slot cache (the selection path). Past 16
+    keys the selection bites: every later decode step differs."""
     k31, k3 = _one_mla_layer(k31_model), _one_mla_layer(k31_model, indexer=False)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, k31.cfg.vocab_size, (2, 20)), jnp.int32)
-    a = _prefill_then_decode(k31, ids, 12, 20)
-    b = _prefill_then_decode(k3, ids, 12, 20)
+    a = _prefill_then_decode(k31, ids, 8, 20, chunk=4)
+    b = _prefill_then_decode(k3, ids, 8, 20, chunk=4)
     err = float(jnp.max(jnp.abs(a[:, :16] - b[:, :16])))
     assert err < 1e-4, err
     assert float(jnp.min(jnp.max(jnp.abs(a[:, 16:] - b[:, 16:]), axis=(0, 2)))) > 1e-3  # every row past 16 differs

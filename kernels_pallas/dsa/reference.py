@@ -28,8 +28,16 @@ def index_scores(q_BTHK, w_BTH, k_BSK, q_pos_BT):
     """Indexer scores ``[B, T, S]`` float32 (``-inf`` beyond each query's position). ``q``: the indexer queries
     (``H`` indexer heads of dim ``K``); ``w``: the per-head weights, scale included; ``k``: the indexer keys."""
     S = k_BSK.shape[1]
-    logits = jnp.einsum("bthk,bsk->bths", q_BTHK.astype(_F32), dense(k_BSK, _F32), precision=_HI)
-    s = jnp.einsum("bth,bths->bts", w_BTH.astype(_F32), jax.nn.relu(logits), precision=_HI)
+    k = dense(k_BSK, _F32)
+
+    def head(acc_BTS, qw):  # one head at a time: [B, T, S] live, never [B, T, H, S]
+        q_BTK, w_BT = qw
+        logits = jnp.einsum("btk,bsk->bts", q_BTK, k, precision=_HI)
+        return acc_BTS + w_BT[..., None] * jax.nn.relu(logits), None
+
+    B, T = q_pos_BT.shape
+    xs = (jnp.moveaxis(q_BTHK.astype(_F32), 2, 0), jnp.moveaxis(w_BTH.astype(_F32), 2, 0))
+    s, _ = jax.lax.scan(head, jnp.zeros((B, T, S), _F32), xs)
     return jnp.where(jnp.arange(S)[None, None, :] <= q_pos_BT[:, :, None], s, -jnp.inf)
 
 

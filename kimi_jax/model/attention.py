@@ -265,6 +265,15 @@ class Indexer(nnx.Module):
         return Index(q_BTJ.reshape(B, T, c.num_heads, c.head_dim), w, k.astype(run.dtype))
 
 
+def _key_slots(c, step: Step | None) -> int:
+    """How many key positions attention reads (static): this call's own ``c [B, T, R]`` (``step`` None), a static
+    cache's ``S``, or the ``pages_per_seq * page_size`` a page table addresses."""
+    c = jax.tree.leaves(c)[0]  # an int8 entry: its codes
+    if step is None or step.pages is None:
+        return c.shape[1]
+    return step.pages.shape[1] * c.shape[1]
+
+
 class MLA(nnx.Module):
     def __init__(self, cfg: MLAConfig, *, param_dtype, rngs):
         self.cfg = cfg
@@ -322,6 +331,10 @@ class MLA(nnx.Module):
                                  None if index is None else _store(cache.ik, index.k, step))
         w_kvb = self.kv_b_proj[...].reshape(H, K + U, R)
         cached = cache is not None and step.prefix
+        if index is not None and _key_slots(new_cache.c if cached else lat, step if cached else None) <= c.indexer.topk:
+            # No query can see more keys than top-k, so each selects all it sees: K3's dense causal MLA, exactly
+            # (the short-context path vLLM also takes). The indexer keys are still cached, for later calls.
+            index = None
         if cached or index is not None:
             # Absorbed form over the latent: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
             # kv_b (zero-padded q_nope; the unused nope outputs dropped): slicing W_UK / W_UV out of it would copy
