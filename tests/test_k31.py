@@ -9,6 +9,7 @@ import functools
 import glob
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -393,3 +394,35 @@ def test_serving_engine_runs_k31(k31_model):
         np.testing.assert_array_equal(np.asarray(jnp.argmax(want, -1)), o.tokens)
         err = float(np.max(np.abs(np.asarray(o.logits) - np.asarray(want))))
         assert err < 1e-4, err
+
+
+def _plan(capsys, tmp_path, raw, *argv):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    rc = main(["plan", "--model", str(tmp_path), "--mesh", "data=2,expert=2,model=1", "--batch", "8", "--context",
+               "256", *argv])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    return out.out
+
+
+def test_plan_counts_the_indexer_keys(capsys, tmp_path):
+    """``kimi-jax plan``: the MLA cache of K3.1 holds the indexer keys too (tiny: 32 + 16 latent + 16 index values a
+    token instead of 48)."""
+    def mla_gb(out):
+        return float(re.search(r"MLA latent cache\s+([\d.]+) GB", out).group(1))
+
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k31").mkdir()
+    k3 = mla_gb(_plan(capsys, tmp_path / "k3", C.tiny_k3_config_dict(), "--context", "1048576"))
+    k31 = mla_gb(_plan(capsys, tmp_path / "k31", C.tiny_k31_config_dict(), "--context", "1048576"))
+    assert k31 == pytest.approx(k3 * 64 / 48, rel=0.02)
+
+
+@pytest.mark.slow
+def test_plan_compiles_k31_for_tpu(capsys, tmp_path):
+    """The tiny K3.1 (its first 4 layers) compiles deviceless for a TPU v5e 2x2, decode step (the selection path over
+    256 cache slots) and prefill chunk, and fits."""
+    out = _plan(capsys, tmp_path, C.tiny_k31_config_dict(), "--prefill-chunk", "16", "--layers", "4", "--compile",
+                "tpu:v5e:2x2")
+    assert out.count("compiled in") == 2 and out.count(", fits (") == 2, out
