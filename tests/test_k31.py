@@ -28,9 +28,10 @@ from kimi_jax.cli import main
 from kimi_jax.model import config as C
 from kimi_jax.model import params
 from kimi_jax.model.attention import Step
-from kimi_jax.model.cache import init_cache, paged_cache
-from kimi_jax.model.decoder import KimiModel
+from kimi_jax.model.cache import cache_shapes, init_cache, paged_cache
+from kimi_jax.model.decoder import KimiModel, abstract_model
 from kimi_jax.model.run import RunConfig
+from kimi_jax.parallel import sharding
 from kimi_jax.serving.engine import Engine
 from tests import k31_oracle as oracle
 
@@ -426,3 +427,16 @@ def test_plan_compiles_k31_for_tpu(capsys, tmp_path):
     out = _plan(capsys, tmp_path, C.tiny_k31_config_dict(), "--prefill-chunk", "16", "--layers", "4", "--compile",
                 "tpu:v5e:2x2")
     assert out.count("compiled in") == 2 and out.count(", fits (") == 2, out
+
+
+def test_indexer_keys_and_weights_are_sharded():
+    """The indexer keys split like the latent they sit beside (sequences, then positions over ``mla_seq``); the
+    indexer weights are laid out with the rest (K3.1 at full size, abstract)."""
+    cfg = C.preset("k3.1")
+    sizes = {"data": 2, "expert": 4, "model": 8}
+    specs = sharding.cache_specs(cfg, cache_shapes(cfg, 8, 4096), sizes)
+    assert specs.layers[3].ik == specs.layers[3].c and specs.layers[0].state is not None
+    tiny = C.from_dict(C.tiny_k31_config_dict())
+    p = sharding.param_specs(abstract_model(tiny), sizes)
+    assert {k for k in p if ".indexer." in k} == {f"layers.{i}.self_attn.indexer.{n}" for i in (3, 7, 8)
+                                                  for n in ("wq_b", "wk", "weights_proj", "k_norm", "k_norm_bias")}
