@@ -299,7 +299,9 @@ def test_one_mla_layer_matches_the_float64_oracle(k31_model):
     pos = jnp.arange(T, dtype=jnp.int32)[None]
     step = Step(pos, jnp.ones((1, T), bool), jnp.full((1,), T, jnp.int32), False)
     *_, index = layer._projections(jnp.asarray(x)[None], RUN)
-    chosen = np.asarray(dsa.select(index.q, index.w, index.k, pos, topk=4))[0]
+    idx = dsa.select(index.q, index.w, index.k, pos, topk=4)
+    assert idx.shape == (1, T, 4) and np.all(np.asarray(idx)[0, :3, 3] == -1)  # rows 0-2 see fewer than 4 keys
+    chosen = np.asarray(dsa_reference.chosen_mask(idx, T))[0]
     assert _same_up_to_ties(chosen, scores, 4) == 0  # no exact ties at the boundary in this draw
     y, _ = layer(jnp.asarray(x)[None], step, None, RUN)
     assert np.max(np.abs(np.asarray(y[0]) - want)) < 1e-5
@@ -332,13 +334,29 @@ def test_k31_prefill_equals_decode(k31_model):
 def test_selection_ties_go_to_the_later_key():
     """Equal indexer scores: the later key wins; a row with at most k visible keys keeps them all."""
     scores = jnp.asarray([[[1.0, 2.0, 2.0, 0.0, 2.0, -jnp.inf]]])
-    got = dsa_reference.top_keys(scores, jnp.asarray([[4]]), topk=2)
-    np.testing.assert_array_equal(np.asarray(got)[0, 0], [False, False, True, False, True, False])
-    got = dsa_reference.top_keys(scores, jnp.asarray([[1]]), topk=2)
-    np.testing.assert_array_equal(np.asarray(got)[0, 0], [True, True, False, False, False, False])
+
+    def mask(q_pos, topk, s=scores):
+        return np.asarray(dsa_reference.chosen_mask(dsa_reference.top_keys(s, jnp.asarray([[q_pos]]), topk=topk),
+                                                    s.shape[-1]))[0, 0]
+
+    np.testing.assert_array_equal(mask(4, 2), [False, False, True, False, True, False])
+    np.testing.assert_array_equal(mask(1, 2), [True, True, False, False, False, False])
+    np.testing.assert_array_equal(dsa_reference.top_keys(scores, jnp.asarray([[0]]), topk=2), [[[0, -1]]])
     zeros = jnp.zeros((1, 1, 6))  # all ReLUs zero: every score ties
-    np.testing.assert_array_equal(np.asarray(dsa_reference.top_keys(zeros, jnp.asarray([[5]]), topk=3))[0, 0],
-                                  oracle.topk_mask(np.zeros((6, 6)), 3)[5])
+    np.testing.assert_array_equal(mask(5, 3, zeros), oracle.topk_mask(np.zeros((6, 6)), 3)[5])
+
+
+def test_gather_and_mask_forms_agree():
+    """The sparse MLA gathers the chosen rows; the mask form (dense scores, the rest at -inf) gives the same."""
+    rng = np.random.default_rng(6)
+    B, T, S, H, R, O = 2, 3, 12, 4, 16, 8
+    q_lat, q_pe, c, kpe = (jnp.asarray(rng.standard_normal(s), F32) for s in
+                           ((B, T, H, R), (B, T, H, O), (B, S, R), (B, S, O)))
+    q_pos = jnp.asarray([[9, 10, 11], [0, 1, 2]], jnp.int32)
+    idx = dsa_reference.top_keys(jnp.asarray(rng.standard_normal((B, T, S)), F32), q_pos, topk=5)
+    got = dsa.sparse_mla_attention(q_lat, q_pe, c, kpe, idx, scale=0.2)
+    want = dsa_reference.masked_mla_attention(q_lat, q_pe, c, kpe, q_pos, idx, scale=0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _layer_run(layer, x, cache, n_prefill, pages=None):

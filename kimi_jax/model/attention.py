@@ -368,11 +368,10 @@ class MLA(nnx.Module):
         sel = dict(topk=c.indexer.topk, implementation=run.implementation, placement=run.placement)
         ik = index.k if ik is None else ik
         if step.pages is None:
-            chosen = dsa_kernels.select(index.q, index.w, ik, step.positions, **sel)
-            return dsa_kernels.sparse_mla_attention(q_lat, q_pe, lat, kpe, step.positions, chosen, **kernel)
-        chosen = dsa_kernels.paged_select(index.q, index.w, ik, step.pages, step.positions, **sel)
-        return dsa_kernels.paged_sparse_mla_attention(q_lat, q_pe, lat, kpe, step.pages, step.positions, chosen,
-                                                      **kernel)
+            idx = dsa_kernels.select(index.q, index.w, ik, step.positions, **sel)
+            return dsa_kernels.sparse_mla_attention(q_lat, q_pe, lat, kpe, idx, **kernel)
+        idx = dsa_kernels.paged_select(index.q, index.w, ik, step.pages, step.positions, **sel)
+        return dsa_kernels.paged_sparse_mla_attention(q_lat, q_pe, lat, kpe, step.pages, idx, **kernel)
 
 
 # -- GQA + RoPE -------------------------------------------------------------------------------------------
