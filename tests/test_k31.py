@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -458,3 +460,53 @@ def test_indexer_keys_and_weights_are_sharded():
     p = sharding.param_specs(abstract_model(tiny), sizes)
     assert {k for k in p if ".indexer." in k} == {f"layers.{i}.self_attn.indexer.{n}" for i in (3, 7, 8)
                                                   for n in ("wq_b", "wk", "weights_proj", "k_norm", "k_norm_bias")}
+
+
+MESH_SCRIPT = """
+import functools, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from kimi_jax.checkpoint.loading import from_pretrained
+from kimi_jax.model.cache import init_cache
+from kimi_jax.parallel import sharding
+
+def jitted(model):
+    graphdef, state = nnx.split(model)
+    @functools.partial(jax.jit, static_argnames="prefix")
+    def call(state, ids, cache, prefix):
+        out = nnx.merge(graphdef, state)(ids, cache=cache, prefix=prefix)
+        return out.logits, out.cache
+    return lambda ids, cache=None, prefix=False: call(state, ids, cache, prefix)
+
+path = sys.argv[1]
+ids = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (4, 24)), jnp.int32)
+ref = jitted(from_pretrained(path, dtype="float32", progress=False))(ids)[0]
+errs = {}
+for shape in ((1, 1, 4), (2, 2, 1)):
+    mesh = sharding.make_mesh(*shape)
+    m = from_pretrained(path, dtype="float32", progress=False, mesh=mesh)
+    f = jitted(m)
+    shapes = init_cache(m.cfg, 4, 32, jnp.float32)
+    lg, cache = f(ids[:, :20], init_cache(m.cfg, 4, 32, jnp.float32,
+                                          sharding=sharding.cache_shardings(m.cfg, shapes, mesh)))
+    out = [lg]
+    for t in range(20, 24):
+        lg, cache = f(ids[:, t:t + 1], cache, prefix=True)
+        out.append(lg)
+    errs[str(shape)] = float(jnp.max(jnp.abs(jnp.concatenate(out, axis=1) - ref)))
+print(json.dumps(errs))
+"""
+
+
+@pytest.mark.slow
+def test_sharded_k31_equals_one_device(k31_dir):
+    """On 4 simulated CPU devices, K3.1 (top-16 over 24 tokens) sharded 1x1x4 (the latent and indexer keys split
+    by position over the model axis) and 2x2x1: a cached prefill and decode steps equal one device's prefill."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", MESH_SCRIPT, k31_dir], env=env, capture_output=True, text=True, check=False,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    errs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert all(e < 2e-4 for e in errs.values()), errs
