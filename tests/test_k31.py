@@ -29,7 +29,7 @@ from kimi_jax.checkpoint.names import WeightError
 from kimi_jax.cli import main
 from kimi_jax.model import config as C
 from kimi_jax.model import params
-from kimi_jax.model.attention import Step
+from kimi_jax.model.attention import MLA, Step
 from kimi_jax.model.cache import cache_shapes, init_cache, paged_cache
 from kimi_jax.model.decoder import KimiModel, abstract_model
 from kimi_jax.model.run import RunConfig
@@ -207,6 +207,14 @@ def _one_mla_layer(src, indexer=True):
     return m
 
 
+def _mla_layer(src, topk):
+    """``src``'s first MLA layer's token mixer, its indexer choosing ``topk`` keys."""
+    cfg = _with_topk(src.cfg, topk)
+    layer = MLA(cfg.mla, param_dtype=F32, rngs=nnx.Rngs(1))
+    nnx.update(layer, nnx.state(src.layers[cfg.attn_types.index("mla")].self_attn, nnx.Param))
+    return layer
+
+
 def _with_topk(cfg, topk):
     return cfg.replace(mla=dataclasses.replace(cfg.mla, indexer=dataclasses.replace(cfg.mla.indexer, topk=topk)))
 
@@ -291,7 +299,7 @@ def test_one_mla_layer_matches_the_float64_oracle(k31_model):
     """must-show 2: top-4 over 64 tokens. One MLA layer of the model (its weights) against tests/k31_oracle.py in
     float32: the selection (ties allowed), the prefill output, and every decode step's output over a cache."""
     cfg = _with_topk(k31_model.cfg, 4)
-    layer = _with_weights(cfg, k31_model).layers[3].self_attn
+    layer = _mla_layer(k31_model, 4)
     ocfg, tensors = _oracle_inputs(layer)
     T = 64
     x = np.random.default_rng(1).standard_normal((T, cfg.hidden_size)).astype(np.float32)
@@ -385,8 +393,8 @@ def _layer_run(layer, x, cache, n_prefill, pages=None):
 def test_paged_cache_equals_static(k31_model):
     """The serving engine's paged cache: indexer keys in page pools on the latent's page table. One MLA layer
     (top-4), two sequences on shuffled pages: a prefill and decode steps equal the static cache's."""
-    cfg = _with_topk(k31_model.cfg.sliced(LAYERS), 4)
-    layer = _with_weights(cfg, k31_model).layers[3].self_attn
+    cfg = _with_topk(k31_model.cfg, 4)
+    layer = _mla_layer(k31_model, 4)
     B, T, ps = 2, 24, 4
     x = jnp.asarray(np.random.default_rng(3).standard_normal((B, T, cfg.hidden_size)), F32)
     static = _layer_run(layer, x, init_cache(cfg, B, T, F32).layers[3], 8)
