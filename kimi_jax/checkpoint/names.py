@@ -9,8 +9,8 @@ int4 / int8 weight's fields follow the row of its float ``.weight``: :data:`CT_F
 tensors on different layer kinds (``g_proj`` on KDA vs MLA layers, ``q_proj`` on KDA vs GQA vs low-rank-less MLA):
 the path is resolved against the model built for the config, and the shape check tells them apart.
 
-Every checkpoint tensor is consumed exactly once and every parameter is filled exactly once; anything else is an
-error that names the tensor, the file and the shapes. Every transform is a function ``(array, where, shape)`` that
+Every checkpoint tensor is consumed exactly once and every parameter is filled exactly once (or, for the few
+:data:`OPTIONAL` leaves, left zero); anything else is an error that names the tensor, the file and the shapes. Every transform is a function ``(array, where, shape)`` that
 checks its input and gets the shape of the slot it fills.
 """
 
@@ -205,6 +205,9 @@ RULES = (
     Row(LAYER + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
     Row(LAYER + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
          "layers.{layer}.self_attn.{n}"),
+    # K3.1's DSA indexer in each MLA layer (k_norm.bias optional: OPTIONAL below)
+    Row(LAYER + r"self_attn\.indexer\.(?P<n>wq_b|wk|weights_proj|k_norm)\.weight", "layers.{layer}.self_attn.indexer.{n}"),
+    Row(LAYER + r"self_attn\.indexer\.k_norm\.bias", "layers.{layer}.self_attn.indexer.k_norm_bias"),
     # Dense MLP (layer 0 of Kimi models; every Llama layer). HF transformers writes Kimi Linear's dense layer
     # under `block_sparse_moe.` too (its save-time rename maps every `.mlp.` back).
     Row(LAYER + r"(?:mlp|block_sparse_moe)\.(?P<n>gate_proj|up_proj|down_proj)\.weight", "layers.{layer}.mlp.{n}"),
@@ -220,6 +223,15 @@ RULES = (
     Row(LAYER + EXPERT + PACKED, "layers.{layer}.mlp.experts.{w}.packed", stacked=True),
     Row(LAYER + EXPERT + SCALE, "layers.{layer}.mlp.experts.{w}.scale", stacked=True, check=e8m0),
 )
+# Parameter leaves a checkpoint may leave out: they stay zero (a LayerNorm bias the format leaves open).
+OPTIONAL = (r"(?:stack\.)?layers\.\d+\.self_attn\.indexer\.k_norm_bias",)
+
+
+def optional(target: str) -> bool:
+    """Whether parameter leaf ``target`` may be missing from a checkpoint (then zero): :data:`OPTIONAL`."""
+    return any(re.fullmatch(p, target) for p in OPTIONAL)
+
+
 # Tensors of the release that are deliberately not part of the text model.
 IGNORED = (r"vision_tower\..*", r"mm_projector\..*")
 
@@ -381,6 +393,6 @@ def _check_complete(placements: list[Destination], targets: dict[str, jax.ShapeD
                                   + (f" (and {len(missing) - 1} more experts: {missing[1:8]})" if len(missing) > 1
                                      else "")
                                   + f" is in none of {_searched(files)}; it fills parameter {target}")
-        elif (target, None) not in seen:
+        elif (target, None) not in seen and not optional(target):
             raise WeightError(f"checkpoint tensor {want!r} is in none of {_searched(files)}; it fills parameter "
                               f"{target} {list(sds.shape)}")

@@ -41,12 +41,13 @@ class Job:
 
     target: str  # leaf path, e.g. "layers.3.mlp.experts.w1.packed"
     sds: jax.ShapeDtypeStruct
-    sources: list[Destination]  # one; or one per expert (sorted) for a leaf that stacks experts
+    sources: list[Destination]  # one; one per expert (sorted) for a leaf that stacks experts; none: an optional
+    # leaf the checkpoint leaves out (names.OPTIONAL), read as zeros
     rows: int | None = None  # keep only the first `rows` rows of the tensor (router rows of a --experts slice)
 
     @property
     def stacked(self) -> bool:
-        return self.sources[0].expert is not None
+        return bool(self.sources) and self.sources[0].expert is not None
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +67,9 @@ def jobs(ckpt: Checkpoint, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeSt
     out = [Job(t, targets[t], sorted(group, key=lambda p: -1 if p.expert is None else p.expert),
                None if rows is None else rows(t))
            for t, group in by_target.items()]
-    out.sort(key=lambda j: min((ckpt.tensors[p.tensor].file, ckpt.tensors[p.tensor].offset) for p in j.sources))
+    out += [Job(t, sds, []) for t, sds in targets.items() if t not in by_target and names.optional(t)]
+    out.sort(key=lambda j: min(((ckpt.tensors[p.tensor].file, ckpt.tensors[p.tensor].offset) for p in j.sources),
+                               default=("", 0)))
     return out, ignored
 
 
@@ -173,6 +176,9 @@ class Reader:
         index = tuple(index or ()) + (slice(None),) * (len(shape) - len(tuple(index or ())))
         region = _region_shape(index, shape)
         out = aligned_empty(region, job.sds.dtype) if out is None else out
+        if not job.sources:  # an optional leaf the checkpoint leaves out
+            out[...] = 0
+            return out
         if not job.stacked:
             self._fill(job.sources[0], _slot(job), index, out, job.rows)
             return out

@@ -2,6 +2,7 @@
 
     write_checkpoint(path, "k3")            # tiny K3 as Moonshot ships it: text_config, language_model. keys,
                                             # MXFP4 experts as compressed-tensors packs them, F32 where the release is
+    write_checkpoint(path, "k3.1")          # tiny K3.1: the K3 layout plus self_attn.indexer.* in each MLA layer
     write_checkpoint(path, "kimi_linear")   # Kimi Linear as HF transformers' save_pretrained writes it
     write_checkpoint(path, "llama")         # LlamaForCausalLM, likewise
     write_checkpoint(path, "k3", tokenizer=True)  # with a small Kimi-format tokenizer: text prompts work
@@ -34,10 +35,11 @@ from kernels_pallas import mxfp4
 from kimi_jax.checkpoint import names as name_table
 from kimi_jax.checkpoint.safetensors import DTYPES
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
-from kimi_jax.model.config import tiny_k3_config_dict
+from kimi_jax.model.config import tiny_k3_config_dict, tiny_k31_config_dict
 from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL, write_demo_tokenizer
 
 FAMILIES = ("k3", "kimi_linear", "llama")
+VARIANTS = {"k3.1": "k3"}  # a name make-tiny takes -> the family whose layout it is written in (its own tiny config)
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output the HF layouts reproduce
 
 
@@ -95,12 +97,13 @@ def llama_config_dict() -> dict:
 
 def default_config(family: str) -> dict:
     _check_family(family)
-    return {"k3": tiny_k3_config_dict, "kimi_linear": kimi_linear_config_dict, "llama": llama_config_dict}[family]()
+    return {"k3": tiny_k3_config_dict, "k3.1": tiny_k31_config_dict, "kimi_linear": kimi_linear_config_dict,
+            "llama": llama_config_dict}[family]()
 
 
 def _check_family(family):
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r}: choose one of {list(FAMILIES)}")
+    if family not in FAMILIES and family not in VARIANTS:
+        raise ValueError(f"family={family!r}: choose one of {list(FAMILIES) + list(VARIANTS)}")
 
 
 # -- inventories ---------------------------------------------------------------------------------------------
@@ -129,6 +132,15 @@ def _mla_specs(t: dict, p: str, D: int, dt: str, layer: int) -> list[Spec]:
     if t.get("mla_use_output_gate"):
         out.append(Spec(p + "g_proj.weight", dt, (H * v, D), "linear", layer))
     out.append(Spec(p + "o_proj.weight", dt, (D, H * v), "linear", layer))
+    dsa = t.get("dsa_config") or {}
+    HI, DI = dsa.get("index_n_heads", t.get("index_n_heads")), dsa.get("index_head_dim", t.get("index_head_dim"))
+    if HI is not None and DI is not None:  # K3.1: the DSA indexer of every MLA layer (DeepSeek-V3.2's tensors)
+        q = p + "indexer."
+        out += [Spec(q + "wq_b.weight", dt, (HI * DI, _req(t, "q_lora_rank", "config")), "linear", layer),
+                Spec(q + "wk.weight", dt, (DI, D), "linear", layer),
+                Spec(q + "weights_proj.weight", dt, (HI, D), "linear", layer),
+                Spec(q + "k_norm.weight", dt, (DI,), "norm", layer),
+                Spec(q + "k_norm.bias", dt, (DI,), "bias", layer)]
     return out
 
 
@@ -379,7 +391,7 @@ def tokenizer_problem(family: str, config: dict | None = None) -> str | None:
     one), or None when one can: a small byte-level BPE in the Kimi format needs the 256 byte tokens plus the 256
     reserved specials at the top of the vocabulary."""
     _check_family(family)
-    if family not in TOKENIZER_FAMILIES:
+    if VARIANTS.get(family, family) not in TOKENIZER_FAMILIES:
         return f"tokenizers are written in the Kimi tiktoken format only, for {' and '.join(TOKENIZER_FAMILIES)}"
     text = (config if config is not None else default_config(family))
     text = text.get("text_config", text)
@@ -407,7 +419,8 @@ def with_special_ids(c: dict) -> dict:
 
 def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, seed: int = 0, num_shards: int = 2,
                      dtype: str = "bfloat16", tokenizer: bool = False) -> str:
-    """Write a random checkpoint of ``family`` ("k3" | "kimi_linear" | "llama") to directory ``path``.
+    """Write a random checkpoint of ``family`` ("k3" | "kimi_linear" | "llama", or "k3.1": K3's layout with
+    :func:`~kimi_jax.model.config.tiny_k31_config_dict`) to directory ``path``.
 
     ``config``: a full config.json dict (default: the family's tiny config; K3: ``tiny_k3_config_dict()``).
     ``num_shards``: 1 writes ``model.safetensors``; more write ``model-00001-of-000002.safetensors`` (K3: 5-digit
@@ -421,6 +434,7 @@ def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, se
     _check_family(family)
     path = os.fspath(path)
     config = copy.deepcopy(config if config is not None else default_config(family))
+    family = VARIANTS.get(family, family)
     if tokenizer:
         problem = tokenizer_problem(family, config)
         if problem is not None:

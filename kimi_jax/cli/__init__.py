@@ -68,6 +68,10 @@ def _cmd_info(args):
     model = abstract_model(cfg)
     kinds = "".join({"kda": "K", "mla": "M", "gqa": "G"}[a] for a in cfg.attn_types)
     print(f"family {cfg.family}: {cfg.num_layers} layers [{kinds}], hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    ix = cfg.mla.indexer if cfg.mla is not None else None
+    if ix is not None:
+        print(f"DSA indexer (K3.1) in each of the {cfg.attn_types.count('mla')} MLA layers: {ix.num_heads} heads x "
+              f"{ix.head_dim}, top-{ix.topk} keys per query")
     print(f"parameters: {param_count(model) / 1e9:.2f}B")
 
 
@@ -108,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_serve_arguments(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions; default: the demo model)"))
     i = sub.add_parser("info", help="describe a model directory, the shipped demo model (demo) or a preset (k3, "
-                                    "kimi-linear-48b-a3b, kimi-dense)")
+                                    "k3.1, kimi-linear-48b-a3b, kimi-dense)")
     i.add_argument("model", help="a model directory, demo, or a preset name")
     i.set_defaults(func=_cmd_info)
-    t = sub.add_parser("make-tiny", help="write a small random checkpoint in a released layout (k3, kimi_linear, "
-                                         "llama), with a tokenizer where its vocabulary holds one (k3)")
+    t = sub.add_parser("make-tiny", help="write a small random checkpoint in a released layout (k3, k3.1, "
+                                         "kimi_linear, llama), with a tokenizer where its vocabulary holds one (k3)")
     t.add_argument("dir", help="output directory (new or empty)")
-    t.add_argument("--family", default="k3", choices=["k3", "kimi_linear", "llama"],
+    t.add_argument("--family", default="k3", choices=["k3", "k3.1", "kimi_linear", "llama"],
                    help="layout (default: %(default)s)")
     t.add_argument("--config", help="config.json to use instead of the family's tiny default")
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")

@@ -255,7 +255,7 @@ def _param_bytes(table, specs, sizes) -> tuple[dict, int, dict]:
 
 
 _CACHE_KIND = {"state": "kda_state", "conv_q": "kda_conv", "conv_k": "kda_conv", "conv_v": "kda_conv",
-               "c": "mla", "kpe": "mla", "k": "kv", "v": "kv"}
+               "c": "mla", "kpe": "mla", "ik": "mla", "k": "kv", "v": "kv"}
 
 
 def _cache_bytes(cfg, batch, context, dt, sizes, lay, cache_options=None, serve=None) -> tuple[dict, int, list, int]:

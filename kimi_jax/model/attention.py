@@ -10,6 +10,9 @@ the cache entry are page pools ``[n_pages, page_size, ...]`` shared by all seque
 table (padding rows dropped, so a shared page is never touched by a sequence that does not own it) and cached
 attention reads through it (``kernels_pallas.paged_attention``).
 
+Kimi K3.1's MLA layers carry a DSA indexer (:class:`Indexer`): each query attends only to the keys it selects
+(``kernels_pallas.dsa``), and the cache entry keeps the indexer keys beside the latent, on the same slots / pages.
+
 A cache entry's fields may be int8 rows (:class:`kernels_pallas.cache_quant.Int8Rows`, ``kv_cache="int8"`` in
 :mod:`kimi_jax.model.cache`): rows are quantized as they are stored and the kernels read the codes. A bfloat16 KDA
 state is widened to float32 for the update and rounded back when stored.
@@ -24,12 +27,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels_pallas.attention as attn_kernels
+import kernels_pallas.dsa as dsa_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
 import kernels_pallas.paged_attention as paged_kernels
 from kernels_pallas import cache_quant, matvec
 from kimi_jax.model.cache import Cache, KDACache, KDAVerify, KVCache, MLACache, map_kda
-from kimi_jax.model.config import GQAConfig, KDAConfig, MLAConfig
+from kimi_jax.model.config import GQAConfig, IndexerConfig, KDAConfig, MLAConfig
 from kimi_jax.model.layers import F32, linear, linear_group, param, rms_norm
 from kimi_jax.model.run import RunConfig
 
@@ -227,6 +231,49 @@ def commit_verified(cache: Cache, start_B, keep_B, run: RunConfig) -> Cache:
 # -- gated NoPE MLA ---------------------------------------------------------------------------------------
 
 
+class Index(NamedTuple):
+    """One call's indexer projections (K3.1)."""
+
+    q: jax.Array  # [B, T, HI, DI] indexer queries, from the q-LoRA latent
+    w: jax.Array  # [B, T, HI] float32 head weights, score scale included
+    k: jax.Array  # [B, T, DI] indexer keys after k_norm (cached)
+
+
+class Indexer(nnx.Module):
+    """K3.1's DSA indexer of one MLA layer (the assumptions: :class:`kimi_jax.model.config.IndexerConfig`)."""
+
+    def __init__(self, cfg: IndexerConfig, *, param_dtype, rngs):
+        self.cfg = cfg
+        HI, DI = cfg.num_heads, cfg.head_dim
+        p = lambda shape, axes, **kw: param(rngs, shape, axes, param_dtype, **kw)
+        self.wq_b = p((HI * DI, cfg.q_lora_rank), (None, None))
+        self.wk = p((DI, cfg.hidden), (None, "embed"))
+        self.weights_proj = p((HI, cfg.hidden), (None, "embed"))
+        self.k_norm = p((DI,), (None,), init="ones")
+        self.k_norm_bias = p((DI,), (None,), init="zeros")  # zero when a checkpoint has no k_norm.bias
+
+    def project(self, q_BTJ, k_BTK, w_BTH, run: RunConfig) -> Index:
+        """From ``wq_b(qr)``, ``wk(x)`` and ``weights_proj(x)``: the queries by head, the LayerNorm-ed keys (float32
+        statistics), the float32 weights."""
+        c = self.cfg
+        B, T = q_BTJ.shape[:2]
+        k = k_BTK.astype(F32)
+        k = k - jnp.mean(k, axis=-1, keepdims=True)
+        k = k * jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + c.norm_eps)
+        k = k * self.k_norm[...].astype(F32) + self.k_norm_bias[...].astype(F32)
+        w = w_BTH.astype(F32) * c.score_scale
+        return Index(q_BTJ.reshape(B, T, c.num_heads, c.head_dim), w, k.astype(run.dtype))
+
+
+def _key_slots(c, step: Step | None) -> int:
+    """How many key positions attention reads (static): this call's own ``c [B, T, R]`` (``step`` None), a static
+    cache's ``S``, or the ``pages_per_seq * page_size`` a page table addresses."""
+    c = jax.tree.leaves(c)[0]  # an int8 entry: its codes
+    if step is None or step.pages is None:
+        return c.shape[1]
+    return step.pages.shape[1] * c.shape[1]
+
+
 class MLA(nnx.Module):
     def __init__(self, cfg: MLAConfig, *, param_dtype, rngs):
         self.cfg = cfg
@@ -244,38 +291,59 @@ class MLA(nnx.Module):
         if cfg.output_gate:
             self.g_proj = p((H * cfg.v_dim, D), ("heads", "embed"))
         self.o_proj = p((D, H * cfg.v_dim), ("embed", "heads"))
+        if cfg.indexer is not None:
+            self.indexer = Indexer(cfg.indexer, param_dtype=param_dtype, rngs=rngs)
+
+    def _projections(self, x_BTD, run: RunConfig):
+        """(q [B, T, H, K+O], ckv [B, T, R+O], gate or None, Index or None): every product of the layer input at
+        once, then the q-LoRA latent's (K3.1: the indexer's too)."""
+        c = self.cfg
+        B, T, _ = x_BTD.shape
+        ix = c.indexer
+        ws = (self.q_proj if c.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa,
+              *((self.g_proj,) if c.output_gate else ()),
+              *((self.indexer.wk, self.indexer.weights_proj) if ix is not None else ()))
+        q, ckv, *rest = linear_group([(x_BTD, w[...]) for w in ws], run)
+        gate = rest[0] if c.output_gate else None
+        index_q = None
+        if c.q_lora_rank is not None:
+            qr = rms_norm(q, self.q_a_layernorm[...], c.lora_norm_eps, run)
+            q, *index_q = linear_group([(qr, self.q_b_proj[...])]
+                                       + ([(qr, self.indexer.wq_b[...])] if ix is not None else []), run)
+        index = None if ix is None else self.indexer.project(index_q[0], rest[-2], rest[-1], run)
+        return q.reshape(B, T, c.num_heads, c.qk_dim), ckv, gate, index
 
     def __call__(self, x_BTD, step: Step, cache: MLACache | None, run: RunConfig):
         c = self.cfg
         B, T, _ = x_BTD.shape
-        H, K, O, U, R = c.num_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_dim, c.kv_lora_rank
-        ws = (self.q_proj if c.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa,
-              *((self.g_proj,) if c.output_gate else ()))
-        q, ckv, *gate = linear_group([(x_BTD, w[...]) for w in ws], run)
-        if c.q_lora_rank is not None:
-            q = linear(rms_norm(q, self.q_a_layernorm[...], c.lora_norm_eps, run), self.q_b_proj[...], run)
-        q = q.reshape(B, T, H, K + O)
+        H, K, U, R = c.num_heads, c.qk_nope_dim, c.v_dim, c.kv_lora_rank
+        q, ckv, gate, index = self._projections(x_BTD, run)
         q_nope, q_pe = q[..., :K], q[..., K:]
         lat = rms_norm(ckv[..., :R], self.kv_a_layernorm[...], c.lora_norm_eps, run)  # [B, T, R]
         kpe = ckv[..., R:]  # [B, T, O]: NoPE, used as produced
 
         new_cache = None
         if cache is not None:
-            new_cache = MLACache(_store(cache.c, lat, step), _store(cache.kpe, kpe, step))
+            if (index is None) != (cache.ik is None):
+                raise ValueError("the MLA cache entry and the layer disagree on DSA indexer keys: build the cache "
+                                 "from this model's config")
+            new_cache = MLACache(_store(cache.c, lat, step), _store(cache.kpe, kpe, step),
+                                 None if index is None else _store(cache.ik, index.k, step))
         w_kvb = self.kv_b_proj[...].reshape(H, K + U, R)
-        if cache is not None and step.prefix:
-            # Absorbed form over the latent cache: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
+        cached = cache is not None and step.prefix
+        if index is not None and _key_slots(new_cache.c if cached else lat, step if cached else None) <= c.indexer.topk:
+            # No query can see more keys than top-k, so each selects all it sees: K3's dense causal MLA, exactly
+            # (the short-context path vLLM also takes). The indexer keys are still cached, for later calls.
+            index = None
+        if cached or index is not None:
+            # Absorbed form over the latent: q_lat = W_UK^T q_nope; o = W_UV u. Both products read the whole
             # kv_b (zero-padded q_nope; the unused nope outputs dropped): slicing W_UK / W_UV out of it would copy
             # them every decode step, which costs more than the extra multiply-adds.
             heads = dict(implementation=run.implementation, precision=run.precision, placement=run.placement)
             q_pad = jnp.pad(q_nope, [(0, 0)] * 3 + [(0, U)])
             q_lat = matvec.per_head(q_pad, w_kvb.astype(run.dtype), transpose_w=False, **heads)
-            kernel = dict(scale=c.scale, implementation=run.implementation, placement=run.placement)
-            if step.pages is None:
-                u = mla_kernels.mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.positions, **kernel)
-            else:
-                u = paged_kernels.paged_mla_attention(q_lat, q_pe, new_cache.c, new_cache.kpe, step.pages,
-                                                      step.positions, **kernel)
+            keys = (new_cache.c, new_cache.kpe, new_cache.ik) if cached else (lat, kpe, None)
+            u = self._latent_attention(q_lat, q_pe, keys, index, step if cached else step._replace(pages=None), run)
             o = matvec.per_head(u, w_kvb.astype(F32), transpose_w=True, **heads)[..., K:]
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, K + U)
@@ -285,8 +353,25 @@ class MLA(nnx.Module):
                                        k_pe=kpe, implementation=run.implementation, placement=run.placement)
         o = o.astype(run.dtype).reshape(B, T, H * U)
         if c.output_gate:
-            o = (o * jax.nn.sigmoid(gate[0])).astype(run.dtype)
+            o = (o * jax.nn.sigmoid(gate)).astype(run.dtype)
         return linear(o, self.o_proj[...], run), new_cache
+
+    def _latent_attention(self, q_lat, q_pe, keys, index: Index | None, step: Step, run: RunConfig):
+        """u ``[B, T, H, R]`` over ``keys`` = (latent, kpe, indexer keys or None: this call's own), through the
+        page table when ``step`` has one; K3.1: over the keys the indexer selects only."""
+        c, (lat, kpe, ik) = self.cfg, keys
+        kernel = dict(scale=c.scale, implementation=run.implementation, placement=run.placement)
+        if index is None:
+            if step.pages is None:
+                return mla_kernels.mla_attention(q_lat, q_pe, lat, kpe, step.positions, **kernel)
+            return paged_kernels.paged_mla_attention(q_lat, q_pe, lat, kpe, step.pages, step.positions, **kernel)
+        sel = dict(topk=c.indexer.topk, implementation=run.implementation, placement=run.placement)
+        ik = index.k if ik is None else ik
+        if step.pages is None:
+            idx = dsa_kernels.select(index.q, index.w, ik, step.positions, **sel)
+            return dsa_kernels.sparse_mla_attention(q_lat, q_pe, lat, kpe, idx, **kernel)
+        idx = dsa_kernels.paged_select(index.q, index.w, ik, step.pages, step.positions, **sel)
+        return dsa_kernels.paged_sparse_mla_attention(q_lat, q_pe, lat, kpe, step.pages, idx, **kernel)
 
 
 # -- GQA + RoPE -------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 * KDA layer: the last ``W-1`` *pre-conv* q/k/v projection rows (short-conv tails) and the recurrent state
   ``[B, H, K, U]`` in float32. Independent of context length.
 * MLA layer: the compressed latent ``c [B, S, R]`` (after kv_a_layernorm) and the shared unrotated key part
-  ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer.
+  ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer. K3.1 adds the DSA
+  indexer keys ``ik [B, S, DI]`` (128 values per token), written and paged like the latent.
 * GQA layer: keys (already rotated) ``[B, S, G, K]`` and values ``[B, S, G, U]`` (U = K).
 
 Two storage options, chosen where the cache is built (every function below takes them):
@@ -69,6 +70,7 @@ class KDACache:
 class MLACache:
     c: jax.Array | Int8Rows  # [B, S, R]
     kpe: jax.Array | Int8Rows  # [B, S, O]
+    ik: jax.Array | Int8Rows | None = None  # [B, S, DI] K3.1: the DSA indexer keys (after k_norm); None without one
 
 
 @struct.dataclass
@@ -127,7 +129,8 @@ def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype, 
         return KDACache(tail, tail, tail, state)
     if kind == "mla":
         m = cfg.mla
-        return MLACache(rows((batch, max_len, m.kv_lora_rank)), rows((batch, max_len, m.qk_rope_dim)))
+        ik = None if m.indexer is None else rows((batch, max_len, m.indexer.head_dim))
+        return MLACache(rows((batch, max_len, m.kv_lora_rank)), rows((batch, max_len, m.qk_rope_dim)), ik)
     g = cfg.gqa
     return KVCache(rows((batch, max_len, g.num_kv_heads, g.head_dim)), rows((batch, max_len, g.num_kv_heads, g.head_dim)))
 
@@ -228,7 +231,7 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, 
             out["kda_state"] += nbytes(layer.state)
             out["kda_conv"] += 3 * nbytes(layer.conv_q)
         elif isinstance(layer, MLACache):
-            out["mla"] += nbytes(layer.c) + nbytes(layer.kpe)
+            out["mla"] += nbytes(layer.c) + nbytes(layer.kpe) + nbytes(layer.ik)
         else:
             out["kv"] += nbytes(layer.k) + nbytes(layer.v)
     out["total"] = sum(out.values())

@@ -1,7 +1,8 @@
 """Model configuration: one frozen, hashable dataclass parsed once from a checkpoint's `config.json`.
 
 Three families share one model:
-  * ``kimi_k3``     -- Kimi K3 as released (top-level ``model_type: kimi_k3`` wrapping a ``text_config``).
+  * ``kimi_k3``     -- Kimi K3 as released (top-level ``model_type: kimi_k3`` wrapping a ``text_config``); Kimi K3.1
+    (``KimiK31ForConditionalGeneration``) is K3 with a DSA indexer in every MLA layer (:class:`IndexerConfig`).
   * ``kimi_linear`` -- Kimi Linear as HF transformers writes it (``linear_attn_config`` or ``layer_types``).
   * ``dense``       -- Llama-shaped GQA + RoPE (``LlamaForCausalLM``, ``KimiForCausalLM``).
 
@@ -56,6 +57,42 @@ class KDAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """Kimi K3.1's DSA ("lightning") indexer in a gated MLA layer: each query attends only to the ``topk`` causal
+    keys the indexer scores highest (every key while a row sees at most ``topk``).
+
+    What the public K3.1 material leaves open, and what kimi-jax assumes (the ONE place this is said; the oracle
+    ``tests/k31_oracle.py`` makes the same choices):
+
+    * config keys [provisional spelling]: ``index_n_heads``, ``index_head_dim``, ``index_topk`` (DeepSeek-V3.2's),
+      read from ``dsa_config`` (in ``text_config`` or at the top level) or flat in ``text_config``; inside
+      ``dsa_config`` also ``n_heads | num_heads | head_count``, ``head_dim | key_length``, ``topk | top_k``, and the
+      1-based layer list as ``dsa_layers | index_layers | layers | full_attn_layers``, which must equal the MLA
+      (full-attention) layers. Any other key of ``dsa_config`` is refused (e.g. a GLM-style ``types`` list that
+      would share selections between layers).
+    * ``qI = wq_b(qr)``: the indexer query reads the q-LoRA latent after ``q_a_layernorm`` (as DeepSeek-V3.2).
+    * ``kI = LayerNorm(wk(x); k_norm.weight, k_norm.bias)``: mean-centred, biased variance, eps
+      ``index_norm_eps`` if given, else ``rms_norm_eps`` (llama.cpp's K3.1 choice); ``k_norm.bias`` may be absent
+      from a checkpoint (then zero).
+    * score ``I[t, s] = sum_h w[t, h] ReLU(qI[t, h] . kI[s])``, ``w = weights_proj(x) HI^-0.5 DI^-0.5`` (float32;
+      the positive constants cannot change the choice); no RoPE, no Hadamard, no FP8.
+    * ties: among equal scores the later key wins (score descending, then key position descending: FlashInfer's
+      deterministic DSA order). ReLU makes exact ties (often 0) common.
+    """
+
+    hidden: int
+    q_lora_rank: int  # wq_b's input width
+    num_heads: int
+    head_dim: int
+    topk: int
+    norm_eps: float = 1e-5
+
+    @property
+    def score_scale(self) -> float:
+        return (self.num_heads * self.head_dim) ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention without positional encoding (NoPE), optional sigmoid output gate."""
 
@@ -68,6 +105,7 @@ class MLAConfig:
     v_dim: int
     output_gate: bool = False
     lora_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default eps
+    indexer: IndexerConfig | None = None  # K3.1: DSA top-k selection of the keys each query attends to
 
     @property
     def qk_dim(self) -> int:
@@ -459,6 +497,62 @@ def _kimi_mla(r: _Reader, attn: tuple[str, ...], d: int) -> MLAConfig | None:
     return mla
 
 
+# dsa_config spellings (IndexerConfig's docstring): the DeepSeek-V3.2 name first, then the aliases producers use.
+_DSA_KEYS = {"heads": ("index_n_heads", "n_heads", "num_heads", "head_count"),
+             "dim": ("index_head_dim", "head_dim", "key_length"),
+             "topk": ("index_topk", "topk", "top_k"),
+             "eps": ("index_norm_eps", "norm_eps", "eps"),
+             "layers": ("dsa_layers", "index_layers", "layers", "full_attn_layers")}
+K31_ARCH = "KimiK31ForConditionalGeneration"
+
+
+def _dsa_value(dsa: _Reader, flat: _Reader, what: str):
+    """The first ``_DSA_KEYS[what]`` spelling present in ``dsa_config``, else the flat DeepSeek key; None if neither."""
+    for key in _DSA_KEYS[what]:
+        if dsa.has(key):
+            return dsa.get(key), f"dsa_config.{key}"
+    first = _DSA_KEYS[what][0]
+    return flat.get(first), first
+
+
+def _kimi_dsa(r: _Reader, top: Mapping[str, Any], attn: tuple[str, ...], mla: MLAConfig | None, eps: float,
+              strict: bool) -> MLAConfig | None:
+    """``mla`` with K3.1's :class:`IndexerConfig` when the config declares one (``dsa_config`` or flat
+    ``index_*`` keys; required by the K3.1 architecture). The indexed layers must be the MLA layers: a mismatch is
+    refused naming both lists, before anything is built."""
+    raw = r.get("dsa_config", top.get("dsa_config"))
+    dsa = _Reader(dict(raw or {}), f"{r.where} dsa_config")
+    k31 = K31_ARCH in tuple(top.get("architectures") or ())
+    if raw is None and not r.has("index_n_heads") and not k31:
+        for what in ("heads", "dim", "topk", "eps"):
+            r.read.add(_DSA_KEYS[what][0])
+        return mla
+    vals = {w: _dsa_value(dsa, r, w) for w in ("heads", "dim", "topk", "eps", "layers")}
+    missing = [vals[w][1] for w in ("heads", "dim", "topk") if vals[w][0] is None]
+    if missing:
+        why = "the K3.1 architecture needs a DSA indexer" if raw is None else "an incomplete DSA indexer"
+        raise ConfigError(f"{r.where}: {why}: missing {missing} (dsa_config or flat index_* keys)")
+    if mla is None:
+        raise ConfigError(f"{r.where}: a DSA indexer ({vals['heads'][1]}) but the model has no MLA layers")
+    if mla.q_lora_rank is None:
+        raise ConfigError(f"{r.where}: the DSA indexer reads the q-LoRA latent, but q_lora_rank is null")
+    full = [i + 1 for i, kind in enumerate(attn) if kind == "mla"]
+    layers, key = vals["layers"]
+    if layers is not None and sorted(int(x) for x in layers) != full:
+        got = sorted(int(x) for x in layers)
+        raise ConfigError(f"{r.where}: {key}={got} must equal the full-attention (MLA) layers {full} (1-based): "
+                          f"not indexed {sorted(set(full) - set(got))}, not MLA {sorted(set(got) - set(full))}")
+    heads, dim, topk = (int(vals[w][0]) for w in ("heads", "dim", "topk"))
+    for (v, key) in ((heads, vals["heads"][1]), (dim, vals["dim"][1]), (topk, vals["topk"][1])):
+        if v < 1:
+            raise ConfigError(f"{r.where}: {key}={v} must be a positive integer")
+    if strict:
+        dsa.finish()
+    ix = IndexerConfig(mla.hidden, int(mla.q_lora_rank), heads, dim, topk,
+                       float(vals["eps"][0]) if vals["eps"][0] is not None else eps)
+    return dataclasses.replace(mla, indexer=ix)
+
+
 def _kimi_ffn(r: _Reader, top: Mapping[str, Any], ffn: tuple[str, ...], num_experts, d: int, eps: float,
               act: tuple[str, float, float | None]) -> tuple[MLPConfig | None, MoEConfig | None, tuple | None]:
     """(dense MLP config, MoE config, pack-quantized weights or None): the first two present when some layer uses
@@ -559,7 +653,7 @@ def _parse_kimi(text: Mapping[str, Any], *, k3_wrapper: bool, top: Mapping[str, 
     kda = _kimi_kda(r, la, attn, d, eps)
     if strict:  # the schedule and KDA are the only readers of linear_attn_config
         la.finish()
-    mla = _kimi_mla(r, attn, d)
+    mla = _kimi_dsa(r, top, attn, _kimi_mla(r, attn, d), eps, strict)
     mlp, moe, packed = _kimi_ffn(r, top, ffn, num_experts, d, eps, act)
     block = _kimi_extras(r)
 
@@ -673,13 +767,13 @@ def from_dict(c: Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
         raise ConfigError(f"config.json must hold a JSON object, got {type(c).__name__}")
     archs = tuple(c.get("architectures") or ())
     mt = c.get("model_type")
-    if mt == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs:
+    if mt == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs or K31_ARCH in archs:
         text = c.get("text_config")
         if not isinstance(text, Mapping):
             raise ConfigError("config.json: model_type kimi_k3 needs a text_config object")
         top = _Reader(c, "config.json (top level)")
         for key in ("text_config", "vision_config", "media_placeholder_token_id", "image_placeholder",
-                    "quantization_config", "architectures", "auto_map"):
+                    "quantization_config", "architectures", "auto_map", "dsa_config"):
             top.get(key)
         if strict:
             top.finish()
@@ -823,8 +917,30 @@ def tiny_k3_config_dict() -> dict:
     return c
 
 
+def k31_config_dict() -> dict:
+    """Kimi K3.1 Pro: K3 plus a DSA indexer (32 heads x 128, top-2048) in each of the 24 MLA layers
+    (``dsa_config`` in the provisional spelling of :class:`IndexerConfig`)."""
+    c = k3_config_dict()
+    c["architectures"] = [K31_ARCH]
+    t = c["text_config"]
+    t["dsa_config"] = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+                       "dsa_layers": list(t["linear_attn_config"]["full_attn_layers"])}
+    return c
+
+
+def tiny_k31_config_dict() -> dict:
+    """:func:`tiny_k3_config_dict` as K3.1: an indexer of 2 heads x 16 choosing 16 keys in each of its MLA layers."""
+    c = tiny_k3_config_dict()
+    c["architectures"] = [K31_ARCH]
+    t = c["text_config"]
+    t["dsa_config"] = {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 16,
+                       "dsa_layers": list(t["linear_attn_config"]["full_attn_layers"])}
+    return c
+
+
 PRESETS = {
     "k3": k3_config_dict,
+    "k3.1": k31_config_dict,
     "kimi-linear-48b-a3b": kimi_linear_48b_config_dict,
     "kimi-dense": kimi_dense_config_dict,
 }

@@ -348,7 +348,7 @@ def param_shardings(model, mesh, lay: Layout | str = TP_EP) -> dict[str, NamedSh
 CACHE_AXES = {
     KDACache: {"conv_q": ("batch", None, "heads"), "conv_k": ("batch", None, "heads"),
                "conv_v": ("batch", None, "heads"), "state": ("batch", "heads", None, None)},
-    MLACache: {"c": ("batch", "mla_seq", None), "kpe": ("batch", "mla_seq", None)},
+    MLACache: {"c": ("batch", "mla_seq", None), "kpe": ("batch", "mla_seq", None), "ik": ("batch", "mla_seq", None)},
     KVCache: {"k": ("batch", "cache_seq", "kv_heads", None), "v": ("batch", "cache_seq", "kv_heads", None)},
 }
 
@@ -368,7 +368,7 @@ def cache_specs(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str
         return {f".{k}": v for k, v in value._asdict().items()} if isinstance(value, Int8Rows) else {"": value}
 
     def specs(entry, where, stacked):
-        fields = CACHE_AXES[type(entry)]
+        fields = {f: axes for f, axes in CACHE_AXES[type(entry)].items() if getattr(entry, f) is not None}
         lead = (None,) if stacked else ()
         arrays = {f + k: ((*lead, *axes), tuple(leaf.shape)) for f, axes in fields.items()
                   for k, leaf in parts(getattr(entry, f)).items()}
