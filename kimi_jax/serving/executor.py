@@ -386,7 +386,7 @@ class Executor:
             for width in sh.widths:
                 out.append((f"decode step of {b} rows x {width} pages", lambda b=b, width=width: decode(b, width)))
         if sh.spec_k:
-            for b in sh.row_buckets:
+            for b in sh.verify_buckets:
                 for width in sh.widths:
                     out.append((f"speculative verify step of {b} rows x {sh.spec_k} drafts x {width} pages",
                                 lambda b=b, width=width: verify(b, width)))

@@ -283,7 +283,7 @@ class Scheduler:
         return self._plan()
 
     def _verify_plan(self, active: list[int]) -> StepPlan | None:
-        """A verify step over the decoding slots (rows as :meth:`decode_plan`'s) when some has drafts (n-gram: its
+        """A verify step over the decoding slots (one row for a lone one, else every slot) when some has drafts (n-gram: its
         prompt and reply looked up; DSpark: the block the device drafted after its last step; a slot whose drafts
         were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
         sh, k = self.shapes, self.shapes.spec_k
@@ -306,7 +306,7 @@ class Scheduler:
         active = [i for i in active if self.running[i] is not None]
         if not active:
             return None
-        b = sh.rows(len(active))  # as a decode step: every slot, or a bucket of rows holding the active ones
+        b = sh.verify_rows(len(active))  # every slot, or the one row of a lone request
         rows = list(range(sh.slots)) if b == sh.slots else active + [sh.slots] * (b - len(active))
         tokens = np.zeros((b, k + 1), np.int64)
         dlen, counts, live = (np.zeros((b,), np.int64) for _ in range(3))

@@ -87,6 +87,16 @@ class Shapes:
     def rows(self, n: int) -> int:
         return next(b for b in self.row_buckets if n <= b)
 
+    @property
+    def verify_buckets(self) -> tuple[int, ...]:
+        """Verify steps' batch sizes: one row (a lone request, speculative decoding's main case) or every slot (fewer
+        programs to compile than the decode steps' buckets: each verify program is k + 1 positions wide)."""
+        return (1, self.slots) if self.compact_decode and not self.batch_invariant and self.slots > 1 else \
+            (self.slots,)
+
+    def verify_rows(self, n: int) -> int:
+        return next(b for b in self.verify_buckets if n <= b)
+
 
 # -- ops ------------------------------------------------------------------------------------------------------------
 
