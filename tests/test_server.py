@@ -1,8 +1,8 @@
 """``kimi-jax serve``: the OpenAI-compatible server, with the official ``openai`` client as the oracle client.
 
 One server per model (module-scoped, uvicorn on a free loopback port in a thread, over the real engine): the demo
-K3 (tokenizer, chat format), a tiny Kimi Linear and a tiny Llama-shaped GQA model (no tokenizer: token-id
-prompts). Greedy token ids through the server equal :func:`kimi_jax.generate`'s. Chat parsing (reasoning, answer,
+K3 (tokenizer, chat format), a tiny Kimi Linear, a tiny K3.1 and a tiny Llama-shaped GQA model (no tokenizer:
+token-id prompts). Greedy token ids through the server equal :func:`kimi_jax.generate`'s. Chat parsing (reasoning, answer,
 tool calls) is checked end to end over a scripted engine that replays chosen ids. SIGTERM runs the real command
 in a subprocess.
 """
@@ -127,6 +127,13 @@ def kimi_linear(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def k31(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("k31"), "k3.1")  # K3.1: a DSA indexer in every MLA layer
+    with _serve(path, None, "k3.1-tiny", 128) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
     with _serve(path, None, "llama-tiny", 128) as s:
@@ -152,7 +159,8 @@ def _reference(s: Served, prompts, max_new: int):
 
 
 @pytest.mark.parametrize("family", [pytest.param("k3", marks=pytest.mark.slow),
-                                    pytest.param("kimi_linear", marks=pytest.mark.slow), "llama"])
+                                    pytest.param("kimi_linear", marks=pytest.mark.slow),
+                                    pytest.param("k31", marks=pytest.mark.slow), "llama"])
 def test_greedy_ids_match_generate(family, request):
     s = request.getfixturevalue(family)
     V = s.engine.cfg.vocab_size
