@@ -11,7 +11,7 @@ O  MLA decoupled ("rope") key dim, unrotated in Kimi (NoPE)
 R  MLA latent rank (kv_lora_rank)         Q  MLA query rank (q_lora_rank)
 P  KDA projection width (heads * head dim)
 C  KDA chunk length                       W  short-conv width
-E  routed experts                         X  experts chosen per token (top-k)
+E  routed experts                         X  chosen per token (top-k): experts; K3.1 DSA cache positions
 F  MLP / expert hidden width              L  latent-MoE width (routed_expert_hidden_size)
 M  rows of a matrix product (the expert-sorted token matrix N*X in the MoE; the few rows of a decode product)
 I  input features of a generic product (the contraction dim)
@@ -43,7 +43,7 @@ LETTERS = {
     "C": "KDA chunk length",
     "W": "short-conv width",
     "E": "routed experts",
-    "X": "experts chosen per token (top-k)",
+    "X": "chosen per token (top-k): experts; K3.1 DSA cache positions",
     "F": "MLP / expert hidden width",
     "L": "latent-MoE width (routed_expert_hidden_size)",
     "M": "rows of a matrix product (the expert-sorted token matrix N*X in the MoE; the few rows of a decode product)",
