@@ -7,7 +7,7 @@ latent cache ``c`` (and of ``kpe``), scores all heads of the token against them 
 key and value, the score split into its latent part R and its decoupled part O as in ``kernels_pallas.mla_decode``)
 and folds them into an online softmax in float32. Entries outside ``[0, S)`` (``-1``: padding) are no key: their
 row is read clipped into the cache and masked. The whole cache is never read, copied or gathered into a
-temporary: per token only its ``X`` chosen rows move.
+temporary: per query token only its ``X`` chosen rows move (on TPU the 8-row groups that hold them, below).
 
 Per backend:
 
@@ -17,8 +17,13 @@ Per backend:
   splits of the chosen entries (flash-decoding) to fill the GPU, merged by an XLA epilogue.
 * TPU (Mosaic): grid (sequence, token, index block), the block axis sequential with the softmax state in VMEM
   scratch and every head in one block. The indices are scalar-prefetched into SMEM; the cache stays in HBM
-  (``memory_space=ANY``) and each chosen row is one DMA into a double-buffered VMEM block: step ``j`` starts the
-  copies of block ``j + 1`` before it waits for block ``j`` and computes on it.
+  (``memory_space=ANY``), viewed as groups of 8 rows (a free reshape of its tiled ``[S, R]`` layout). Mosaic copies
+  whole (8, 128) tiles only -- a DMA of one row at a dynamic row offset is refused ("offsets along tiled dimensions
+  must be aligned to tiles"), in HBM as in VMEM -- so each chosen row is read as the 8-row group that holds it, one
+  DMA per entry into a double-buffered VMEM block (step ``j`` starts block ``j + 1``'s copies before it waits for
+  block ``j``); all 8 rows are scored and all but the chosen one masked. That reads 8x the chosen rows (2048
+  chosen: 16 MB of a bf16 latent per sequence and layer, the dense kernel's read of a 16K-token cache); a
+  row-addressable cache layout (a leading position axis) would read 1x.
 
 Numerics as the dense kernels: queries cast to the cache dtype, scores and softmax in float32, ``p @ c`` with ``p``
 in the cache dtype. A row with no chosen key returns zeros (lse ``-inf``). int8 caches are not taken (the op's

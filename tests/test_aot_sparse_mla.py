@@ -1,0 +1,54 @@
+"""The sparse MLA kernel (Kimi K3.1's DSA attention, ``kernels_pallas/sparse_mla``) compiled by the real TPU and NVIDIA
+GPU compilers, deviceless (kimi_jax/deploy/aot.py), at full K3.1 decode shapes: batch 8, one query token, 96 heads,
+latent 512 + 64, a 32K-token bf16 cache, 2048 chosen positions per query.
+
+The compiled program must hold the Pallas custom call (the kernel, not the reference, was compiled), and its
+temporaries must stay below the size of the latent cache: the kernel reads the chosen rows (on TPU their 8-row
+groups) where they lie and never writes a gathered or contiguous copy. (On TPU they still hold one copy of the
+``kpe`` cache: XLA lays a 64-wide minor dim out transposed and relays it out for Mosaic, as for the dense kernel.)
+v5p and H200 in the default set (about 10 s and 3 s); the NoPE form (O = 0) on both and v6e / H100, ``-m slow``.
+``benchmarks/aot_sparse_mla.py`` writes the compilers' figures beside the dense kernel's.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import kernels_pallas.sparse_mla as api
+from kimi_jax.deploy import aot
+from tests.test_aot import TARGETS
+
+S = jax.ShapeDtypeStruct
+BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+B, H, R, CONTEXT, TOPK = 8, 96, 512, 32768, 2048
+
+
+def _args(O):
+    return (S((B, 1, H, R), F32), S((B, 1, H, O), BF), S((B, CONTEXT, R), BF), S((B, CONTEXT, O), BF),
+            S((B, 1, TOPK), I32))
+
+
+def _cases():
+    for chip in ("v5p", "h200", "v6e", "h100"):
+        for O in (64, 0):
+            fast = chip in ("v5p", "h200") and O == 64
+            yield pytest.param(TARGETS[chip], O, id=f"{chip}-O{O}", marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("target,O", list(_cases()))
+def test_sparse_mla_decode_compiles(target, O):
+    try:
+        t = aot.parse_target(target)
+        mesh = Mesh(aot.device_array(t, (1,)), ("x",))
+    except aot.CompilerMissing as e:  # not a pass: nothing was compiled
+        pytest.skip(f"deviceless compiler for {target} not installed: {e}")
+    args = [S(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())) for a in _args(O)]
+    f = lambda *a: api.sparse_mla_attention(*a, scale=192 ** -0.5)  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
+        compiled = jax.jit(f).lower(*args).compile()
+    assert t.marker in compiled.as_text(), f"no Pallas kernel ({t.marker}) in the program for {target}"
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    latent = B * CONTEXT * R * 2
+    assert temp < latent, f"{temp} bytes of temporaries, as much as the latent cache ({latent})"
+    print(f"{target} O={O}: temporaries {temp / 2**20:.1f} MiB")
