@@ -44,7 +44,7 @@ def test_sparse_mla_decode_compiles(target, O):
     except aot.CompilerMissing as e:  # not a pass: nothing was compiled
         pytest.skip(f"deviceless compiler for {target} not installed: {e}")
     args = [S(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())) for a in _args(O)]
-    f = lambda *a: api.sparse_mla_attention(*a, scale=192 ** -0.5)  # noqa: E731
+    f = lambda *a: api.sparse_mla_attention(*a, scale=192 ** -0.5)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.set_mesh(mesh):
         compiled = jax.jit(f).lower(*args).compile()
     assert t.marker in compiled.as_text(), f"no Pallas kernel ({t.marker}) in the program for {target}"

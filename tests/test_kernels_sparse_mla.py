@@ -28,7 +28,7 @@ def _case(B=2, T=2, H=4, R=32, O=16, S=100, X=24, counts=(24, 5, 0, 17), dtype=j
     """Operands and distinct chosen positions; row (b, t) has ``counts[b * T + t]`` valid entries, shuffled among
     -1s."""
     rng = np.random.default_rng(seed)
-    f = lambda *shape, dt=dtype: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dt)  # noqa: E731
+    f = lambda *shape, dt=dtype: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dt)
     idx = np.full((B, T, X), -1, np.int32)
     for r, n in enumerate(counts):
         b, t = divmod(r, T)
@@ -91,11 +91,11 @@ _SLOW = pytest.mark.slow  # 3-4 s each in interpret mode: the fast set keeps one
 
 
 @pytest.mark.parametrize("kind,dtype,O,kw", [
-    pytest.param("gpu", jnp.float32, 16, dict(block_k=16), marks=_SLOW, id="gpu-float32"),
-    pytest.param("gpu-2splits", jnp.bfloat16, 16, dict(block_k=16, num_splits=2), id="gpu-bfloat16-2splits"),
-    pytest.param("gpu-nope", jnp.float32, 0, dict(block_k=16, block_q=16), marks=_SLOW, id="gpu-float32-O0"),
-    pytest.param("tpu", jnp.float32, 16, dict(platform="tpu", block_k=16), marks=_SLOW, id="tpu-float32"),
-    pytest.param("tpu-bf16-nope", jnp.bfloat16, 0, dict(platform="tpu", block_k=16), id="tpu-bfloat16-O0"),
+    pytest.param("gpu", jnp.float32, 16, {"block_k": 16}, marks=_SLOW, id="gpu-float32"),
+    pytest.param("gpu-2splits", jnp.bfloat16, 16, {"block_k": 16, "num_splits": 2}, id="gpu-bfloat16-2splits"),
+    pytest.param("gpu-nope", jnp.float32, 0, {"block_k": 16, "block_q": 16}, marks=_SLOW, id="gpu-float32-O0"),
+    pytest.param("tpu", jnp.float32, 16, {"platform": "tpu", "block_k": 16}, marks=_SLOW, id="tpu-float32"),
+    pytest.param("tpu-bf16-nope", jnp.bfloat16, 0, {"platform": "tpu", "block_k": 16}, id="tpu-bfloat16-O0"),
 ])
 def test_pallas_interpret_matches_reference(kind, dtype, O, kw):
     """The kernel (interpret mode) over 2 x 2 rows with 24, 5, 0 and 17 valid entries of 40 (2 or 3 blocks of 16):

@@ -117,8 +117,8 @@ def _sparse_gpu(q, qpe, c, kpe, idx, *, S, bq, bk, num_splits, interpret, num_wa
     splits = cdiv(n_blocks, per_split)  # no empty split
     Xp = splits * per_split * bk
     idx = pad_axis(idx, 2, Xp, -1)
-    row = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, t, i, j: (b, t, i, 0))  # noqa: E731
-    seq = lambda d: pl.BlockSpec((None, S, d), lambda b, t, i, j: (b, 0, 0))  # noqa: E731
+    row = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, t, i, j: (b, t, i, 0))
+    seq = lambda d: pl.BlockSpec((None, S, d), lambda b, t, i, j: (b, 0, 0))
     args = [idx, q]
     in_specs = [pl.BlockSpec((None, None, Xp), lambda b, t, i, j: (b, t, 0)), row(Rp)]
     if has_pe:
@@ -180,7 +180,7 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, has_pe, with_ls
         return one
 
     def start(block, slot):  # an entry outside the cache reads group 0 (masked)
-        group_of = lambda i: jnp.clip(idx_sm[base + block * bk + i] // TILE_ROWS, 0, n_groups - 1)  # noqa: E731
+        group_of = lambda i: jnp.clip(idx_sm[base + block * bk + i] // TILE_ROWS, 0, n_groups - 1)
         one = copies(slot, group_of)
         jax.lax.fori_loop(0, bk, lambda i, _: [d.start() for d in one(i)] and None, None)
 
@@ -233,12 +233,12 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     Xp = round_up(idx.shape[-1], bk)
     idx = pad_axis(idx, 2, Xp, -1)
     Sp = round_up(S, TILE_ROWS)  # a copy of the cache only when S is not a multiple of 8
-    groups = lambda x: pad_axis(x, 1, Sp).reshape(B, Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])  # noqa: E731
+    groups = lambda x: pad_axis(x, 1, Sp).reshape(B, Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])
     # lane x * 8 + r of a block: row r of entry x's group, kept where r is the chosen row
     ok = (idx >= 0) & (idx < S)
     sel = ok[..., None] & (jnp.arange(TILE_ROWS) == (idx % TILE_ROWS)[..., None])
     sel = sel.astype(jnp.int32).reshape(B * T, 1, Xp * TILE_ROWS)
-    row = lambda d: pl.BlockSpec((None, None, Hp, d), lambda b, t, j, *_: (b, t, 0, 0))  # noqa: E731
+    row = lambda d: pl.BlockSpec((None, None, Hp, d), lambda b, t, j, *_: (b, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     args = [sel, q]
     in_specs = [pl.BlockSpec((None, 1, bk * TILE_ROWS), lambda b, t, j, *_: (b * T + t, 0, j)), row(R)]
@@ -255,7 +255,7 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     if with_lse:
         out_shape += [jax.ShapeDtypeStruct((B, T, Hp, 128), F32)] * 2
         out_specs += [row(128)] * 2
-    buf = lambda d: pltpu.VMEM((2, bk, TILE_ROWS, d), c.dtype)  # noqa: E731
+    buf = lambda d: pltpu.VMEM((2, bk, TILE_ROWS, d), c.dtype)
     scratch = [buf(R), buf(O), pltpu.SemaphoreType.DMA((2, 2)),
                pltpu.VMEM((Hp, 128), F32), pltpu.VMEM((Hp, 128), F32), pltpu.VMEM((Hp, R), F32)]
     kernel = functools.partial(_tpu_kernel, bk=bk, n_groups=Sp // TILE_ROWS, Xp=Xp, has_pe=has_pe,
@@ -289,7 +289,7 @@ def sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scal
     has_pe = q_pe_BTHO.shape[-1] > 0
     dt = c_BSR.dtype
     idx = idx_BTX.astype(jnp.int32)
-    kw = dict(S=S, scale=float(scale), precision=precision_for(dt), with_lse=with_lse, interpret=interpret)
+    kw = {"S": S, "scale": float(scale), "precision": precision_for(dt), "with_lse": with_lse, "interpret": interpret}
     if platform == "tpu":
         Hp = row_block(H, H, "tpu", dt)  # every head in one block
         q = pad_axis(q_lat_BTHR.astype(dt), 2, Hp)
@@ -298,7 +298,7 @@ def sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scal
         o, m, l = _sparse_tpu(q, qpe, c_BSR, kpe_BSO.astype(dt) if has_pe else None, idx, bk=bk, **kw)
     else:
         # Triton: power-of-two tiles (zero columns add nothing to a dot; R = 512 and O = 64 need no copy)
-        pow2 = lambda x, axis: pad_axis(x, axis, next_pow2(x.shape[axis]))  # noqa: E731
+        pow2 = lambda x, axis: pad_axis(x, axis, next_pow2(x.shape[axis]))
         bq = block_q or row_block(H, 32 if R > 256 else 64, "gpu", dt)
         Hp = round_up(H, bq)
         q = pow2(pad_axis(q_lat_BTHR.astype(dt), 2, Hp), 3)

@@ -62,7 +62,7 @@ def sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scal
 
 def selection_mask(idx_BTX, S):
     """The chosen positions as a mask ``[B, T, S]`` (True where chosen)."""
-    B, T, X = idx_BTX.shape
+    B, T, _ = idx_BTX.shape
     ok = valid(idx_BTX, S)
     rows = jnp.zeros((B, T, S + 1), bool)  # column S collects the entries that are no key
     at = jnp.where(ok, idx_BTX, S)
