@@ -7,6 +7,8 @@ by sequence merges; the dispatcher's choices. Rows with fewer valid entries than
 row, and a row with none) in every case.
 """
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from kernels_pallas.mla_decode import reference as dense_ref
 from kernels_pallas.sparse_mla import pallas as sparse_pallas
 from kernels_pallas.sparse_mla import reference as ref
 from tests.parity import TOL, assert_close
+from tests.sharding_run import script_on_cpu_devices
 
 _ref = jax.jit(ref.sparse_mla_attention, static_argnames=("scale", "with_lse"))
 _masked = jax.jit(ref.masked_attention, static_argnames=("scale",))
@@ -152,3 +155,35 @@ def test_dispatch():
     assert_close(int8, ref.sparse_mla_attention(q_lat, q_pe, qc, qk, idx, scale=0.1), 1e-6, "int8 reference")
     with pytest.raises(KernelUnavailable, match="int8"):
         api.sparse_mla_attention(q_lat, q_pe, qc, qk, idx, scale=0.1, implementation="pallas_interpret")
+
+
+_SEQ_SPLIT = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    import kernels_pallas.sparse_mla as api
+    from kernels_pallas._dispatch import split_axes
+    from kimi_jax.parallel import sharding
+    from tests.test_kernels_sparse_mla import _case
+    assert jax.device_count() == 4, jax.devices()
+    errs = {}
+    args = _case(B=2, T=2, H=4, S=256, X=48, counts=(48, 9, 0, 30), seed=6)
+    want = api.sparse_mla_attention(*args, scale=0.1, implementation="reference")
+    for mesh_sizes in ((1, 1, 4), (1, 2, 2)):
+        place = sharding.Parallel(sharding.make_mesh(*mesh_sizes), sharding.TP_EP).placement
+        for impl in (None, "reference", "pallas_interpret"):
+            f = jax.jit(lambda *a: api.sparse_mla_attention(*a, scale=0.1, implementation=impl, placement=place))
+            errs[f"{mesh_sizes}-{impl}"] = float(jnp.max(jnp.abs(f(*args) - want)))
+        errs[f"{mesh_sizes}-split"] = {k: list(v) for k, v in split_axes(api.RULE, place, args).items()}
+    print("ERRS", errs)
+""")
+
+
+@pytest.mark.slow  # a subprocess with 4 CPU devices: ~10 s
+def test_cache_split_by_sequence_on_four_cpu_devices():
+    """The op with the default layout on 4 CPU devices: the cache positions split over ``model`` (4, or 2 beside
+    expert=2, which takes the batch), each device attending over the chosen entries in its slice, the partials merged;
+    every implementation equals the unsharded reference."""
+    errs = script_on_cpu_devices(_SEQ_SPLIT, 4)
+    assert errs["(1, 1, 4)-split"] == {"S": ["model"]}, errs
+    assert errs["(1, 2, 2)-split"] == {"B": ["expert"], "S": ["model"]}, errs
+    values = {k: v for k, v in errs.items() if not k.endswith("split")}
+    assert len(values) == 6 and max(values.values()) <= TOL["float32"], values
