@@ -1,9 +1,10 @@
 """The sparse MLA kernel (``kernels_pallas/sparse_mla``, Kimi K3.1's DSA attention) compiled deviceless by the real
-TPU and GPU compilers at full K3.1 decode shapes, beside the dense MLA kernel over the same cache, with what the
+TPU and GPU compilers at full K3.1 decode shapes (static and paged cache), beside the dense MLA kernel over the same
+cache, with what the
 compilers say: memory analysis (arguments, output, temporaries, code) and cost analysis (flops, bytes accessed;
 for a Pallas kernel XLA reports only its own ops around the custom call, not the kernel) per device.
 
-    python benchmarks/aot_sparse_mla.py                       # v5p and H200, batch 8, 32K cache, top-2048
+    python benchmarks/aot_sparse_mla.py                       # v5p, v6e, H200: batch 8, 32K cache, top-2048
     python benchmarks/aot_sparse_mla.py --targets tpu:v6e:1x1 --batch 8 --context 131072
 
 Writes ``benchmarks/results/aot_sparse_mla.json`` (``--json`` elsewhere) with the commit.
@@ -32,12 +33,20 @@ BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 SCALE = 192 ** -0.5  # K3's MLA scale (nope 128 + "rope" 64)
 
 
+PAGE = 64
+
+
 def operands(batch, heads, latent, rope, context, topk):
-    """K3 absorbed MLA decode operands (one query token): the float32 absorbed query, the bf16 cache, and either the
-    chosen positions (sparse) or the query positions (dense)."""
+    """K3 absorbed MLA decode operands (one query token): the float32 absorbed query, the bf16 cache (static, or a
+    pool of 64-token pages with a page table), and either the chosen positions (sparse) or the query positions
+    (dense)."""
     q = (S_((batch, 1, heads, latent), F32), S_((batch, 1, heads, rope), BF))
     cache = (S_((batch, context, latent), BF), S_((batch, context, rope), BF))
-    return {"sparse": (*q, *cache, S_((batch, 1, topk), I32)), "dense": (*q, *cache, S_((batch, 1), I32))}
+    n = batch * context // PAGE + 8
+    pool = (S_((n, PAGE, latent), BF), S_((n, PAGE, rope), BF), S_((batch, context // PAGE), I32))
+    chosen = S_((batch, 1, topk), I32)
+    return {"sparse": (*q, *cache, chosen), "sparse_paged": (*q, *pool, chosen),
+            "dense": (*q, *cache, S_((batch, 1), I32))}
 
 
 def compile_one(target_text, fn, args) -> dict:
@@ -60,7 +69,7 @@ def compile_one(target_text, fn, args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--targets", nargs="+", default=["tpu:v5p:1x1x1", "gpu:h200:1x1x1"])
+    p.add_argument("--targets", nargs="+", default=["tpu:v5p:1x1x1", "tpu:v6e:1x1", "gpu:h200:1x1x1"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=96)  # K3 num_attention_heads
     p.add_argument("--latent", type=int, default=512)  # kv_lora_rank
@@ -71,6 +80,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     aot.cpu_runtime()
     ops = {"sparse": lambda *x: sparse.sparse_mla_attention(*x, scale=SCALE),
+           "sparse_paged": lambda *x: sparse.paged_sparse_mla_attention(*x, scale=SCALE),
            "dense": lambda *x: dense.mla_attention(*x, scale=SCALE)}
     args = operands(a.batch, a.heads, a.latent, a.rope, a.context, a.topk)
     rows = []

@@ -187,3 +187,35 @@ def test_cache_split_by_sequence_on_four_cpu_devices():
     assert errs["(1, 2, 2)-split"] == {"B": ["expert"], "S": ["model"]}, errs
     values = {k: v for k, v in errs.items() if not k.endswith("split")}
     assert len(values) == 6 and max(values.values()) <= TOL["float32"], values
+
+
+def _paged(c, kpe, page_size, seed):
+    """The contiguous caches ``[B, S, ...]`` cut into pages of a shared pool in a shuffled order (plus 3 spare pages),
+    and the page table that reads them back."""
+    B, S = c.shape[:2]
+    P = S // page_size
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(B * P + 3)[:B * P]
+    table = jnp.asarray(order.reshape(B, P), jnp.int32)
+
+    def pool(x):
+        pages = np.zeros((B * P + 3, page_size, x.shape[-1]), np.float32)
+        pages[order] = np.asarray(x, np.float32).reshape(B * P, page_size, -1)
+        return jnp.asarray(pages).astype(x.dtype)
+    return pool(c), pool(kpe), table
+
+
+@pytest.mark.parametrize("platform", ["gpu", pytest.param("tpu", marks=_SLOW)])
+def test_paged_equals_static_cache(platform):
+    """The paged op (pages of 16 in a shuffled pool) == the static-cache reference on the same logical cache, for its
+    reference and its kernel (interpret mode); entries past the table's positions are no key."""
+    q_lat, q_pe, c, kpe, idx = _case(S=96, X=32, counts=(32, 7, 0, 20), seed=7)
+    idx = idx.at[1, 1, 0].set(96)  # one past the 6-page table: no key, as -1
+    c_pages, kpe_pages, table = _paged(c, kpe, 16, seed=8)
+    want = _ref(q_lat, q_pe, c, kpe, jnp.where(idx < 96, idx, -1), scale=0.1)
+    got_ref = api.paged_sparse_mla_attention(q_lat, q_pe, c_pages, kpe_pages, table, idx, scale=0.1,
+                                             implementation="reference")
+    assert float(jnp.max(jnp.abs(got_ref - want))) <= 2e-6
+    f = jax.jit(lambda *a: sparse_pallas.paged_sparse_mla_attention(*a, scale=0.1, platform=platform,
+                                                                     interpret=True, block_k=16))
+    assert_close(f(q_lat, q_pe, c_pages, kpe_pages, table, idx), want, TOL["float32"], f"paged {platform}")

@@ -13,6 +13,11 @@ rows gathered from the cache in place -- Triton gathers on GPU, one DMA per row 
 softmax). On CPU the automatic choice is the reference. int8 caches: the reference only (the automatic choice
 passes over the kernel for them; an explicit ``"pallas"`` raises).
 
+Paged caches (``paged_sparse_mla_attention``: pools ``[n_pages, page_size, R]`` / ``[n_pages, page_size, O]`` and a
+page table ``[B, pages_per_seq]``, as :mod:`kernels_pallas.paged_attention`; idx still holds cache positions): the
+kernel reads the chosen rows out of the shared pool through the page table; on a mesh the query heads split over
+``heads``, the pool and the table whole.
+
 On a mesh: sequences split over ``batch``, the cache positions over ``mla_seq`` where the layout has it (each
 device attends over the chosen entries in its slice: the indices are shifted by the slice's first position like
 the dense op's query positions, so the others fall outside ``[0, S_local)``; the partials merge by their softmax
@@ -27,9 +32,21 @@ from kernels_pallas.sparse_mla import pallas, reference
 RULE = Rule(args=("BTHR", "BTHO", "BSR", "BSO", "BTX"), out="BTHR",
             split=(("B", "batch"), ("S", "mla_seq"), ("H", "heads")), merge="S", positions=4)
 
+PAGED_RULE = Rule(args=("BTHR", "BTHO", "SSR", "SSO", "BS", "BTX"), out="BTHR", split=(("H", "heads"),))
+
 OP = Op("sparse_mla_attention", RULE, {REFERENCE: reference.sparse_mla_attention, PALLAS: pallas.sparse_mla_attention},
         pallas_unsupported=lambda platform, q_lat, q_pe, c, kpe, *_, **__: pallas.unsupported(c, kpe))
 
 
 def sparse_mla_attention(q_lat, q_pe, c, kpe, idx, *, scale, implementation=None, placement=None):
     return OP(q_lat, q_pe, c, kpe, idx, scale=scale, implementation=implementation, placement=placement)
+
+PAGED_OP = Op("paged_sparse_mla_attention", PAGED_RULE,
+              {REFERENCE: reference.paged_sparse_mla_attention, PALLAS: pallas.paged_sparse_mla_attention},
+              pallas_unsupported=lambda platform, q_lat, q_pe, c, kpe, *_, **__: pallas.unsupported(c, kpe))
+
+
+def paged_sparse_mla_attention(q_lat, q_pe, c_pages, kpe_pages, page_table, idx, *, scale, implementation=None,
+                               placement=None):
+    return PAGED_OP(q_lat, q_pe, c_pages, kpe_pages, page_table, idx, scale=scale, implementation=implementation,
+                    placement=placement)

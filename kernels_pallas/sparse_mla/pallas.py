@@ -54,6 +54,7 @@ from kernels_pallas._common import (
 )
 from kernels_pallas.attention.pallas import _merge_splits, run_and_store
 from kernels_pallas.cache_quant import is_int8
+from kernels_pallas.sparse_mla.reference import pool_rows
 
 
 def unsupported(c, kpe) -> str | None:
@@ -118,7 +119,8 @@ def _sparse_gpu(q, qpe, c, kpe, idx, *, S, bq, bk, num_splits, interpret, num_wa
     Xp = splits * per_split * bk
     idx = pad_axis(idx, 2, Xp, -1)
     row = lambda d: pl.BlockSpec((None, None, bq, d), lambda b, t, i, j: (b, t, i, 0))
-    seq = lambda d: pl.BlockSpec((None, S, d), lambda b, t, i, j: (b, 0, 0))
+    one = c.shape[0] == 1  # one cache (a page pool) shared by every sequence
+    seq = lambda d: pl.BlockSpec((None, S, d), lambda b, t, i, j: (0 if one else b, 0, 0))
     args = [idx, q]
     in_specs = [pl.BlockSpec((None, None, Xp), lambda b, t, i, j: (b, t, 0)), row(Rp)]
     if has_pe:
@@ -154,7 +156,7 @@ def _sparse_gpu(q, qpe, c, kpe, idx, *, S, bq, bk, num_splits, interpret, num_wa
 TILE_ROWS = 8
 
 
-def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, has_pe, with_lse, scale, precision):
+def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, with_lse, scale, precision):
     """TPU: one grid step = one block of ``bk`` chosen entries of one (sequence, token), each read as its 8-row tile
     group (``[bk * 8]`` rows, all scored; ``sel_ref [1, bk * 8]`` marks the chosen row of each group). ``idx_sm``:
     every index, in SMEM (``[B * T * Xp]``)."""
@@ -166,6 +168,7 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, has_pe, with_ls
     m_ref, l_ref = (next(it), next(it)) if with_lse else (None, None)
     cbuf, pbuf, sem, m_sc, l_sc, acc_sc = (next(it) for _ in range(6))
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cb = 0 if one else b  # the cache's sequence (one pool shared by all: 0)
     nk = pl.num_programs(2)
     base = (b * pl.num_programs(1) + t) * Xp
 
@@ -173,9 +176,9 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, has_pe, with_ls
         """Entry i's copies into buffer ``slot`` (its tile group ``group_of(i)``)."""
         def one(i):
             g = group_of(i)
-            out = [pltpu.make_async_copy(c_hbm.at[b, g], cbuf.at[slot, i], sem.at[0, slot])]
+            out = [pltpu.make_async_copy(c_hbm.at[cb, g], cbuf.at[slot, i], sem.at[0, slot])]
             if has_pe:
-                out.append(pltpu.make_async_copy(kpe_hbm.at[b, g], pbuf.at[slot, i], sem.at[1, slot]))
+                out.append(pltpu.make_async_copy(kpe_hbm.at[cb, g], pbuf.at[slot, i], sem.at[1, slot]))
             return out
         return one
 
@@ -233,7 +236,7 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     Xp = round_up(idx.shape[-1], bk)
     idx = pad_axis(idx, 2, Xp, -1)
     Sp = round_up(S, TILE_ROWS)  # a copy of the cache only when S is not a multiple of 8
-    groups = lambda x: pad_axis(x, 1, Sp).reshape(B, Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])
+    groups = lambda x: pad_axis(x, 1, Sp).reshape(x.shape[0], Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])
     # lane x * 8 + r of a block: row r of entry x's group, kept where r is the chosen row
     ok = (idx >= 0) & (idx < S)
     sel = ok[..., None] & (jnp.arange(TILE_ROWS) == (idx % TILE_ROWS)[..., None])
@@ -258,8 +261,8 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     buf = lambda d: pltpu.VMEM((2, bk, TILE_ROWS, d), c.dtype)
     scratch = [buf(R), buf(O), pltpu.SemaphoreType.DMA((2, 2)),
                pltpu.VMEM((Hp, 128), F32), pltpu.VMEM((Hp, 128), F32), pltpu.VMEM((Hp, R), F32)]
-    kernel = functools.partial(_tpu_kernel, bk=bk, n_groups=Sp // TILE_ROWS, Xp=Xp, has_pe=has_pe,
-                               with_lse=with_lse, **kw)
+    kernel = functools.partial(_tpu_kernel, bk=bk, n_groups=Sp // TILE_ROWS, Xp=Xp, one=c.shape[0] == 1,
+                               has_pe=has_pe, with_lse=with_lse, **kw)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, interpret=interpret, name="sparse_mla_attention",
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -313,3 +316,17 @@ def sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scal
         return u
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     return u, lse[:, :, :H]
+
+
+def paged_sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_pages, kpe_pages, page_table, idx_BTX, *, scale,
+                               platform="gpu", interpret=False, **blocks):
+    """The same over a paged cache (``c_pages [n_pages, page_size, R]``, ``kpe_pages [n_pages, page_size, O]``, page
+    table ``[B, pages_per_seq]``; ``idx`` holds cache positions, as for the static cache): the chosen positions are
+    translated to rows of the pool through the page table (``B * T * X`` integers, in XLA), and the kernel reads
+    those rows out of the pool, shared by every sequence, where they lie. TPU: a page size that is a multiple of 8
+    keeps the pool's view as 8-row groups a free reshape."""
+    n, ps = c_pages.shape[:2]
+    rows = pool_rows(idx_BTX, page_table, ps, n)
+    flat = lambda x: x.reshape(1, n * ps, x.shape[-1])
+    return sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, flat(c_pages), flat(kpe_pages), rows, scale=scale,
+                                platform=platform, interpret=interpret, **blocks)

@@ -9,6 +9,10 @@ outside ``[0, S)`` (``-1``: no entry) is no key; the chosen positions are not ch
 :func:`masked_attention` is the same attention in mask form (the dense scores over every cache position, all but the
 chosen ones at ``-inf``): the DeepSeek reference's and llama.cpp's form, which the tests hold the gather form to.
 
+Paged caches (``[n_pages, page_size, ...]`` pools read through a page table ``[B, pages_per_seq]``): the chosen
+entries are cache positions as for the static cache; :func:`paged_sparse_mla_attention` gathers each sequence's
+pages, :func:`pool_rows` translates positions to rows of the pool (what the kernel reads).
+
 ``with_lse=True`` (a cache split by sequence over devices, ``kernels_pallas._dispatch.Rule.merge``): also the
 log-sum-exp of the chosen scores ``[B, T, H]``; a row with no entry gets zeros and ``-inf``.
 """
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.cache_quant import dense
+from kernels_pallas.paged_attention.reference import gather
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -78,3 +83,21 @@ def masked_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scale):
     s = s + jnp.einsum("btho,bso->bths", q_pe_BTHO.astype(_F32), dense(kpe_BSO, _F32), precision=_HI)
     p, _ = _softmax(s * scale, selection_mask(idx_BTX, c.shape[1])[:, :, None, :], False)
     return jnp.einsum("bths,bsr->bthr", p, c, precision=_HI)
+
+
+def pool_rows(idx_BTX, page_table, page_size, n_pages):
+    """Cache positions -> rows of a page pool viewed as ``[n_pages * page_size]``: position ``s`` of sequence ``b`` is
+    row ``s % page_size`` of page ``page_table[b, s // page_size]`` (clipped into the pool). An entry outside the
+    table's ``pages_per_seq * page_size`` positions stays ``-1``."""
+    ok = valid(idx_BTX, page_table.shape[1] * page_size)
+    safe = jnp.where(ok, idx_BTX, 0)
+    page = jax.vmap(lambda table, i: table[i])(page_table, safe // page_size)
+    row = jnp.clip(page, 0, n_pages - 1) * page_size + safe % page_size
+    return jnp.where(ok, row, -1).astype(jnp.int32)
+
+
+def paged_sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_pages, kpe_pages, page_table, idx_BTX, *, scale):
+    """The gather form over a paged cache (each sequence's pages gathered, then :func:`sparse_mla_attention`)."""
+    table = jnp.clip(page_table, 0, jax.tree.leaves(c_pages)[0].shape[0] - 1)
+    return sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, gather(c_pages, table), gather(kpe_pages, table), idx_BTX,
+                                scale=scale)
