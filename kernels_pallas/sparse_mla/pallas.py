@@ -15,15 +15,19 @@ Per backend:
   indices and gathers the rows with a vector index on the cache ref's position axis (a pointer: only those rows
   move). Head blocks of 32 rows for a wide latent (the ``[rows, R]`` float32 accumulator is the register budget),
   splits of the chosen entries (flash-decoding) to fill the GPU, merged by an XLA epilogue.
-* TPU (Mosaic): grid (sequence, token, index block), the block axis sequential with the softmax state in VMEM
-  scratch and every head in one block. The indices are scalar-prefetched into SMEM; the cache stays in HBM
-  (``memory_space=ANY``), viewed as groups of 8 rows (a free reshape of its tiled ``[S, R]`` layout). Mosaic copies
-  whole (8, 128) tiles only -- a DMA of one row at a dynamic row offset is refused ("offsets along tiled dimensions
-  must be aligned to tiles"), in HBM as in VMEM -- so each chosen row is read as the 8-row group that holds it, one
-  DMA per entry into a double-buffered VMEM block (step ``j`` starts block ``j + 1``'s copies before it waits for
-  block ``j``); all 8 rows are scored and all but the chosen one masked. That reads 8x the chosen rows (2048
-  chosen: 16 MB of a bf16 latent per sequence and layer, the dense kernel's read of a 16K-token cache); a
-  row-addressable cache layout (a leading position axis) would read 1x.
+* TPU (Mosaic): grid (sequence, token, block), the block axis sequential with the softmax state in VMEM scratch
+  and every head in one block. The cache stays in HBM (``memory_space=ANY``), viewed as groups of 8 rows (a free
+  reshape of its tiled ``[S, R]`` layout). Mosaic copies whole (8, 128) tiles only -- a DMA of one row at a
+  dynamic row offset is refused ("offsets along tiled dimensions must be aligned to tiles"), in HBM as in VMEM --
+  so the wrapper turns each query row's chosen positions into the distinct 8-row groups that hold them (sorted,
+  packed at the front, with their count and a mask of the chosen rows in each: :func:`tile_groups`, a few
+  integer ops in XLA), scalar-prefetched into SMEM. Each grid step copies ``block_k`` groups, one DMA each, into
+  a double-buffered VMEM block (step ``j`` starts block ``j + 1``'s copies before it waits for block ``j``),
+  scores all their rows and masks the unchosen ones; steps past the row's group count copy and compute nothing.
+  At worst (no two chosen positions share a group) that reads 8x the chosen rows -- 2048 chosen: 16 MB of a
+  bf16 latent per query token and layer, the dense kernel's read of a 16K-token cache --; chosen positions that
+  cluster (DSA's are not uniform) share groups and read less. A cache layout with the position axis leading
+  would read 1x.
 
 Numerics as the dense kernels: queries cast to the cache dtype, scores and softmax in float32, ``p @ c`` with ``p``
 in the cache dtype. A row with no chosen key returns zeros (lse ``-inf``). int8 caches are not taken (the op's
@@ -156,10 +160,31 @@ def _sparse_gpu(q, qpe, c, kpe, idx, *, S, bq, bk, num_splits, interpret, num_wa
 TILE_ROWS = 8
 
 
-def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, with_lse, scale, precision):
-    """TPU: one grid step = one block of ``bk`` chosen entries of one (sequence, token), each read as its 8-row tile
-    group (``[bk * 8]`` rows, all scored; ``sel_ref [1, bk * 8]`` marks the chosen row of each group). ``idx_sm``:
-    every index, in SMEM (``[B * T * Xp]``)."""
+def tile_groups(idx_BTX, S, Xp):
+    """What the TPU kernel reads for each query row: the distinct 8-row tile groups holding its chosen entries,
+    ascending and packed at the front ``[B, T, Xp]`` (``-1`` after them), their count ``[B, T]``, and which rows of
+    each group are chosen ``[B, T, Xp, 8]`` (entries outside ``[0, S)`` choose none)."""
+    B, T, _ = idx_BTX.shape
+    big = jnp.iinfo(jnp.int32).max
+    group = jnp.where((idx_BTX >= 0) & (idx_BTX < S), idx_BTX // TILE_ROWS, big)
+    order = jnp.argsort(group, axis=-1)
+    gs = jnp.take_along_axis(group, order, axis=-1)
+    rs = jnp.take_along_axis(idx_BTX % TILE_ROWS, order, axis=-1)
+    ok = gs < big
+    new = ok & jnp.concatenate([jnp.ones_like(ok[..., :1]), gs[..., 1:] != gs[..., :-1]], axis=-1)
+    slot = jnp.cumsum(new, axis=-1) - 1  # each sorted entry's group's place among the distinct groups
+    bi, ti = jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None]
+    dump = Xp  # writes of entries that place nothing land in this extra column, cut off
+    groups = jnp.full((B, T, Xp + 1), -1, jnp.int32).at[bi, ti, jnp.where(new, slot, dump)].set(gs)[..., :Xp]
+    rows = jnp.zeros((B, T, Xp + 1, TILE_ROWS), bool).at[bi, ti, jnp.where(ok, slot, dump), rs].set(True)
+    return groups, jnp.sum(new, axis=-1).astype(jnp.int32), rows[:, :, :Xp]
+
+
+def _tpu_kernel(groups_sm, count_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, with_lse, scale,
+                precision):
+    """TPU: one grid step = ``bk`` distinct 8-row tile groups of one (sequence, token)'s chosen entries (``[bk * 8]``
+    rows, all scored; ``sel_ref [1, bk * 8]`` marks the chosen rows). In SMEM: ``groups_sm`` (every row's groups,
+    ``[B * T * Xp]``) and ``count_sm`` (how many, ``[B * T]``): steps past the count neither copy nor compute."""
     it = iter(refs)
     qpe_ref = next(it) if has_pe else None
     c_hbm = next(it)  # [B, S / 8, 8, R] in HBM
@@ -169,8 +194,8 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, wi
     cbuf, pbuf, sem, m_sc, l_sc, acc_sc = (next(it) for _ in range(6))
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cb = 0 if one else b  # the cache's sequence (one pool shared by all: 0)
-    nk = pl.num_programs(2)
-    base = (b * pl.num_programs(1) + t) * Xp
+    row_id = b * pl.num_programs(1) + t
+    base, steps = row_id * Xp, (count_sm[row_id] + bk - 1) // bk
 
     def copies(slot, group_of):
         """Entry i's copies into buffer ``slot`` (its tile group ``group_of(i)``)."""
@@ -182,8 +207,8 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, wi
             return out
         return one
 
-    def start(block, slot):  # an entry outside the cache reads group 0 (masked)
-        group_of = lambda i: jnp.clip(idx_sm[base + block * bk + i] // TILE_ROWS, 0, n_groups - 1)
+    def start(block, slot):  # the -1s after the last group read group 0 (no row of it chosen)
+        group_of = lambda i: jnp.clip(groups_sm[base + block * bk + i], 0, n_groups - 1)
         one = copies(slot, group_of)
         jax.lax.fori_loop(0, bk, lambda i, _: [d.start() for d in one(i)] and None, None)
 
@@ -196,18 +221,37 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, wi
         m_sc[...] = jnp.full(m_sc.shape, NEG, F32)
         l_sc[...] = jnp.zeros(l_sc.shape, F32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
-        start(0, 0)
 
-    @pl.when(j + 1 < nk)
+        @pl.when(steps > 0)
+        def _():
+            start(0, 0)
+
+    @pl.when(j + 1 < steps)
     def _():
         start(j + 1, (j + 1) % 2)
 
-    slot = j % 2
+    @pl.when(j < steps)
+    def _():
+        _tpu_step(j % 2, wait, sel_ref, q_ref, qpe_ref, cbuf, pbuf, m_sc, l_sc, acc_sc, scale=scale,
+                  precision=precision)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        l = l_sc[:, :1]
+        o_ref[...] = acc_sc[...] / jnp.where(l > 0, l, 1.0)
+        if with_lse:  # lane-dense [Hp, 128] copies of the running max and sum
+            m_ref[...] = m_sc[...]
+            l_ref[...] = l_sc[...]
+
+
+def _tpu_step(slot, wait, sel_ref, q_ref, qpe_ref, cbuf, pbuf, m_sc, l_sc, acc_sc, *, scale, precision):
+    """Waits for buffer ``slot``'s copies, then folds its ``bk * 8`` rows into the online softmax."""
     wait(slot)
-    k = cbuf[slot].reshape(bk * TILE_ROWS, cbuf.shape[-1])  # [bk * 8, R]
+    n = cbuf.shape[1] * TILE_ROWS
+    k = cbuf[slot].reshape(n, cbuf.shape[-1])  # [bk * 8, R]
     s = dot_nt(q_ref[...], k, precision)
-    if has_pe:
-        s = s + dot_nt(qpe_ref[...], pbuf[slot].reshape(bk * TILE_ROWS, pbuf.shape[-1]), precision)
+    if qpe_ref is not None:
+        s = s + dot_nt(qpe_ref[...], pbuf[slot].reshape(n, pbuf.shape[-1]), precision)
     ok = sel_ref[...] > 0  # [1, bk * 8]
     s = jnp.where(ok, s * scale, NEG)
     m_prev = m_sc[...]  # [Hp, 128], every lane equal (lane-dense scratch)
@@ -218,14 +262,6 @@ def _tpu_kernel(idx_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, wi
     m_sc[...] = m_new
     acc_sc[...] = alpha[:, :1] * acc_sc[...] + dot_nn(p.astype(k.dtype), k, precision)
 
-    @pl.when(j == nk - 1)
-    def _():
-        l = l_sc[:, :1]
-        o_ref[...] = acc_sc[...] / jnp.where(l > 0, l, 1.0)
-        if with_lse:  # lane-dense [Hp, 128] copies of the running max and sum
-            m_ref[...] = m_sc[...]
-            l_ref[...] = l_sc[...]
-
 
 def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     """TPU launch over q ``[B, T, Hp, R]``, q_pe ``[B, T, Hp, O]`` (or None), c ``[B, S, R]`` and kpe ``[B, S, O]``
@@ -234,24 +270,25 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     B, T, Hp, R = q.shape
     has_pe = qpe is not None
     Xp = round_up(idx.shape[-1], bk)
-    idx = pad_axis(idx, 2, Xp, -1)
     Sp = round_up(S, TILE_ROWS)  # a copy of the cache only when S is not a multiple of 8
-    groups = lambda x: pad_axis(x, 1, Sp).reshape(x.shape[0], Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])
-    # lane x * 8 + r of a block: row r of entry x's group, kept where r is the chosen row
-    ok = (idx >= 0) & (idx < S)
-    sel = ok[..., None] & (jnp.arange(TILE_ROWS) == (idx % TILE_ROWS)[..., None])
-    sel = sel.astype(jnp.int32).reshape(B * T, 1, Xp * TILE_ROWS)
+    view = lambda x: pad_axis(x, 1, Sp).reshape(x.shape[0], Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])
+    groups, count, sel = tile_groups(idx, S, Xp)
+    sel = sel.astype(jnp.int32).reshape(B * T, 1, Xp * TILE_ROWS)  # lane x * 8 + r: row r of group x
     row = lambda d: pl.BlockSpec((None, None, Hp, d), lambda b, t, j, *_: (b, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
+
+    def sel_block(b, t, j, groups_sm, count_sm):  # steps past the count repeat the last block: not fetched again
+        return b * T + t, 0, jnp.maximum(jnp.minimum(j, (count_sm[b * T + t] + bk - 1) // bk - 1), 0)
+
     args = [sel, q]
-    in_specs = [pl.BlockSpec((None, 1, bk * TILE_ROWS), lambda b, t, j, *_: (b * T + t, 0, j)), row(R)]
+    in_specs = [pl.BlockSpec((None, 1, bk * TILE_ROWS), sel_block), row(R)]
     if has_pe:
         args.append(qpe)
         in_specs.append(row(qpe.shape[-1]))
-    args.append(groups(c))
+    args.append(view(c))
     in_specs.append(hbm)
     if has_pe:
-        args.append(groups(kpe))
+        args.append(view(kpe))
         in_specs.append(hbm)
     O = kpe.shape[-1] if has_pe else 128
     out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, Hp, R), F32)], [row(R)]
@@ -266,10 +303,10 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     out = pl.pallas_call(
         kernel, out_shape=out_shape, interpret=interpret, name="sparse_mla_attention",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, T, Xp // bk), in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=2, grid=(B, T, Xp // bk), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
         compiler_params=compiler_params("tpu", interpret, semantics=("parallel", "parallel", "arbitrary")),
-    )(idx.reshape(-1), *args)
+    )(groups.reshape(-1), count.reshape(-1), *args)
     return (out[0], out[1][..., 0], out[2][..., 0]) if with_lse else (out[0], None, None)
 
 

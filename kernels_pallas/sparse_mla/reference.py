@@ -4,7 +4,8 @@ Each query row ``(b, t)`` reads only the cache positions ``idx[b, t, :]`` chosen
 their latent rows ``c`` and decoupled key parts ``kpe`` are gathered, then scored and softmaxed as in
 :mod:`kernels_pallas.mla_decode.reference` (``u_h = sum_x p_h(x) c_idx[x]``, in latent space, float32). An index
 outside ``[0, S)`` (``-1``: no entry) is no key; the chosen positions are not checked against the query's position
-(the selection is causal already). Indices are expected to be distinct: a repeated one counts twice.
+(the selection is causal already). Indices are expected to be distinct (a repeated one counts twice here, once in
+the TPU kernel).
 
 :func:`masked_attention` is the same attention in mask form (the dense scores over every cache position, all but the
 chosen ones at ``-inf``): the DeepSeek reference's and llama.cpp's form, which the tests hold the gather form to.
