@@ -163,7 +163,9 @@ TILE_ROWS = 8
 def tile_groups(idx_BTX, S, Xp):
     """What the TPU kernel reads for each query row: the distinct 8-row tile groups holding its chosen entries,
     ascending and packed at the front ``[B, T, Xp]`` (``-1`` after them), their count ``[B, T]``, and which rows of
-    each group are chosen ``[B, T, Xp, 8]`` (entries outside ``[0, S)`` choose none)."""
+    each group are chosen, int32 ``[B, T, Xp * 8]`` (lane ``x * 8 + r``: row ``r`` of group ``x``; built flat, as the
+    kernel reads it: a trailing dim of 8 would be laid out padded to 128 lanes); entries outside ``[0, S)`` choose
+    none."""
     B, T, _ = idx_BTX.shape
     big = jnp.iinfo(jnp.int32).max
     group = jnp.where((idx_BTX >= 0) & (idx_BTX < S), idx_BTX // TILE_ROWS, big)
@@ -176,8 +178,9 @@ def tile_groups(idx_BTX, S, Xp):
     bi, ti = jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None]
     dump = Xp  # writes of entries that place nothing land in this extra column, cut off
     groups = jnp.full((B, T, Xp + 1), -1, jnp.int32).at[bi, ti, jnp.where(new, slot, dump)].set(gs)[..., :Xp]
-    rows = jnp.zeros((B, T, Xp + 1, TILE_ROWS), bool).at[bi, ti, jnp.where(ok, slot, dump), rs].set(True)
-    return groups, jnp.sum(new, axis=-1).astype(jnp.int32), rows[:, :, :Xp]
+    lane = jnp.where(ok, slot * TILE_ROWS + rs, dump * TILE_ROWS)
+    rows = jnp.zeros((B, T, (Xp + 1) * TILE_ROWS), jnp.int32).at[bi, ti, lane].set(1)[..., :Xp * TILE_ROWS]
+    return groups, jnp.sum(new, axis=-1).astype(jnp.int32), rows
 
 
 def _tpu_kernel(groups_sm, count_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, with_lse, scale,
@@ -273,7 +276,7 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     Sp = round_up(S, TILE_ROWS)  # a copy of the cache only when S is not a multiple of 8
     view = lambda x: pad_axis(x, 1, Sp).reshape(x.shape[0], Sp // TILE_ROWS, TILE_ROWS, x.shape[-1])
     groups, count, sel = tile_groups(idx, S, Xp)
-    sel = sel.astype(jnp.int32).reshape(B * T, 1, Xp * TILE_ROWS)  # lane x * 8 + r: row r of group x
+    sel = sel.reshape(B * T, 1, Xp * TILE_ROWS)
     row = lambda d: pl.BlockSpec((None, None, Hp, d), lambda b, t, j, *_: (b, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
 
