@@ -16,7 +16,7 @@ import pytest
 
 import kernels_pallas.sparse_mla as api
 from kernels_pallas import KernelUnavailable
-from kernels_pallas.cache_quant import quantize
+from kernels_pallas.cache_quant import dequantize, quantize
 from kernels_pallas.mla_decode import reference as dense_ref
 from kernels_pallas.sparse_mla import pallas as sparse_pallas
 from kernels_pallas.sparse_mla import reference as ref
@@ -144,7 +144,8 @@ def test_partial_results_merge_to_the_whole_cache(impl):
 
 def test_dispatch():
     """``pallas_interpret`` runs the kernel, ``reference`` the oracle, the automatic choice on CPU the reference; an
-    int8 cache: the reference reads it dequantized, the kernel refuses it by name."""
+    int8 cache: the reference reads the chosen rows dequantized (== the mask form over the dequantized cache), the
+    kernel refuses it by name."""
     q_lat, q_pe, c, kpe, idx = _case(B=1, T=1, counts=(15,), X=16, seed=5)
     want = api.sparse_mla_attention(q_lat, q_pe, c, kpe, idx, scale=0.1, implementation="reference")
     assert api.OP.choose(None, (q_lat, q_pe, c, kpe, idx)) == "reference"
@@ -152,7 +153,7 @@ def test_dispatch():
     assert_close(got, want, TOL["float32"], "dispatch")
     qc, qk = quantize(c), quantize(kpe)
     int8 = api.sparse_mla_attention(q_lat, q_pe, qc, qk, idx, scale=0.1)
-    assert_close(int8, ref.sparse_mla_attention(q_lat, q_pe, qc, qk, idx, scale=0.1), 1e-6, "int8 reference")
+    assert_close(int8, _masked(q_lat, q_pe, dequantize(qc), dequantize(qk), idx, scale=0.1), 1e-5, "int8 reference")
     with pytest.raises(KernelUnavailable, match="int8"):
         api.sparse_mla_attention(q_lat, q_pe, qc, qk, idx, scale=0.1, implementation="pallas_interpret")
 

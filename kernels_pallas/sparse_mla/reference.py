@@ -11,8 +11,8 @@ the TPU kernel).
 chosen ones at ``-inf``): the DeepSeek reference's and llama.cpp's form, which the tests hold the gather form to.
 
 Paged caches (``[n_pages, page_size, ...]`` pools read through a page table ``[B, pages_per_seq]``): the chosen
-entries are cache positions as for the static cache; :func:`paged_sparse_mla_attention` gathers each sequence's
-pages, :func:`pool_rows` translates positions to rows of the pool (what the kernel reads).
+entries are cache positions as for the static cache; :func:`pool_rows` translates them to rows of the pool, which
+:func:`paged_sparse_mla_attention` gathers (as the kernel reads them).
 
 ``with_lse=True`` (a cache split by sequence over devices, ``kernels_pallas._dispatch.Rule.merge``): also the
 log-sum-exp of the chosen scores ``[B, T, H]``; a row with no entry gets zeros and ``-inf``.
@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.cache_quant import dense
-from kernels_pallas.paged_attention.reference import gather
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -38,9 +37,8 @@ def valid(idx_BTX, S):
 def gather_rows(x_BSI, idx_BTX):
     """Rows ``x[b, idx[b, t, x]]`` -> ``[B, T, X, I]`` float32 (indices clipped into the cache; an int8 cache read
     dequantized)."""
-    x = dense(x_BSI, _F32)
-    safe = jnp.clip(idx_BTX, 0, x.shape[1] - 1)
-    return jax.vmap(lambda rows, i: rows[i])(x, safe)
+    safe = jnp.clip(idx_BTX, 0, jax.tree.leaves(x_BSI)[0].shape[1] - 1)
+    return dense(jax.tree.map(lambda x: jax.vmap(lambda rows, i: rows[i])(x, safe), x_BSI), _F32)  # int8: codes first
 
 
 def _softmax(s, keep, with_lse):
@@ -54,16 +52,19 @@ def _softmax(s, keep, with_lse):
     return p, (top + jnp.log(total))[..., 0] if with_lse else None
 
 
+def _attend(q_lat_BTHR, q_pe_BTHO, c_BTXR, kpe_BTXO, ok_BTX, *, scale, with_lse):
+    """Softmax attention of each query row over its gathered rows (those where ``ok``)."""
+    s = jnp.einsum("bthr,btxr->bthx", q_lat_BTHR.astype(_F32), c_BTXR, precision=_HI)
+    s = s + jnp.einsum("btho,btxo->bthx", q_pe_BTHO.astype(_F32), kpe_BTXO, precision=_HI)
+    p, lse = _softmax(s * scale, ok_BTX[:, :, None, :], with_lse)
+    u = jnp.einsum("bthx,btxr->bthr", p, c_BTXR, precision=_HI)
+    return (u, lse) if with_lse else u
+
+
 def sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scale, with_lse=False):
     """Returns u ``[B, T, H, R]`` float32 (and with ``with_lse`` its log-sum-exp ``[B, T, H]``)."""
-    S = c_BSR.shape[1]
-    c = gather_rows(c_BSR, idx_BTX)  # [B, T, X, R]
-    kpe = gather_rows(kpe_BSO, idx_BTX)  # [B, T, X, O]
-    s = jnp.einsum("bthr,btxr->bthx", q_lat_BTHR.astype(_F32), c, precision=_HI)
-    s = s + jnp.einsum("btho,btxo->bthx", q_pe_BTHO.astype(_F32), kpe, precision=_HI)
-    p, lse = _softmax(s * scale, valid(idx_BTX, S)[:, :, None, :], with_lse)
-    u = jnp.einsum("bthx,btxr->bthr", p, c, precision=_HI)
-    return (u, lse) if with_lse else u
+    return _attend(q_lat_BTHR, q_pe_BTHO, gather_rows(c_BSR, idx_BTX), gather_rows(kpe_BSO, idx_BTX),
+                   valid(idx_BTX, c_BSR.shape[1]), scale=scale, with_lse=with_lse)
 
 
 def selection_mask(idx_BTX, S):
@@ -98,7 +99,9 @@ def pool_rows(idx_BTX, page_table, page_size, n_pages):
 
 
 def paged_sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_pages, kpe_pages, page_table, idx_BTX, *, scale):
-    """The gather form over a paged cache (each sequence's pages gathered, then :func:`sparse_mla_attention`)."""
-    table = jnp.clip(page_table, 0, jax.tree.leaves(c_pages)[0].shape[0] - 1)
-    return sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, gather(c_pages, table), gather(kpe_pages, table), idx_BTX,
-                                scale=scale)
+    """The gather form over a paged cache: the chosen rows gathered out of the pool through the page table."""
+    n, ps = jax.tree.leaves(c_pages)[0].shape[:2]
+    rows = pool_rows(idx_BTX, page_table, ps, n)
+    flat = lambda a: a.reshape(n * ps, a.shape[-1])[jnp.maximum(rows, 0)]  # [B, T, X, I]
+    take = lambda pages: dense(jax.tree.map(flat, pages), _F32)  # int8: the chosen codes and scales, then dequantized
+    return _attend(q_lat_BTHR, q_pe_BTHO, take(c_pages), take(kpe_pages), rows >= 0, scale=scale, with_lse=False)
