@@ -183,11 +183,11 @@ def tile_groups(idx_BTX, S, Xp):
     return groups, jnp.sum(new, axis=-1).astype(jnp.int32), rows
 
 
-def _tpu_kernel(groups_sm, count_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, one, has_pe, with_lse, scale,
-                precision):
+def _tpu_kernel(count_sm, groups_sm, sel_ref, q_ref, *refs, bk, n_groups, one, has_pe, with_lse, scale, precision):
     """TPU: one grid step = ``bk`` distinct 8-row tile groups of one (sequence, token)'s chosen entries (``[bk * 8]``
-    rows, all scored; ``sel_ref [1, bk * 8]`` marks the chosen rows). In SMEM: ``groups_sm`` (every row's groups,
-    ``[B * T * Xp]``) and ``count_sm`` (how many, ``[B * T]``): steps past the count neither copy nor compute."""
+    rows, all scored; ``sel_ref [1, bk * 8]`` marks the chosen rows). In SMEM: ``count_sm`` (every row's number of
+    groups, ``[B * T]``, scalar-prefetched: steps past it neither copy nor compute) and ``groups_sm`` (this row's
+    groups ``[1, Xp]``, a block of its own: SMEM (1 MiB) would not hold every row's at a verify step's ``T``)."""
     it = iter(refs)
     qpe_ref = next(it) if has_pe else None
     c_hbm = next(it)  # [B, S / 8, 8, R] in HBM
@@ -198,7 +198,7 @@ def _tpu_kernel(groups_sm, count_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, on
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cb = 0 if one else b  # the cache's sequence (one pool shared by all: 0)
     row_id = b * pl.num_programs(1) + t
-    base, steps = row_id * Xp, (count_sm[row_id] + bk - 1) // bk
+    steps = (count_sm[row_id] + bk - 1) // bk
 
     def copies(slot, group_of):
         """Entry i's copies into buffer ``slot`` (its tile group ``group_of(i)``)."""
@@ -211,7 +211,7 @@ def _tpu_kernel(groups_sm, count_sm, sel_ref, q_ref, *refs, bk, n_groups, Xp, on
         return one
 
     def start(block, slot):  # the -1s after the last group read group 0 (no row of it chosen)
-        group_of = lambda i: jnp.clip(groups_sm[base + block * bk + i], 0, n_groups - 1)
+        group_of = lambda i: jnp.clip(groups_sm[0, block * bk + i], 0, n_groups - 1)
         one = copies(slot, group_of)
         jax.lax.fori_loop(0, bk, lambda i, _: [d.start() for d in one(i)] and None, None)
 
@@ -280,11 +280,12 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     row = lambda d: pl.BlockSpec((None, None, Hp, d), lambda b, t, j, *_: (b, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
 
-    def sel_block(b, t, j, groups_sm, count_sm):  # steps past the count repeat the last block: not fetched again
+    def sel_block(b, t, j, count_sm):  # steps past the count repeat the last block: not fetched again
         return b * T + t, 0, jnp.maximum(jnp.minimum(j, (count_sm[b * T + t] + bk - 1) // bk - 1), 0)
 
-    args = [sel, q]
-    in_specs = [pl.BlockSpec((None, 1, bk * TILE_ROWS), sel_block), row(R)]
+    args = [groups.reshape(B * T, 1, Xp), sel, q]  # [1, Xp] blocks: whole trailing dims
+    in_specs = [pl.BlockSpec((None, 1, Xp), lambda b, t, j, *_: (b * T + t, 0, 0), memory_space=pltpu.SMEM),
+                pl.BlockSpec((None, 1, bk * TILE_ROWS), sel_block), row(R)]
     if has_pe:
         args.append(qpe)
         in_specs.append(row(qpe.shape[-1]))
@@ -301,15 +302,15 @@ def _sparse_tpu(q, qpe, c, kpe, idx, *, S, bk, interpret, with_lse, **kw):
     buf = lambda d: pltpu.VMEM((2, bk, TILE_ROWS, d), c.dtype)
     scratch = [buf(R), buf(O), pltpu.SemaphoreType.DMA((2, 2)),
                pltpu.VMEM((Hp, 128), F32), pltpu.VMEM((Hp, 128), F32), pltpu.VMEM((Hp, R), F32)]
-    kernel = functools.partial(_tpu_kernel, bk=bk, n_groups=Sp // TILE_ROWS, Xp=Xp, one=c.shape[0] == 1,
+    kernel = functools.partial(_tpu_kernel, bk=bk, n_groups=Sp // TILE_ROWS, one=c.shape[0] == 1,
                                has_pe=has_pe, with_lse=with_lse, **kw)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, interpret=interpret, name="sparse_mla_attention",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, T, Xp // bk), in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=1, grid=(B, T, Xp // bk), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
         compiler_params=compiler_params("tpu", interpret, semantics=("parallel", "parallel", "arbitrary")),
-    )(groups.reshape(-1), count.reshape(-1), *args)
+    )(count.reshape(-1), *args)
     return (out[0], out[1][..., 0], out[2][..., 0]) if with_lse else (out[0], None, None)
 
 
