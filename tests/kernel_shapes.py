@@ -293,8 +293,7 @@ FAST = [
     mla_decode(3, 24, 8, 1, 100), mla_decode(1, 40, 24, 2, 100), mla_decode(5, 72, 8, 1, 100),
     mla_decode(3, 24, 8, 1, 100, int8=True),
     paged_mla(3, 24, 8, 1), paged_mla(5, 72, 24, 2), paged_gqa(3, 1, 40, 1), paged_gqa(5, 5, 24, 2),
-    sparse_mla(3, 24, 8, 1, 100), sparse_mla(5, 72, 24, 2, 100), sparse_mla(1, 40, 0, 1, 100),
-    paged_sparse_mla(3, 40, 8, 2),
+    sparse_mla(3, 24, 8, 1, 100), sparse_mla(1, 40, 0, 1, 100), paged_sparse_mla(5, 72, 24, 2),
     kda(3, 32, 37), kda(5, 48, 37), kda(1, 48, 1), kda(3, 32, 1),
     gmm(3, 24, 96, 40), gmm(6, 72, 40, 40), gmm(5, 40, 96, 40, "mxfp4"),
     gather(6, 3, 24, 96, 2), gather(5, 3, 40, 160, 2, "mxfp4"),
@@ -315,7 +314,8 @@ def _slow():
                   mla_decode(H, K, 8, 1, 100), mla_decode(H, K, 24, 2, 100), mla_decode(H, K, 8, 1, 100, int8=True),
                   paged_mla(H, K, 8, 1), paged_gqa(H, 1, K, 1), paged_gqa(H, H, K, 2), paged_mla(H, K, 8, 2, page=24),
                   paged_gqa(H, H, K, 1, page=8), sparse_mla(H, K, 8, 1, 100), sparse_mla(H, K, 24, 2, 100),
-                  sparse_mla(H, K, 0, 1, 100), paged_sparse_mla(H, K, 8, 1), paged_sparse_mla(H, K, 8, 2, page=24)]
+                  sparse_mla(H, K, 0, 1, 100), paged_sparse_mla(H, K, 8, 1), paged_sparse_mla(H, K, 24, 2),
+                  paged_sparse_mla(H, K, 8, 2, page=24)]
     for H, D in itertools.product(heads, (32, 48)):
         cases += [kda(H, D, 37), kda(H, D, 1)]
     for E, (J, I) in itertools.product((3, 5, 6), ((24, 96), (72, 40), (40, 72))):  # noqa: E741

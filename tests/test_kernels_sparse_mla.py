@@ -206,7 +206,8 @@ def _paged(c, kpe, page_size, seed):
     return pool(c), pool(kpe), table
 
 
-@pytest.mark.parametrize("platform", ["gpu", pytest.param("tpu", marks=_SLOW)])
+# the paged kernel runs fast in tests/test_kernels_shapes.py (GPU rules)
+@pytest.mark.parametrize("platform", [pytest.param("gpu", marks=_SLOW), pytest.param("tpu", marks=_SLOW)])
 def test_paged_equals_static_cache(platform):
     """The paged op (pages of 16 in a shuffled pool) == the static-cache reference on the same logical cache, for its
     reference and its kernel (interpret mode); entries past the table's positions are no key."""
