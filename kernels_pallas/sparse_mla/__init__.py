@@ -10,8 +10,9 @@ chosen).
 Implementations: ``"reference"`` (``reference.py``: gathers the chosen rows, then the softmax; also the mask form
 the tests hold it to) and ``"pallas"`` / ``"pallas_interpret"`` (``pallas.py``: per query row, blocks of chosen
 rows gathered from the cache in place -- Triton gathers on GPU; on TPU one DMA per distinct 8-row tile group
-holding chosen rows, as Mosaic copies whole tiles -- with an online softmax). On CPU the automatic choice is the reference. int8 caches: the reference only (the automatic choice
-passes over the kernel for them; an explicit ``"pallas"`` raises).
+holding chosen rows, as Mosaic copies whole tiles -- with an online softmax). On CPU the automatic choice is the
+reference. int8 caches: the reference only (the automatic choice passes over the kernel for them; an explicit
+``"pallas"`` raises).
 
 Paged caches (``paged_sparse_mla_attention``: pools ``[n_pages, page_size, R]`` / ``[n_pages, page_size, O]`` and a
 page table ``[B, pages_per_seq]``, as :mod:`kernels_pallas.paged_attention`; idx still holds cache positions): the
