@@ -10,9 +10,10 @@ partition ``Rule`` declares.
 
 Packages: ``attention`` (causal flash attention for GQA and MLA prefill and decode over a static cache),
 ``mla_decode`` (absorbed MLA over the latent cache), ``paged_attention`` (absorbed MLA and GQA over a paged cache,
-read through its page table), ``kda`` (chunked prefill, recurrent decode), ``moe_gmm``
-(grouped and gathered expert matmuls, bf16/f32 or MXFP4 decoded in-kernel), ``experts`` (a layer's routed experts:
-gather, sorted or dense paths, the expert-parallel exchange on a mesh), ``matvec`` (decode-shaped products,
+read through its page table), ``sparse_mla`` (Kimi K3.1's DSA attention: absorbed MLA over only the cache
+positions chosen per query, their latent rows gathered in the kernel), ``kda`` (chunked prefill, recurrent
+decode), ``moe_gmm`` (grouped and gathered expert matmuls, bf16/f32 or MXFP4 decoded in-kernel), ``experts`` (a
+layer's routed experts: gather, sorted or dense paths, the expert-parallel exchange on a mesh), ``matvec`` (decode-shaped products,
 grouped; float, int8, int4 and NF4 weights on CPU), ``qmatmul`` (int8 / int4 / NF4 weights decoded per tile on TPU
 and GPU). The weight formats: ``mxfp4`` and ``quant``, both packed types of ``packed``.
 """

@@ -32,6 +32,7 @@ import kernels_pallas.mla_decode as mla_api
 import kernels_pallas.moe_gmm as moe_api
 import kernels_pallas.paged_attention as paged_api
 import kernels_pallas.qmatmul as qmatmul_api
+import kernels_pallas.sparse_mla as sparse_api
 from kernels_pallas import cache_quant, mxfp4, quant
 from kernels_pallas.paged_attention import pallas as paged_pallas
 
@@ -39,7 +40,7 @@ F32, BF = jnp.float32, jnp.bfloat16
 B = 2  # sequences in every attention / KDA case
 PAGE = 16  # the smallest page the GPU paged kernel takes (a power of two >= 16)
 
-OPS = ("attention", "mla_decode", "paged_attention", "kda", "moe_gmm", "qmatmul")
+OPS = ("attention", "mla_decode", "paged_attention", "sparse_mla", "kda", "moe_gmm", "qmatmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,46 @@ def paged_gqa(H, G, K, T, page=PAGE):
                 gpu=paged_pallas.unsupported("gpu", (N_PAGES, page)) is None)
 
 
+# -- sparse MLA (K3.1's DSA attention) ------------------------------------------------------------------------
+
+X = 20  # chosen positions per query row: no whole block of them
+
+
+def _chosen(rng, T, positions):
+    """Distinct chosen positions ``[B, T, X]`` among ``positions``: query row r has ``X - 3 * r`` of them (the last
+    rows fewer: -1 padding), shuffled among the -1s."""
+    idx = np.full((B, T, X), -1, np.int32)
+    for r in range(B * T):
+        n = max(X - 3 * r, 0)
+        row = idx[r // T, r % T]
+        row[:n] = rng.permutation(positions)[:n]
+        rng.shuffle(row)
+    return jnp.asarray(idx)
+
+
+def sparse_mla(H, R, O, T, S):
+    """Absorbed MLA over ``X`` chosen positions of a latent cache of ``S`` slots (``O = 0``: no decoupled part)."""
+
+    def make(rng, dt):
+        return (_normal(rng, (B, T, H, R), F32, 0.3), _normal(rng, (B, T, H, O), dt), _normal(rng, (B, S, R), dt),
+                _normal(rng, (B, S, O), dt), _chosen(rng, T, S))
+
+    run = lambda ql, qpe, c, kpe, idx, **kw: sparse_api.sparse_mla_attention(ql, qpe, c, kpe, idx,
+                                                                             scale=(R + O)**-0.5, **kw)
+    return Case("sparse_mla", f"sparse_mla-H{H}-R{R}-O{O}-T{T}-S{S}", make, run)
+
+
+def paged_sparse_mla(H, R, O, T, page=PAGE):
+    def make(rng, dt):
+        return (_normal(rng, (B, T, H, R), F32, 0.3), _normal(rng, (B, T, H, O), dt),
+                _normal(rng, (N_PAGES, page, R), dt), _normal(rng, (N_PAGES, page, O), dt), _page_table(rng),
+                _chosen(rng, T, TABLE * page))
+
+    run = lambda ql, qpe, c, kpe, pt, idx, **kw: sparse_api.paged_sparse_mla_attention(ql, qpe, c, kpe, pt, idx,
+                                                                                       scale=(R + O)**-0.5, **kw)
+    return Case("sparse_mla", f"paged_sparse_mla-H{H}-R{R}-O{O}-T{T}{_page_name(page)}", make, run)
+
+
 # -- KDA ------------------------------------------------------------------------------------------------------
 
 
@@ -252,6 +293,7 @@ FAST = [
     mla_decode(3, 24, 8, 1, 100), mla_decode(1, 40, 24, 2, 100), mla_decode(5, 72, 8, 1, 100),
     mla_decode(3, 24, 8, 1, 100, int8=True),
     paged_mla(3, 24, 8, 1), paged_mla(5, 72, 24, 2), paged_gqa(3, 1, 40, 1), paged_gqa(5, 5, 24, 2),
+    sparse_mla(3, 24, 8, 1, 100), sparse_mla(1, 40, 0, 1, 100), paged_sparse_mla(5, 72, 24, 2),
     kda(3, 32, 37), kda(5, 48, 37), kda(1, 48, 1), kda(3, 32, 1),
     gmm(3, 24, 96, 40), gmm(6, 72, 40, 40), gmm(5, 40, 96, 40, "mxfp4"),
     gather(6, 3, 24, 96, 2), gather(5, 3, 40, 160, 2, "mxfp4"),
@@ -271,7 +313,9 @@ def _slow():
                   mla_prefill(H, 16, 8, K, 19), mla_prefill(H, K, 24, K, 19),
                   mla_decode(H, K, 8, 1, 100), mla_decode(H, K, 24, 2, 100), mla_decode(H, K, 8, 1, 100, int8=True),
                   paged_mla(H, K, 8, 1), paged_gqa(H, 1, K, 1), paged_gqa(H, H, K, 2), paged_mla(H, K, 8, 2, page=24),
-                  paged_gqa(H, H, K, 1, page=8)]
+                  paged_gqa(H, H, K, 1, page=8), sparse_mla(H, K, 8, 1, 100), sparse_mla(H, K, 24, 2, 100),
+                  sparse_mla(H, K, 0, 1, 100), paged_sparse_mla(H, K, 8, 1), paged_sparse_mla(H, K, 24, 2),
+                  paged_sparse_mla(H, K, 8, 2, page=24)]
     for H, D in itertools.product(heads, (32, 48)):
         cases += [kda(H, D, 37), kda(H, D, 1)]
     for E, (J, I) in itertools.product((3, 5, 6), ((24, 96), (72, 40), (40, 72))):  # noqa: E741

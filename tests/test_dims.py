@@ -76,9 +76,11 @@ def _ops():
     import kernels_pallas.mla_decode as mla_decode
     import kernels_pallas.moe_gmm as moe_gmm
     import kernels_pallas.paged_attention as paged_attention
+    import kernels_pallas.sparse_mla as sparse_mla
     from kernels_pallas._dispatch import Op
 
-    return {f"{m.__name__}.{k}": v for m in (attention, kda, matvec, mla_decode, moe_gmm, paged_attention)
+    modules = (attention, kda, matvec, mla_decode, moe_gmm, paged_attention, sparse_mla)
+    return {f"{m.__name__}.{k}": v for m in modules
             for k, v in vars(m).items() if isinstance(v, Op)}
 
 

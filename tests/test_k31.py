@@ -21,8 +21,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from kernels_pallas import dsa
+from kernels_pallas import dsa, sparse_mla
 from kernels_pallas.dsa import reference as dsa_reference
+from kernels_pallas.sparse_mla import reference as sparse_mla_reference
 from kimi_jax.checkpoint import synthetic
 from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.checkpoint.names import WeightError
@@ -364,8 +365,8 @@ def test_gather_and_mask_forms_agree():
                            ((B, T, H, R), (B, T, H, O), (B, S, R), (B, S, O)))
     q_pos = jnp.asarray([[9, 10, 11], [0, 1, 2]], jnp.int32)
     idx = dsa_reference.top_keys(jnp.asarray(rng.standard_normal((B, T, S)), F32), q_pos, topk=5)
-    got = dsa.sparse_mla_attention(q_lat, q_pe, c, kpe, idx, scale=0.2)
-    want = dsa_reference.masked_mla_attention(q_lat, q_pe, c, kpe, q_pos, idx, scale=0.2)
+    got = sparse_mla.sparse_mla_attention(q_lat, q_pe, c, kpe, idx, scale=0.2)
+    want = sparse_mla_reference.masked_attention(q_lat, q_pe, c, kpe, idx, scale=0.2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

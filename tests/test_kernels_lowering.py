@@ -18,6 +18,7 @@ import kernels_pallas.kda as kda_api
 import kernels_pallas.mla_decode as mla_api
 import kernels_pallas.moe_gmm as moe_api
 import kernels_pallas.paged_attention as paged_api
+import kernels_pallas.sparse_mla as sparse_api
 from kernels_pallas import KernelUnavailable
 from kernels_pallas._dispatch import Op
 from kernels_pallas._dispatch import target_platform
@@ -64,6 +65,10 @@ KERNELS = {
     "paged_mla_decode": (lambda ql, qp, c, kpe, pt, p: paged_api.paged_mla_attention(ql, qp, c, kpe, pt, p, scale=0.07),
                          (S((B, 1, 16, 512), F32), S((B, 1, 16, 64), BF), S((40, 64, 512), BF), S((40, 64, 64), BF),
                           S((B, 16), I32), S((B, 1), I32))),
+    # K3.1's sparse MLA: 256 chosen positions of the 2048-slot latent cache per query
+    "sparse_mla_decode": (lambda ql, qp, c, kpe, i: sparse_api.sparse_mla_attention(ql, qp, c, kpe, i, scale=0.07),
+                          (S((B, 1, 16, 512), F32), S((B, 1, 16, 64), BF), S((B, 2048, 512), BF),
+                           S((B, 2048, 64), BF), S((B, 1, 256), I32))),
     "paged_gqa_decode": (lambda q, k, v, pt, p: paged_api.paged_attention(q, k, v, pt, p, scale=0.1),
                          (S((B, 1, 8, 128), BF), S((40, 64, 2, 128), BF), S((40, 64, 2, 128), BF), S((B, 16), I32),
                           S((B, 1), I32))),

@@ -21,6 +21,7 @@ import kernels_pallas.mla_decode as mla_api
 import kernels_pallas.moe_gmm as moe_api
 import kernels_pallas.paged_attention as paged_api
 import kernels_pallas.qmatmul as qmatmul_api
+import kernels_pallas.sparse_mla as sparse_api
 from kernels_pallas import KernelUnavailable, _dispatch
 from kernels_pallas._dispatch import INTERPRET
 from tests import kernel_shapes as ks
@@ -29,10 +30,10 @@ from tests.test_kernels_lowering import DEVICES, _mesh
 
 BF = jnp.bfloat16
 
-OPS = [attn_api.OP, mla_api.OP, paged_api.MLA_OP, paged_api.GQA_OP, kda_api.PREFILL, kda_api.DECODE, moe_api.GMM,
-       moe_api.GATHER, qmatmul_api.OP]
+OPS = [attn_api.OP, mla_api.OP, paged_api.MLA_OP, paged_api.GQA_OP, sparse_api.OP, sparse_api.PAGED_OP, kda_api.PREFILL,
+       kda_api.DECODE, moe_api.GMM, moe_api.GATHER, qmatmul_api.OP]
 # With the TPU rules, one case of each op (the GPU rules' padding is where the bugs were; these keep the Mosaic
-# paths' whole-dim blocks honest at the same sizes).
+# paths' whole-dim blocks honest at the same sizes; sparse_mla's TPU kernel runs fast in test_kernels_sparse_mla.py).
 TPU_FAST = {"gqa-prefill-H3-G1-K40-T19-S19", "mla-prefill-H1-K16-O8-U24-T19", "mla_decode-H3-R24-O8-T1-S100",
             "paged_mla-H3-R24-O8-T1", "paged_gqa-H5-G5-K24-T2", "kda_prefill-H5-D48-T37", "kda_decode-H3-D32-T1",
             "gmm-mxfp4-E5-J40-I96-M40", "gather-float-E6-X3-J24-I96-N2", "qmatmul-int4-g32-M5-J40-I96",

@@ -31,6 +31,7 @@ import kernels_pallas.dsa as dsa_kernels
 import kernels_pallas.kda as kda_kernels
 import kernels_pallas.mla_decode as mla_kernels
 import kernels_pallas.paged_attention as paged_kernels
+import kernels_pallas.sparse_mla as sparse_mla_kernels
 from kernels_pallas import cache_quant, matvec
 from kimi_jax.model.cache import Cache, KDACache, KDAVerify, KVCache, MLACache, map_kda
 from kimi_jax.model.config import GQAConfig, IndexerConfig, KDAConfig, MLAConfig
@@ -369,9 +370,9 @@ class MLA(nnx.Module):
         ik = index.k if ik is None else ik
         if step.pages is None:
             idx = dsa_kernels.select(index.q, index.w, ik, step.positions, **sel)
-            return dsa_kernels.sparse_mla_attention(q_lat, q_pe, lat, kpe, idx, **kernel)
+            return sparse_mla_kernels.sparse_mla_attention(q_lat, q_pe, lat, kpe, idx, **kernel)
         idx = dsa_kernels.paged_select(index.q, index.w, ik, step.pages, step.positions, **sel)
-        return dsa_kernels.paged_sparse_mla_attention(q_lat, q_pe, lat, kpe, step.pages, idx, **kernel)
+        return sparse_mla_kernels.paged_sparse_mla_attention(q_lat, q_pe, lat, kpe, step.pages, idx, **kernel)
 
 
 # -- GQA + RoPE -------------------------------------------------------------------------------------------
