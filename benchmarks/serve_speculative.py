@@ -4,8 +4,8 @@ requests in flight.
 
     python benchmarks/serve_speculative.py [--repeats 3] [--concurrency 1,4] [--new 64] [--dtype float32]
 
-Each engine is built and warmed up once (every program compiled: nothing may compile during the measured runs), then each
-repeat sends the same requests (greedy, ``--new`` tokens at most, the chat format's stop ids) through
+Each engine is built and warmed up once (every program compiled: nothing may compile during the measured runs), then
+each repeat sends the same requests (greedy, ``--new`` tokens at most, the chat format's stop ids) through
 ``Engine.generate`` -- all of a batch in flight together -- to plain, n-gram and DSpark in a rotated order, so all see
 the same machine. Reported per concurrency: output tokens/s (new tokens over the wall time, medians), the paired
 ratio to plain, the drafts accepted, new tokens per verify forward and slot, and whether the replies equal plain's

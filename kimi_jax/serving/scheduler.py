@@ -283,9 +283,9 @@ class Scheduler:
         return self._plan()
 
     def _verify_plan(self, active: list[int]) -> StepPlan | None:
-        """A verify step over the decoding slots (one row for a lone one, else every slot) when some has drafts (n-gram: its
-        prompt and reply looked up; DSpark: the block the device drafted after its last step; a slot whose drafts
-        were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
+        """A verify step over the decoding slots (one row for a lone one, else every slot) when some has drafts
+        (n-gram: its prompt and reply looked up; DSpark: the block the device drafted after its last step; a slot
+        whose drafts were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
         sh, k = self.shapes, self.shapes.spec_k
         drafts = {}
         for i in active:
