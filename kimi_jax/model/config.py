@@ -917,25 +917,24 @@ def tiny_k3_config_dict() -> dict:
     return c
 
 
-def k31_config_dict() -> dict:
-    """Kimi K3.1 Pro: K3 plus a DSA indexer (32 heads x 128, top-2048) in each of the 24 MLA layers
-    (``dsa_config`` in the provisional spelling of :class:`IndexerConfig`)."""
-    c = k3_config_dict()
+def _as_k31(c: dict, heads: int, head_dim: int, topk: int) -> dict:
+    """K3 config ``c`` made K3.1's: the architecture, and an indexer of ``heads x head_dim`` choosing ``topk`` keys
+    in each MLA layer (``dsa_config`` in the provisional spelling of :class:`IndexerConfig`)."""
     c["architectures"] = [K31_ARCH]
     t = c["text_config"]
-    t["dsa_config"] = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+    t["dsa_config"] = {"index_n_heads": heads, "index_head_dim": head_dim, "index_topk": topk,
                        "dsa_layers": list(t["linear_attn_config"]["full_attn_layers"])}
     return c
+
+
+def k31_config_dict() -> dict:
+    """Kimi K3.1 Pro: K3 plus a DSA indexer (32 heads x 128, top-2048) in each of the 24 MLA layers."""
+    return _as_k31(k3_config_dict(), 32, 128, 2048)
 
 
 def tiny_k31_config_dict() -> dict:
     """:func:`tiny_k3_config_dict` as K3.1: an indexer of 2 heads x 16 choosing 16 keys in each of its MLA layers."""
-    c = tiny_k3_config_dict()
-    c["architectures"] = [K31_ARCH]
-    t = c["text_config"]
-    t["dsa_config"] = {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 16,
-                       "dsa_layers": list(t["linear_attn_config"]["full_attn_layers"])}
-    return c
+    return _as_k31(tiny_k3_config_dict(), 2, 16, 16)
 
 
 PRESETS = {
