@@ -409,8 +409,8 @@ def test_paged_cache_equals_static(k31_model):
 
 @pytest.mark.slow
 def test_serving_engine_runs_k31(k31_model):
-    """The serving engine (paged cache, chunked prefill, several requests in flight) on K3.1 with top-4: greedy
-    tokens and every step's logits equal the static cache's prefill + decode of each request alone."""
+    """The serving engine (paged cache, chunked prefill, several requests in flight, then a prefix hit) on K3.1 with
+    top-4: greedy tokens and every step's logits equal the static cache's prefill + decode of each request alone."""
     m = _with_weights(_with_topk(k31_model.cfg.sliced(LAYERS), 4), k31_model)
     eng = Engine(m, slots=4, max_len=64, page_size=8, prefill_chunk=16, min_chunk=16, record_logits=True,
                  compact_decode=False)
@@ -418,7 +418,11 @@ def test_serving_engine_runs_k31(k31_model):
     prompts = [rng.integers(3, m.cfg.vocab_size, n).tolist() for n in (11, 37, 5)]
     new = 6
     out = eng.generate(prompts, max_tokens=new, stop_ids=())
-    for p, o in zip(prompts, out):
+    # then a prompt sharing the 37-token one's first 32: a prefix hit (its pages carry the indexer keys)
+    hit_prompt = prompts[1][:32] + rng.integers(3, m.cfg.vocab_size, 7).tolist()
+    hit = eng.generate([hit_prompt], max_tokens=new, stop_ids=())[0]
+    assert hit.cached_tokens == 32
+    for p, o in zip(prompts + [hit_prompt], out + [hit]):
         ids = jnp.asarray([p + o.tokens[:-1]], jnp.int32)
         want = _prefill_then_decode(m, ids, len(p), 64)[0, len(p) - 1:]
         np.testing.assert_array_equal(np.asarray(jnp.argmax(want, -1)), o.tokens)
