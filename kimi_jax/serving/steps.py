@@ -109,18 +109,17 @@ def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, 
 
 def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling,
                 rows_B=None, mask_BKW=None, *, tap=None, constrain=lambda c: c, replicate=lambda x: x):
-    """One speculative step over every slot (``rows`` None) or over ``rows`` (as :func:`decode_step`'s):
-    ``tokens [B, k + 1]`` is each slot's last token then up to ``k`` drafted
-    ones (``dlen [B]`` of them real), checked by one forward over the ``k + 1`` positions, written through the page
-    table (the scheduler allocates pages for all of them), with the KDA layers in verify mode; the accepted drafts
-    and the target's next token are kept (greedy slots: the drafts equal to the argmax; sampled slots: rejection
-    sampling, keyed by :func:`request_keys` as :func:`choose` is) and the cache committed over exactly
-    those positions (:func:`kimi_jax.model.attention.commit_verified`). Inactive slots feed nothing and keep
-    everything. Returns (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B],
-    the tokens' log-probabilities [B, k + 1], taps [B, k + 1, X] or None) -- stop ids and budgets are the
-    scheduler's to apply. ``mask [B, k + 1,
-    W]``: the ids each position may be (structured outputs): the target distribution is the masked one, so a draft
-    the constraint refuses is rejected and the kept tokens obey it."""
+    """One speculative step over every slot (``rows`` None) or over ``rows`` (as :func:`decode_step`'s): ``tokens
+    [B, k + 1]`` is each row's last token then up to ``k`` drafted ones (``dlen [B]`` of them real), checked by one
+    forward over the ``k + 1`` positions, written through the page table (the scheduler allocates pages for all of
+    them), with the KDA layers in verify mode; the accepted drafts and the target's next token are kept (greedy
+    rows: the drafts equal to the argmax; sampled rows: rejection sampling, keyed by :func:`request_keys` as
+    :func:`choose` is) and the cache committed over exactly those positions
+    (:func:`kimi_jax.model.attention.commit_verified`). Inactive rows feed nothing and keep everything. Returns
+    (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B], the tokens'
+    log-probabilities [B, k + 1], taps [B, k + 1, X] or None) -- stop ids and budgets are the scheduler's to apply.
+    ``mask [B, k + 1, W]``: the ids each position may be (structured outputs): the target distribution is the
+    masked one, so a draft the constraint refuses is rejected and the kept tokens obey it."""
     model = nnx.merge(graphdef, params)
     K1 = tokens_BK.shape[1]
     view = cache if rows_B is None else _rows_view(cache, rows_B)
