@@ -161,6 +161,7 @@ def test_the_memory_check_counts_the_drafter(tmp_path):
         tight.plan([prompt], 4, stop=(), speculative=resident)
 
 
+@pytest.mark.slow  # ~25 s: the demo model's programs (CI time); the drafter's math is held to the oracle above
 def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     """The drafter trained for the demo model (scripts/make_demo_drafter.py) on a chat question it was not trained
     on: greedy output equals plain output, with more than one token per verify step."""
