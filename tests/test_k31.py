@@ -448,9 +448,15 @@ def test_plan_counts_the_indexer_keys(capsys, tmp_path):
 
     (tmp_path / "k3").mkdir()
     (tmp_path / "k31").mkdir()
-    k3 = mla_gb(_plan(capsys, tmp_path / "k3", C.tiny_k3_config_dict(), "--context", "1048576"))
-    k31 = mla_gb(_plan(capsys, tmp_path / "k31", C.tiny_k31_config_dict(), "--context", "1048576"))
+    def mla_read_gb(out):
+        return float(re.search(r"MLA / KV cache ([\d.]+) GB", out).group(1))
+
+    k3_out = _plan(capsys, tmp_path / "k3", C.tiny_k3_config_dict(), "--context", "1048576")
+    k31_out = _plan(capsys, tmp_path / "k31", C.tiny_k31_config_dict(), "--context", "1048576")
+    k3, k31 = mla_gb(k3_out), mla_gb(k31_out)
     assert k31 == pytest.approx(k3 * 64 / 48, rel=0.02)
+    # a decode step reads every indexer key (16 of 64 values a token) but only top-16 of the 1M latent rows
+    assert mla_read_gb(k31_out) == pytest.approx(k31 * 16 / 64, rel=0.02) and mla_read_gb(k3_out) == pytest.approx(k3)
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
         p_used = 1 - (1 - moe.top_k / moe.num_experts) ** group_tokens  # expected share of local experts used
         read["routed experts (used)"] = int(sum(tot * p_used for tot in expert_local.values()))
     read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
-    read["MLA / KV cache"] = cache["mla"] + cache["kv"]
+    read["MLA / KV cache"] = _mla_read(cfg, cache["mla"], context) + cache["kv"]
     seqs, seqs_loc = (1, 1) if serve is not None else (batch, b_loc)  # the engine prefills one sequence at a time
     prefill = (_prefill_activations(cfg, sizes, lay, specs, model, seqs, seqs_loc, prefill_chunk, dt)
                if prefill_chunk else {})
@@ -184,6 +184,17 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
                 prefill, notes, kv_cache, state, e_loc, e_dtypes,
                 drafter_bytes(drafter, batch, context, dt.name) if drafter is not None else {})
+
+
+def _mla_read(cfg, mla_bytes: int, context: int) -> int:
+    """Bytes of the MLA cache (``mla_bytes``: latent, decoupled key part and K3.1's indexer keys) a decode step
+    reads: all of it, or with K3.1's indexer every indexer key but only ``topk`` of the ``context`` latent rows (the
+    indexer key's share of a cached token by its width, as the cache stores them alike)."""
+    mla = cfg.mla
+    if mla is None or mla.indexer is None:
+        return mla_bytes
+    ik = mla.indexer.head_dim / (mla.kv_lora_rank + mla.qk_rope_dim + mla.indexer.head_dim)
+    return int(mla_bytes * (ik + (1 - ik) * min(1.0, mla.indexer.topk / max(context, 1))))
 
 
 @functools.lru_cache(maxsize=8)
