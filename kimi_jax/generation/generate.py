@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from kimi_jax.model import dspark, offload
 from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
