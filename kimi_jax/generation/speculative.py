@@ -287,7 +287,7 @@ def static(drafter):
     return drafter, None, None
 
 
-def _head(model):
+def shared_head(model):
     """The target's (embedding table, lm_head) that a DSpark drafter shares."""
     table = model.embed_tokens[...]
     return table, (table if model.cfg.tie_word_embeddings else model.lm_head[...])
@@ -366,7 +366,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
         if isinstance(drafter, ModelDraft):
             make = lambda: _model_drafts(dmodel, st.dcache, d.token, want_B, k)  # noqa: E731
         else:
-            table, head = _head(model)
+            table, head = shared_head(model)
             make = lambda: dmodel.draft(st.dcache, table, head, d.token, d.cache.lengths, k)  # noqa: E731
         drafts = jax.lax.cond(jnp.any(want_B > 0), make, lambda: jnp.zeros((d.token.shape[0], k), jnp.int32))
         return drafts, want_B

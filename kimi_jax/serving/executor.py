@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import free_memory
 from kimi_jax.model.cache import KDACache, paged_cache, paged_cache_shapes
 from kimi_jax.parallel.sharding import paged_cache_shardings
@@ -122,8 +123,7 @@ class Executor:
         else:  # every process holds the same drafter: each fills its own devices
             self.dparams = jax.tree.map(lambda a: jax.make_array_from_callback(
                 a.shape, self.replicated, lambda index, a=np.asarray(a): a[index]), dparams)
-        table = model.embed_tokens[...]
-        self.head = (table, table if self.cfg.tie_word_embeddings else model.lm_head[...])
+        self.head = speculative.shared_head(model)
         self.dprograms = steps.draft_programs(self.dgraph, drafter.k, self.replicated, self.replicated)
 
     def check_fits(self) -> None:
