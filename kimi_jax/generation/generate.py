@@ -18,7 +18,8 @@ How it is built (and why):
 * Before anything is allocated, the cache and the prefill's working memory (XLA's count for the compiled programs:
   temporaries and outputs), with a DSpark drafter or a draft model its cache and the copy of its weights the generator
   makes, are checked against the memory budget (default: 90% of what the device has free); a prefill that does not
-  fit is re-planned in smaller chunks, and what cannot fit even then is refused, naming the limit. The prefill programs are therefore compiled ahead of time, from shapes (:func:`jax.jit`'s ``lower``).
+  fit is re-planned in smaller chunks, and what cannot fit even then is refused, naming the limit. The prefill
+  programs are therefore compiled ahead of time, from shapes (:func:`jax.jit`'s ``lower``).
 * Streaming calls the same compiled decode function with a traced step limit (``stream_every`` steps per
   call) and hands the new tokens to the callback in between. We chose this over ``io_callback`` because it
   keeps the loop free of host round-trips (a callback would sync device and host every token), needs no
