@@ -17,7 +17,8 @@ when its native CPU kernel applies); calling the op is its public entry. A call 
      take, it raises.
    * ``"xla_cpu"``: plain XLA written in the form XLA:CPU runs fastest (ops that have one; ``xla_cpu.py`` beside
      the reference), e.g. few-row products as ``(W x^T)^T``. Same rules as ``"cpu_native"``.
-   * op-specific extras (``kda_prefill`` also takes ``"recurrent"``).
+   * op-specific extras (``kda_prefill`` also takes ``"recurrent"``), and plain-XLA forms any platform may run
+     (``Op(forms=...)``: the DSA selection's ``"streaming"``, which the automatic choice takes for long contexts).
 
    An explicitly requested implementation that cannot run raises :class:`KernelUnavailable`: never a silent
    fallback. That includes operands a Pallas kernel cannot take on the target (``Op(pallas_unsupported=...)``:
@@ -283,6 +284,9 @@ class Op:
     ``"pallas_interpret"`` too) also receive ``platform=`` and ``interpret=``. ``cpu``: CPU-only implementations,
     tried in order by the automatic choice on CPU; with ``rule=None`` they run on one device only (a custom call
     that GSPMD would partition by gathering its operands, or a form tuned for one device's XLA:CPU).
+    ``forms``: other plain-XLA implementations (:class:`CpuImpl` entries, though not CPU-only), which any platform
+    may run: the automatic choice takes the first whose ``automatic`` holds for these operands where no Pallas or
+    CPU kernel was taken (e.g. a form that streams a long operand in blocks, bounded in memory).
     ``plain``: an op of plain XLA products, with a Pallas form for some operands at most; a run that asks for the
     Pallas kernels (``"pallas"`` / ``"pallas_interpret"`` apply to every op of a model) runs its reference where
     that form cannot run.
@@ -294,7 +298,7 @@ class Op:
     """
 
     def __init__(self, name: str, rule: Rule | None, impls: dict[str, Callable], cpu: tuple[CpuImpl, ...] = (),
-                 plain: bool = False, defaults: dict[str, dict] | None = None,
+                 forms: tuple[CpuImpl, ...] = (), plain: bool = False, defaults: dict[str, dict] | None = None,
                  pallas_unsupported: Callable = lambda platform, *args, **static: None):
         self.name, self.rule, self.cpu, self.plain = name, rule, tuple(cpu), plain
         self.defaults = dict(defaults or {})
@@ -303,6 +307,8 @@ class Op:
         if PALLAS in self.impls:
             self.impls[INTERPRET] = self.impls[PALLAS]
         self.impls.update({c.name: c.fn for c in self.cpu})
+        self.forms = tuple(forms)
+        self.impls.update({f.name: f.fn for f in self.forms})
 
     def _with_defaults(self, static: dict, placement) -> dict:
         for key, table in self.defaults.items():
@@ -334,6 +340,13 @@ class Op:
                     return c.name
                 if why is not None:
                     _passed_over(self.name, why)
+        return self._form(args, static)
+
+    def _form(self, args, static) -> str:
+        """The first of ``forms`` the automatic choice takes for these operands, else the reference."""
+        for f in self.forms:
+            if f.automatic(*args, **static) and f.unsupported(*args, **static) is None:
+                return f.name
         return REFERENCE
 
     def choose(self, implementation: str | None, args=(), static=None, placement: Placement | None = None) -> str:
@@ -346,7 +359,8 @@ class Op:
             runs = (implementation in self.impls and self._placeable(placement)
                     and (implementation == INTERPRET or platform in ("tpu", "gpu")))
             if not runs and (self.plain or not self._placeable(placement)):
-                return REFERENCE  # a model-wide "pallas" applies to every op; this one has no kernel that runs here
+                # a model-wide "pallas" applies to every op; this one has no kernel that runs here
+                return self._form(args, static)
         if implementation not in self.impls:
             raise KernelUnavailable(f"{self.name}: implementation={implementation!r} is not available "
                                     f"(choose from {sorted(self.impls)})")

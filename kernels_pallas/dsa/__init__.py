@@ -2,24 +2,50 @@
 
 Shapes: indexer queries q ``[B, T, H, K]`` (``H`` indexer heads of dim ``K``), weights w ``[B, T, H]`` (scale
 included), indexer keys k ``[B, S, K]`` (paged: ``[n_pages, page_size, K]`` with ``page_table [B, pages_per_seq]``),
-q_pos ``[B, T]``; the selection is the chosen positions ``idx [B, T, X]`` int32 (``X = min(topk, S)``, ``-1`` pads),
-ties to the later key. The MLA attention restricted to them is :mod:`kernels_pallas.sparse_mla` (gather form, with
-its Pallas kernels).
+q_pos ``[B, T]``; the selection is the chosen positions ``idx [B, T, X]`` int32 (``X = min(topk, S)``, ``-1``
+pads), ties to the later key. The MLA attention restricted to them is :mod:`kernels_pallas.sparse_mla` (gather form,
+with its Pallas kernels).
 
-One implementation so far, ``"reference"`` (``reference.py``, plain jnp: the scores one indexer head at a time), on
-every platform: the ops are ``plain`` (a run that asks for Pallas kernels runs it) with no partition rule (on a mesh
-GSPMD partitions the plain XLA). A kernel that streams the indexer keys (scores and top-k without the ``[B, T, S]``
-scores in memory) is the next step for long contexts.
+Implementations, both plain jnp and run on every platform (the ops are ``plain``: a run that asks for Pallas
+kernels runs the form the automatic choice takes; no partition rule: on a mesh GSPMD partitions the plain XLA):
+
+* ``"reference"`` (``reference.py``): the scores of every key at once, one indexer head at a time (``[B, T, S]``
+  float32 live); the oracle, and the automatic choice while a query's keys fit in :data:`streaming.KEY_BLOCK` plus
+  the top-k.
+* ``"streaming"`` (``streaming.py``): the keys in blocks (whole pages when paged), a running top-k: ``[B, T,
+  KEY_BLOCK + X]`` live whatever the context; the same positions as the reference. The automatic choice beyond.
+
+A Pallas kernel that fuses the scores into the running top-k (the ``[B, T, block]`` scores never written out) is
+the next step.
 """
 
 from __future__ import annotations
 
-from kernels_pallas._dispatch import REFERENCE, Op
-from kernels_pallas.dsa import reference
+import jax
 
-SELECT_OP = Op("dsa_select", None, {REFERENCE: reference.select}, plain=True)
-PAGED_SELECT_OP = Op("dsa_paged_select", None, {REFERENCE: reference.paged_select}, plain=True)
+from kernels_pallas._dispatch import REFERENCE, CpuImpl, Op
+from kernels_pallas.dsa import reference, streaming
 
+
+def _keys(k) -> int:
+    return jax.tree.leaves(k)[0].shape[1]
+
+
+def _long(q, w, k, q_pos, *, topk, **_):
+    """Whether the scores of all ``S`` keys at once would outgrow the streaming form's block plus top-k."""
+    S = _keys(k)
+    return S > streaming.KEY_BLOCK + min(int(topk), S)
+
+
+def _long_paged(q, w, k_pages, page_table, q_pos, *, topk, **_):
+    S = page_table.shape[1] * _keys(k_pages)
+    return S > streaming.KEY_BLOCK + min(int(topk), S)
+
+
+SELECT_OP = Op("dsa_select", None, {REFERENCE: reference.select}, plain=True,
+               forms=(CpuImpl("streaming", streaming.select, automatic=_long),))
+PAGED_SELECT_OP = Op("dsa_paged_select", None, {REFERENCE: reference.paged_select}, plain=True,
+                     forms=(CpuImpl("streaming", streaming.paged_select, automatic=_long_paged),))
 
 
 def select(q, w, k, q_pos, *, topk, implementation=None, placement=None):
