@@ -84,9 +84,13 @@ class Engine:
     scheduler drafts each decoding slot's next tokens from its prompt and reply (prompt lookup); or
     ``"dspark:PATH[,k=N]"`` (or a :class:`~kimi_jax.generation.speculative.DSpark`), a DSpark drafter on the device
     whose context pools share the cache's pages (prefix hits and spills carry them): every compute step also drafts
-    each row's next block (:func:`kimi_jax.serving.steps.draft_step`). A step in which some slot has drafts is one
-    verify forward over the decoding slots (:func:`kimi_jax.serving.steps.verify_step`); greedy replies are the plain
-    engine's, sampled ones have its distribution (rejection sampling). Draft models: not in the engine yet.
+    each row's next block (:func:`kimi_jax.serving.steps.draft_step`); or ``"draft:PATH[,k=N]"`` (or a
+    :class:`~kimi_jax.generation.speculative.DraftModel`), a smaller model of the family with its own paged cache on
+    the same page table (prefix snapshots and pages carry its state): it prefills what the target prefills, follows
+    the kept tokens and drafts greedily after every step (:func:`kimi_jax.serving.steps.model_draft_step`). A step
+    in which some slot has drafts is one verify forward over the decoding slots
+    (:func:`kimi_jax.serving.steps.verify_step`); greedy replies are the plain engine's, sampled ones have its
+    distribution (rejection sampling).
     ``structured``: requests may carry a constraint (:attr:`Request.constraint`): each step's allowed-token bitmasks
     are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling: every compute
     program takes one bitmask per row (a row without a constraint allows every id, which leaves its logits as they
@@ -112,7 +116,7 @@ class Engine:
         self.slots, self.max_len, self.page_size, self.n_pages = sh.slots, sh.max_len, sh.page_size, sh.n_pages
         try:
             self.executor = Executor(model, sh, record=record_logits,
-                                     drafter=drafter if isinstance(drafter, speculative_mod.DSpark) else None)
+                                     drafter=None if isinstance(drafter, speculative_mod.NGram) else drafter)
         except CacheTooLarge as e:
             raise EngineError(str(e)) from None
         self.scheduler = Scheduler(sh, tokenizer, prefix_cache_bytes=prefix_cache_bytes,
@@ -352,10 +356,9 @@ def _drafter(speculative, model):
     """The engine's drafter from ``speculative`` (:func:`kimi_jax.generation.speculative.parse`), checked against
     ``model`` and in its dtype; refused where the engine cannot run it."""
     drafter = speculative_mod.parse(speculative, dtype=model.run.dtype)
-    if isinstance(drafter, speculative_mod.DraftModel):
-        raise EngineError("speculative decoding with a draft model: not in the serving engine yet (generate runs "
-                          "it: kimi_jax.generate(..., speculative='draft:PATH')); the engine runs 'ngram' and "
-                          "'dspark:PATH'")
+    if isinstance(drafter, speculative_mod.DraftModel) and drafter.model.cfg.vocab_size != model.cfg.vocab_size:
+        raise EngineError(f"the draft model's vocabulary ({drafter.model.cfg.vocab_size} ids) is not the target's "
+                          f"({model.cfg.vocab_size})")
     if isinstance(drafter, speculative_mod.DSpark):
         try:
             drafter.model.cfg.check_target(model.cfg)

@@ -79,7 +79,11 @@ class Executor:
     ``drafter``: a DSpark drafter (:class:`~kimi_jax.generation.speculative.DSpark`, in the model's dtype): its
     weights (replicated on a mesh) and its context pools (pages of the cache's page table) join the state; every
     compute op also writes the context of the positions it kept and drafts each row's next block
-    (:func:`kimi_jax.serving.steps.draft_step`), returned last."""
+    (:func:`kimi_jax.serving.steps.draft_step`), returned last. Or a draft model
+    (:class:`~kimi_jax.generation.speculative.DraftModel`): its weights (replicated on a mesh) and its own paged
+    cache on the same page table join the state (prefix snapshots and pages carry its KDA states and pools beside
+    the target's); it prefills each chunk the target does, and every compute op ending a prompt or decoding also
+    has it follow the kept tokens and draft each row's next block (:func:`kimi_jax.serving.steps.model_draft_step`)."""
 
     def __init__(self, model, shapes: Shapes, *, record: bool = False, drafter=None):
         self.shapes, self.record = shapes, bool(record)
@@ -96,10 +100,12 @@ class Executor:
         self.check_fits()
         self.programs = steps.programs(self.graphdef, self.shardings, self.replicated,
                                        compiler_options=model.run.compiler_options())
-        kda = [e for e, _ in steps._entries(self.cache_shapes) if isinstance(e, KDACache)]
-        attn = [e for e, _ in steps._entries(self.cache_shapes) if not isinstance(e, KDACache)]
-        # one slot's KDA state and conv tails, one page of every attention pool (and of a drafter's context pools):
-        # the prefix cache's units
+        entries = steps._entries(self.cache_shapes) + ([] if self.dcache_shapes is None else
+                                                        steps._entries(self.dcache_shapes))
+        kda = [e for e, _ in entries if isinstance(e, KDACache)]
+        attn = [e for e, _ in entries if not isinstance(e, KDACache)]
+        # one slot's KDA state and conv tails, one page of every attention pool (a draft model's too, and a DSpark
+        # drafter's context pools): the prefix cache's units
         self.snap_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kda)) // shapes.slots
         self.page_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((attn, self.pool_shapes))
                               ) // shapes.n_pages
@@ -107,31 +113,43 @@ class Executor:
         self.reset()
 
     def _drafter(self, model, drafter) -> None:
-        """A DSpark drafter's weights placed (replicated on a mesh), its context pools' shapes, its programs."""
+        """A drafter's weights placed (replicated on a mesh) and its programs; a DSpark drafter's context pools'
+        shapes, a draft model's cache's."""
         self.drafter = drafter
-        self.tap = self.dparams = self.pool_shapes = None
+        self.tap = self.dparams = self.pool_shapes = self.dcache_shapes = None
         if drafter is None:
             return
-        dcfg = drafter.model.cfg
-        self.tap = (tuple(dcfg.target_layer_ids), dcfg.aux_hidden_stream)
         self.dgraph, dparams = nnx.split(drafter.model)
-        self.pool_shapes = jax.eval_shape(lambda: drafter.model.empty_pages(self.shapes.n_pages, self.shapes.page_size,
-                                                                           self.dtype))
+        if isinstance(drafter, speculative.DraftModel):
+            sh, dmodel = self.shapes, drafter.model
+            self.dcache_shapes = paged_cache_shapes(dmodel.cfg, sh.slots, sh.n_pages, sh.page_size, dmodel.run.dtype,
+                                                    scan=dmodel.run.scan_layers)
+            dsharding = None if self.replicated is None else jax.tree.map(lambda _: self.replicated,
+                                                                           self.dcache_shapes)
+            self.dprograms = steps.programs(self.dgraph, dsharding, self.replicated)
+            self.dstep = steps.model_draft_program(self.dgraph, drafter.k, dsharding, self.replicated)
+        else:
+            dcfg = drafter.model.cfg
+            self.tap = (tuple(dcfg.target_layer_ids), dcfg.aux_hidden_stream)
+            self.pool_shapes = jax.eval_shape(lambda: drafter.model.empty_pages(self.shapes.n_pages,
+                                                                               self.shapes.page_size, self.dtype))
         if self.replicated is None:
             device = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.dparams = jax.device_put(dparams, device)
         else:  # every process holds the same drafter: each fills its own devices
             self.dparams = jax.tree.map(lambda a: jax.make_array_from_callback(
                 a.shape, self.replicated, lambda index, a=np.asarray(a): a[index]), dparams)
-        self.head = speculative.shared_head(model)
-        self.dprograms = steps.draft_programs(self.dgraph, drafter.k, self.replicated, self.replicated)
+        if self.pool_shapes is not None:
+            self.head = speculative.shared_head(model)
+            self.dprograms = steps.draft_programs(self.dgraph, drafter.k, self.replicated, self.replicated)
 
     def check_fits(self) -> None:
         """Refuse, before allocating, a cache (and a drafter's weights and context pools) larger than the memory free
         on the device holding the most of it."""
         sh = self.shapes
         leaves = jax.tree.leaves(self.cache_shapes)
-        drafter = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.dparams, self.pool_shapes)))
+        drafter = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.dparams, self.pool_shapes,
+                                                                          self.dcache_shapes)))
         if self.shardings is None:
             need, devices = sum(s.size * s.dtype.itemsize for s in leaves), jax.local_devices()[:1]
         else:
@@ -140,7 +158,8 @@ class Executor:
             devices = jax.local_devices()
         free = min((f for f in map(free_memory, devices) if f is not None), default=None)
         if free is not None and need + drafter > free:
-            what = "" if not drafter else f" and the DSpark drafter ({drafter / 1e9:.2f} GB: weights, context pools)"
+            what = "" if not drafter else (f" and the drafter ({drafter / 1e9:.2f} GB: weights, "
+                                           f"{'cache' if self.dcache_shapes is not None else 'context pools'})")
             raise CacheTooLarge(f"the paged cache ({sh.slots} slots, {sh.n_pages} pages of {sh.page_size} tokens)"
                                 f"{what} need {(need + drafter) / 1e9:.2f} GB per device but {free / 1e9:.2f} GB are "
                                 "free: lower slots, max_len or pages")
@@ -158,11 +177,12 @@ class Executor:
         else:
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.cache_shapes)  # noqa: E731
             self.cache = jax.jit(zeros, out_shardings=self.shardings)()
-        self.pools = None
-        if self.drafter is not None:
-            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pool_shapes)  # noqa: E731
-            self.pools = jax.jit(zeros, out_shardings=self.replicated)() if self.replicated is not None else \
-                jax.device_put(zeros(), next(iter(jax.tree.leaves(self.dparams)[0].devices())))
+        self.pools = self.dcache = None
+        if self.pool_shapes is not None:
+            self.pools = self._zeros(self.pool_shapes)
+        if self.dcache_shapes is not None:
+            self.dcache = self._zeros(self.dcache_shapes)
+        self.covered = np.zeros((sh.slots,), np.int64)  # pages each slot's table row holds
         self.table = np.zeros((sh.slots, sh.pages_per_seq), np.int32)
         self.temperature = np.zeros((sh.slots,), np.float32)
         self.top_k = np.zeros((sh.slots,), np.int32)
@@ -172,6 +192,13 @@ class Executor:
         self.host_snaps: dict[int, object] = {}  # snapshot id -> HostArray leaves, once spilled
         self.host_pages: dict[int, object] = {}  # host copy id -> HostArray leaves of its pages
         self.mask: Mask | None = None  # the next compute op's bitmasks (structured outputs)
+
+    def _zeros(self, shapes):
+        """Zeros of ``shapes`` beside the drafter's weights (replicated on a mesh)."""
+        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+        if self.replicated is not None:
+            return jax.jit(zeros, out_shardings=self.replicated)()
+        return jax.device_put(zeros(), next(iter(jax.tree.leaves(self.dparams)[0].devices())))
 
     # -- plans ----------------------------------------------------------------------------------------------------
 
@@ -193,19 +220,26 @@ class Executor:
 
     def _set_pages(self, op: SetPages):
         self.table[op.slot, op.start : op.start + len(op.pages)] = op.pages
+        self.covered[op.slot] = max(self.covered[op.slot], op.start + len(op.pages))
 
     def _clear_row(self, op: ClearRow):
         self.table[op.slot] = 0
+        self.covered[op.slot] = 0
 
     def _snapshot(self, op: Snapshot):
-        self.snaps[op.snap] = self.programs.take_state(self.cache, np.int32(op.slot))
+        slot = np.int32(op.slot)
+        self.snaps[op.snap] = (self.programs.take_state(self.cache, slot),
+                               None if self.dcache is None else self.dprograms.take_state(self.dcache, slot))
 
     def _put_state(self, op: PutState):
         if op.snap in self.snaps:
-            state = self.snaps[op.snap]
+            state, dstate = self.snaps[op.snap]
         else:  # a spilled snapshot stays in host memory; this hit reads a copy
-            state = to_device(self.host_snaps[op.snap])
-        self.cache = self.programs.put_state(self.cache, np.int32(op.slot), state, np.int32(op.length))
+            state, dstate = to_device(self.host_snaps[op.snap])
+        slot, length = np.int32(op.slot), np.int32(op.length)
+        self.cache = self.programs.put_state(self.cache, slot, state, length)
+        if self.dcache is not None:
+            self.dcache = self.dprograms.put_state(self.dcache, slot, dstate, length)
 
     def _spill_state(self, op: SpillState):
         self.host_snaps[op.snap] = to_host(self.snaps.pop(op.snap))
@@ -218,16 +252,22 @@ class Executor:
         self.cache = self.programs.copy_page(self.cache, np.int32(op.src), np.int32(op.dst))
         if self.pools is not None:
             self.pools = self.dprograms.copy_page(self.pools, np.int32(op.src), np.int32(op.dst))
+        if self.dcache is not None:
+            self.dcache = self.dprograms.copy_page(self.dcache, np.int32(op.src), np.int32(op.dst))
 
     def _take_page(self, page: int):
-        """Page ``page`` of the cache's pools and of a drafter's (None without one)."""
+        """Page ``page`` of the cache's pools and of a drafter's (a DSpark drafter's context pools or a draft
+        model's cache; None without one)."""
         take = self.programs.take_page(self.cache, np.int32(page))
-        return take, None if self.pools is None else self.dprograms.take_page(self.pools, np.int32(page))
+        draft = next((x for x in (self.pools, self.dcache) if x is not None), None)
+        return take, None if draft is None else self.dprograms.take_page(draft, np.int32(page))
 
     def _put_page(self, page: int, data) -> None:
         self.cache = self.programs.put_page(self.cache, np.int32(page), data[0])
         if self.pools is not None:
             self.pools = self.dprograms.put_page(self.pools, np.int32(page), data[1])
+        if self.dcache is not None:
+            self.dcache = self.dprograms.put_page(self.dcache, np.int32(page), data[1])
 
     def _spill_pages(self, op: SpillPages):
         self.host_pages[op.key] = [to_host(self._take_page(p)) for p in op.pages]
@@ -274,19 +314,56 @@ class Executor:
         ids = np.zeros((1, op.bucket), np.int32)
         ids[0, : len(op.ids)] = op.ids
         table = self.table[op.slot : op.slot + 1, : op.width]
+        slot, n, samp = np.int32(op.slot), np.int32(len(op.ids)), self._sampling([op.slot], [0])
         self.cache, tok, logp, logits, taps = self.programs.prefill_chunk(
-            self.params, self.cache, table, np.int32(op.slot), ids, np.int32(len(op.ids)),
-            self._sampling([op.slot], [0]), self._take_mask(1), fresh=op.start == 0, record=self.record, tap=self.tap)
-        return tok, logp, logits, self._draft(taps, table, np.array([op.slot], np.int32), tok[:, None],
-                                              np.array([len(op.ids)], np.int32))
+            self.params, self.cache, table, slot, ids, n, samp, self._take_mask(1), fresh=op.start == 0,
+            record=self.record, tap=self.tap)
+        return tok, logp, logits, self._prefill_drafts(taps, table, slot, ids, n, samp, op.start == 0, tok,
+                                                       bool(op.ends))
+
+    def _prefill_drafts(self, taps, table, slot, ids, n, samp, fresh, tok, ends):
+        """The drafter after a prefill chunk: a DSpark drafter's step, or the draft model's prefill of the same
+        chunk and, when it ends the prompt, its drafts after the first token; None without a drafter."""
+        rows = np.array([slot], np.int32)
+        if self.dcache is None:
+            return self._draft(taps, table, rows, tok[:, None], n[None])
+        self.dcache, *_ = self.dprograms.prefill_chunk(self.dparams, self.dcache, table, slot, ids, n, samp, None,
+                                                       fresh=fresh)
+        # its cache holds the chunk already: it follows nothing, and drafts from the token the target drew
+        return self._model_draft(rows, np.zeros((1, 1), np.int32), np.zeros((1,), np.int32), tok[:, None],
+                                 np.ones((1,), bool)) if ends else None
 
     def _draft(self, taps, table, rows, tokens, written):
         """A DSpark drafter's step after a compute op (:func:`kimi_jax.serving.steps.draft_step`): its drafts
-        ``[B, k]``, or None without a drafter."""
+        ``[B, k]``, or None without one."""
         if self.pools is None:
             return None
         self.pools, drafts = self.dprograms.draft_step(self.dparams, self.pools, *self.head, taps, table,
                                                        self.cache.lengths, rows, tokens, written)
+        return drafts
+
+    def _model_draft(self, rows, fed, kept, out, start):
+        """:func:`kimi_jax.serving.steps.model_draft_step` over ``rows`` (their table rows as wide as the widest
+        row's pages, which the scheduler has allocated k positions ahead): the draft model's cache follows ``fed
+        [B, K1]`` (the step's input tokens) over ``kept`` positions; rows that kept some, or ``start``, draft k tokens
+        after the last token the step kept of ``out [B, K1]`` (its output tokens: the next input)."""
+        sh = self.shapes
+        rows = np.asarray(rows, np.int32)
+        live = rows < sh.slots
+        width = sh.width(max(1, int(self.covered[rows[live]].max(initial=1))))
+        table = np.zeros((len(rows), width), np.int32)
+        table[live] = self.table[rows[live], :width]
+        fed = np.pad(np.asarray(fed, np.int32), [(0, 0), (0, sh.spec_k + 1 - fed.shape[1])])
+        if out.shape[1] < sh.spec_k + 1:  # a decode step's or a prefill's one token
+            out = jnp.pad(out, [(0, 0), (0, sh.spec_k + 1 - out.shape[1])])
+        return self._dstep(table, rows, fed, kept, out, start)
+
+    def _dstep(self, *args):
+        """The draft model's step on ``args`` (numpy or device arrays alike: each is placed beside the drafter's
+        weights first, so the warm-up's program is the one every step runs)."""
+        where = self.replicated if self.replicated is not None else \
+            next(iter(jax.tree.leaves(self.dparams)[0].devices()))
+        self.dcache, drafts = self.dstep(self.dparams, self.dcache, *jax.device_put(args, where))
         return drafts
 
     def _decode(self, op: Decode):
@@ -297,7 +374,14 @@ class Executor:
         self.cache, tok, logp, logits, taps = self.programs.decode_step(
             self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows,
             self._take_mask(len(rows)), record=self.record, tap=self.tap)
-        return tok, logp, logits, self._draft(taps, table, rows, tok[:, None], live.astype(np.int32))
+        return tok, logp, logits, self._decode_drafts(taps, table, rows, tokens, live, tok)
+
+    def _decode_drafts(self, taps, table, rows, tokens, live, tok):
+        """The drafter after a decode step that fed ``tokens`` and drew ``tok`` (None without one)."""
+        if self.dcache is not None:
+            return self._model_draft(rows, tokens[:, None], live.astype(np.int32), tok[:, None],
+                                     np.zeros(live.shape, bool))
+        return self._draft(taps, table, rows, tok[:, None], live.astype(np.int32))
 
     def _verify(self, op: Verify):
         rows, tokens, dlen, counts, live = op.columns()
@@ -307,7 +391,13 @@ class Executor:
         self.cache, tok, kept, accepted, logp, taps = self.programs.verify_step(
             self.params, self.cache, table, tokens, dlen, live, samp, None if op.all_rows else rows,
             self._take_mask(len(live), tokens.shape[1]), tap=self.tap)
-        return tok, kept, accepted, logp, self._draft(taps, table, rows, tok, kept)
+        return tok, kept, accepted, logp, self._verify_drafts(taps, table, rows, tokens, kept, tok)
+
+    def _verify_drafts(self, taps, table, rows, tokens, kept, tok):
+        """The drafter after a verify step that fed ``tokens`` and kept ``tok[b, :kept[b]]`` (None without one)."""
+        if self.dcache is not None:
+            return self._model_draft(rows, tokens, kept, tok, np.zeros(kept.shape, bool))
+        return self._draft(taps, table, rows, tok, kept)
 
     def _stop(self, op: Stop):
         pass
@@ -344,10 +434,11 @@ class Executor:
         # every row inactive or of no length: nothing is written (a drafter's step runs on the same shapes)
         def prefill(T, width, fresh):
             table = self.table[:1, :width]
+            ids, n = np.zeros((1, T), np.int32), np.int32(0)
             self.cache, tok, _, _, taps = self.programs.prefill_chunk(
-                self.params, self.cache, table, np.int32(0), np.zeros((1, T), np.int32),
-                np.int32(0), samp, mask(1), fresh=fresh, record=self.record, tap=self.tap)
-            self._draft(taps, table, np.zeros((1,), np.int32), tok[:, None], np.zeros((1,), np.int32))
+                self.params, self.cache, table, np.int32(0), ids, n, samp, mask(1), fresh=fresh, record=self.record,
+                tap=self.tap)
+            self._prefill_drafts(taps, table, np.int32(0), ids, n, samp, fresh, tok, True)
 
         def decode(b, width):
             rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
@@ -357,7 +448,7 @@ class Executor:
                 np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b),
                 record=self.record, tap=self.tap)
             rows = np.arange(b, dtype=np.int32) if rows is None else rows
-            self._draft(taps, table, rows, tok[:, None], np.zeros((b,), np.int32))
+            self._decode_drafts(taps, table, rows, np.zeros((b,), np.int32), np.zeros((b,), bool), tok)
 
         def verify(b, width):
             k1 = sh.spec_k + 1
@@ -367,12 +458,15 @@ class Executor:
                 self.params, self.cache, table, np.zeros((b, k1), np.int32), np.zeros((b,), np.int32),
                 np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b, k1), tap=self.tap)
             rows = np.arange(b, dtype=np.int32) if rows is None else rows
-            self._draft(taps, table, rows, tok, kept)  # kept: all 0
+            self._verify_drafts(taps, table, rows, np.zeros((b, k1), np.int32), kept, tok)  # kept: all 0
 
         def snapshots():
-            state = self.programs.take_state(self.cache, np.int32(0))
-            for snap in (state, to_device(to_host(state))):
-                self.cache = self.programs.put_state(self.cache, np.int32(0), snap, np.int32(0))
+            self._snapshot(Snapshot(0, -1))
+            snap = self.snaps.pop(-1)
+            for copy in (snap, to_device(to_host(snap))):
+                self.snaps[-1] = copy
+                self._put_state(PutState(0, -1, 0))
+            self.snaps.pop(-1)
 
         def pages():
             self._copy_page(CopyPage(0, 0))
@@ -390,4 +484,21 @@ class Executor:
                 for width in sh.widths:
                     out.append((f"speculative verify step of {b} rows x {sh.spec_k} drafts x {width} pages",
                                 lambda b=b, width=width: verify(b, width)))
-        return out + [("prefix snapshots", snapshots), ("page copies", pages)]
+        return out + self._warmup_draft_model() + [("prefix snapshots", snapshots), ("page copies", pages)]
+
+    def _warmup_draft_model(self) -> list:
+        """A draft model's follow-and-draft step for :meth:`warmup` at each row bucket and table width (rows of
+        padding: nothing is written; its prefills run with the target's)."""
+        if self.dcache is None:
+            return []
+        sh, out = self.shapes, []
+
+        def step(b, width):
+            zeros, k1 = np.zeros((b,), np.int32), np.zeros((b, sh.spec_k + 1), np.int32)
+            self._dstep(np.zeros((b, width), np.int32), np.full((b,), sh.slots, np.int32), k1, zeros, k1, zeros > 0)
+
+        for b in sorted({1, *sh.row_buckets, *sh.verify_buckets}):
+            for width in sh.widths:
+                out.append((f"draft model: follow and draft, {b} rows x {width} pages",
+                            lambda b=b, width=width: step(b, width)))
+        return out

@@ -198,7 +198,11 @@ class Scheduler:
         return page
 
     def _cover(self, i: int, s: Slot, end: int) -> None:
-        """Pages for slot ``i``'s positions ``[0, end)``."""
+        """Pages for slot ``i``'s positions ``[0, end)``, and with a draft model for the ``k`` after (its drafting
+        steps write there; within the request's budget, which its reservation holds)."""
+        ahead = self.drafter.k if isinstance(self.drafter, speculative.DraftModel) else 0
+        if ahead and (s.decoding or end == len(s.prompt)):
+            end = max(end, min(end + ahead, len(s.prompt) + s.handle.request.max_tokens))
         start = len(s.pages)
         while len(s.pages) * self.shapes.page_size < end:
             self._take(s)
@@ -226,7 +230,7 @@ class Scheduler:
                 self._emit(Mask.make([0], [[masks[i]]]))
         self._cover(i, s, end)
         self._emit(Prefill(i, start, sh.bucket(end - start), sh.fresh_width if start == 0 else sh.pages_per_seq,
-                           tuple(s.prompt[start:end])))
+                           tuple(s.prompt[start:end]), ends=int(end == L)))
         s.pos = end
         self.counters["prefill_chunks"] += 1
         self.counters["prefill_tokens"] += end - start

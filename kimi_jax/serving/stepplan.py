@@ -209,7 +209,8 @@ class DropPages(Op):
 @dataclasses.dataclass(frozen=True)
 class Prefill(Op):
     """One chunk of ``slot``'s prompt: ``ids`` at positions from ``start`` (0: the chunk starts the sequence),
-    padded to ``bucket``, reading ``width`` entries of the slot's page-table row."""
+    padded to ``bucket``, reading ``width`` entries of the slot's page-table row. ``ends``: the chunk ends the
+    prompt (a draft model then drafts from the token it draws)."""
 
     code: ClassVar[int] = 12
     tail: ClassVar[str] = "ids"
@@ -218,6 +219,7 @@ class Prefill(Op):
     bucket: int
     width: int
     ids: tuple[int, ...]
+    ends: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,8 @@
   its page pools (the target's page table), then every row's next block of drafts (the engine's
   ``speculative="dspark:PATH"``); :func:`copy_draft_page` / :func:`take_draft_page` / :func:`put_draft_page`: its
   pools' pages, alongside the cache's.
+* :func:`model_draft_step`: a draft model after any compute step: its own paged cache (the target's page table)
+  follows the kept tokens, then ``k`` greedy steps draft each row's next block (``speculative="draft:PATH"``).
 * :func:`take_state` / :func:`put_state`: a slot's KDA state and conv tails out of the cache (a prefix snapshot) and
   back in; :func:`copy_page`: copy-on-write of one page in every attention layer's pool; :func:`take_page` /
   :func:`put_page`: one page of every pool out (to host memory) and back.
@@ -156,6 +158,39 @@ def draft_step(dgraph, dparams, pools: DraftCache, embed_VD, head_VD, taps_BTX, 
     anchor = jnp.take_along_axis(tokens_BK, at[:, None], axis=1)[:, 0]
     drafts = dmodel.draft(dmodel.page_view(pools, page_table), embed_VD, head_VD, anchor, ctx_len, k)
     return constrain(pools), replicate(drafts)
+
+
+def model_draft_step(dgraph, dparams, dcache: Cache, page_table, rows_B, tokens_BK, kept_B, out_BK, start_B, *,
+                     k: int, constrain=lambda c: c, replicate=lambda x: x):
+    """A draft model (a smaller model of the family, its own paged cache on the target's page table) after a
+    compute step over rows ``rows``: its cache follows the first ``kept[b]`` of ``tokens [B, K1]`` (the positions
+    the target kept: one forward in verify mode, committed over those, :func:`verify_step`'s rule), then rows that
+    kept some (or with ``start``: a prompt's end, whose tokens its own prefill wrote) take ``k`` greedy one-token
+    steps from ``out[b, kept[b] - 1]`` (the last token the target kept, the next input) -- their drafts. The drafting steps' KDA states are dropped (the cache keeps the followed ones) and their attention
+    entries lie past every row's length, where nothing reads them before a step overwrites them (the scheduler
+    allocates the pages they land in). Returns (cache, drafts [B, k])."""
+    dmodel = nnx.merge(dgraph, dparams)
+    view = _rows_view(dcache, rows_B)
+    res = dmodel(tokens_BK, cache=for_verify(view, tokens_BK.shape[1]), lengths=kept_B, prefix=True, last_only=True,
+                 page_table=page_table)
+    followed = commit_verified(res.cache, view.lengths, kept_B, dmodel.run)
+    draft_B = start_B | (kept_B > 0)
+    at = jnp.clip(kept_B - 1, 0, out_BK.shape[1] - 1)
+    tok = jnp.take_along_axis(out_BK, at[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+    def one(i, carry):  # one greedy step of every drafting row (a loop: one copy of the model to compile)
+        tok, c, drafts = carry
+        r = dmodel(tok[:, None], cache=c, lengths=draft_B.astype(jnp.int32), prefix=True, last_only=True,
+                   page_table=page_table)
+        tok = jnp.argmax(r.logits[:, 0].astype(jnp.float32), axis=-1).astype(jnp.int32)
+        return tok, r.cache, drafts.at[:, i].set(tok)
+
+    _, c, drafts = jax.lax.fori_loop(0, k, one, (tok, followed, jnp.zeros((tok.shape[0], k), jnp.int32)))
+    # the drafting steps' attention pools (a superset of the followed ones), the followed KDA states and lengths
+    states = iter([e for e, _ in _entries(followed) if isinstance(e, KDACache)])
+    part = _rebuild(c, lambda e, axis: next(states) if isinstance(e, KDACache) else e).replace(
+        lengths=followed.lengths)
+    return constrain(_rows_merge(dcache, part, rows_B)), replicate(drafts)
 
 
 def copy_draft_page(pools: DraftCache, src, dst, *, constrain=lambda c: c):
@@ -314,6 +349,21 @@ class DraftPrograms(NamedTuple):
     copy_page: Callable
     take_page: Callable
     put_page: Callable
+
+
+def model_draft_program(dgraph, k: int, cache_sharding=None, replicated=None) -> Callable:
+    """:func:`model_draft_step` jitted for a draft model's ``dgraph`` drafting ``k`` tokens (its cache donated;
+    ``cache_sharding`` / ``replicated`` as :func:`programs`)."""
+    key = ("draft_model", dgraph, k, None if cache_sharding is None else tuple(jax.tree.leaves(cache_sharding)),
+           replicated)
+    if key not in _PROGRAMS:
+        kw = {}
+        if cache_sharding is not None:
+            kw["constrain"] = lambda c: jax.lax.with_sharding_constraint(c, cache_sharding)
+        if replicated is not None:
+            kw["replicate"] = lambda x: jax.lax.with_sharding_constraint(x, replicated)
+        _PROGRAMS[key] = jax.jit(functools.partial(model_draft_step, dgraph, k=k, **kw), donate_argnames=("dcache",))
+    return _PROGRAMS[key]
 
 
 def draft_programs(dgraph, k: int, pool_sharding=None, replicated=None) -> DraftPrograms:
