@@ -99,8 +99,8 @@ def _dims(cfg: dict) -> dict:
         "nope": int(cfg["qk_nope_head_dim"]),
         "pe": int(cfg["qk_rope_head_dim"]),
         "v": int(cfg["v_head_dim"]),
-        "HI": int(_get(cfg, "index_n_heads")),
-        "DI": int(_get(cfg, "index_head_dim")),
+        "HI": int(_get(cfg, "index_n_heads")) if has_indexer(cfg) else 0,
+        "DI": int(_get(cfg, "index_head_dim")) if has_indexer(cfg) else 0,
     }
 
 
@@ -150,9 +150,16 @@ def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) 
     return y if b is None else y + b
 
 
+def has_indexer(cfg: dict) -> bool:
+    """Whether ``cfg`` describes an indexer (K3.1); without one the layer is K3's dense MLA (``index_topk=None``)."""
+    return "index_n_heads" in (cfg.get("dsa_config") or {}) or "index_n_heads" in cfg
+
+
 def _check(cfg: dict, tensors: dict, x: np.ndarray) -> None:
     for name, shape in layer_shapes(cfg).items():
         if name == IDX + "k_norm.bias" and name not in tensors:
+            continue
+        if name.startswith(IDX) and not has_indexer(cfg):
             continue
         got = tuple(np.shape(tensors[name]))
         if got != shape:
