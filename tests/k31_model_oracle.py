@@ -159,7 +159,7 @@ def _causal_conv_silu(x, w):
     """K3_SPEC 4.4 step 2: depthwise causal conv, ``w [C, 1, W]`` (``w[:, 0, -1]`` on the current token), then
     SiLU. ``x [T, C]``, zero history."""
     W = w.shape[-1]
-    xp = np.concatenate([np.zeros((W - 1, x.shape[1])), x])
+    xp = np.concatenate([np.zeros((W - 1, x.shape[1]), x.dtype), x])
     u = sum(w[:, 0, j] * xp[j:j + x.shape[0]] for j in range(W))
     return silu(u)
 
@@ -182,8 +182,8 @@ def kda(cfg: dict, t: dict, x):
     g = lb * sigmoid(a * zb) if lb is not None else -a * np.logaddexp(0.0, zb)  # log-decay [T, H, K]
     beta = sigmoid(linear(x, t, "self_attn.b_proj"))  # [T, H]
     q, k = _l2(q) * K**-0.5, _l2(k)
-    S = np.zeros((H, K, K))  # [H, K (key), V (value)]
-    o = np.zeros((T, H, K))
+    S = np.zeros((H, K, K), x.dtype)  # [H, K (key), V (value)]
+    o = np.zeros((T, H, K), x.dtype)
     for i in range(T):
         S = S * np.exp(g[i])[:, :, None]
         err = v[i] - np.einsum("hk,hkv->hv", k[i], S)
@@ -214,7 +214,7 @@ def mla(cfg: dict, t: dict, x, index_topk):
     mcfg = _mla_cfg(cfg)
     if not k31_oracle.has_indexer(mcfg):
         index_topk = None
-    return k31_oracle.mla_layer(mcfg, t, x, index_topk=index_topk)
+    return k31_oracle.mla_layer(mcfg, t, x, index_topk=index_topk, dtype=x.dtype)
 
 
 def dense_mlp(cfg: dict, t: dict, x, prefix="mlp."):
@@ -288,11 +288,14 @@ def _layer_tensors(tensors: dict, l: int) -> dict:
     return {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}
 
 
-def forward(cfg: dict, tensors: dict, ids, *, index_topk: int | None = None, return_hidden: bool = False):
+def forward(cfg: dict, tensors: dict, ids, *, index_topk: int | None = None, return_hidden: bool = False,
+            dtype=np.float64):
     """Logits ``[T, vocab]`` (float64) of one causal pass over ``ids [T]``. ``index_topk``: K3.1's top-k (default:
     the config's). ``return_hidden``: also a dict of each layer's output (the AttnRes partial sum, or the hidden
     state), the sealed blocks, the output mix, the final hidden state, each MoE layer's routing and each layer's
-    (normed) token mixer and FFN inputs."""
+    (normed) token mixer and FFN inputs. ``dtype``: the arithmetic; float64, or float32 to measure what float32
+    rounding alone does to this model (the floor a float32 implementation can reach)."""
+    tensors = {k: np.asarray(v, dtype) for k, v in tensors.items()}
     eps = cfg["rms_norm_eps"]
     dsa = _dsa(cfg)
     if index_topk is None and dsa is not None:
