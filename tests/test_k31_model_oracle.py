@@ -198,3 +198,29 @@ def test_paged_cache_equals_the_oracle(k31):
     err = np.abs(got - want).max()
     print(f"max |model - oracle|: paged chunked prefill + decode {err:.3g}")
     assert err < min(LOGITS_TOL, 2 * floor), (err, floor)
+
+
+@pytest.mark.slow
+def test_serving_engine_with_a_prefix_hit_equals_the_oracle(k31):
+    """The serving engine (paged cache, chunked prefill, several requests in flight), then a prompt sharing the
+    first 32 tokens of one of them (a prefix hit: its pages, indexer keys included, and its KDA state are reused):
+    every recorded step's logits against the oracle's logits of prompt + generated tokens."""
+    from kimi_jax.serving.engine import Engine
+
+    _, model, cfg, tensors, _, _, floor = k31
+    eng = Engine(model, slots=4, max_len=64, page_size=8, prefill_chunk=16, min_chunk=16, record_logits=True,
+                 compact_decode=False)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg["vocab_size"], n).tolist() for n in (11, 37, 5)]
+    with jax.default_matmul_precision("highest"):
+        out = eng.generate(prompts, max_tokens=6, stop_ids=())
+        hit_prompt = prompts[1][:32] + rng.integers(3, cfg["vocab_size"], 7).tolist()
+        hit = eng.generate([hit_prompt], max_tokens=6, stop_ids=())[0]
+    assert hit.cached_tokens == 32
+    errs = []
+    for p, o in zip(prompts + [hit_prompt], out + [hit]):
+        want = O.forward(cfg, tensors, np.asarray(p + o.tokens[:-1]))[len(p) - 1:]
+        np.testing.assert_array_equal(want.argmax(-1), o.tokens)
+        errs.append(float(np.abs(np.asarray(o.logits) - want).max()))
+    print(f"max |engine - oracle| per request (the last a prefix hit): {[f'{e:.3g}' for e in errs]}")
+    assert max(errs) < min(LOGITS_TOL, 2 * floor), (errs, floor)
