@@ -1,7 +1,9 @@
 """The whole model against the float64 spec oracle (tests/k31_model_oracle.py): first the oracle against an
 implementation we did not write (the K3 fixture's golden logits of Moonshot's own layer code), then a tiny K3.1 with
 top-4 selection run by the model in float32 -- prefill, decode steps over a static cache, chunked prefill and decode
-steps over a paged cache -- against the oracle.
+steps over a paged cache -- against the oracle. The oracle's sparse MLA is the mask form (dense scores, keys not
+selected at -inf); the model's is the gather form (absorbed MLA over the chosen latent rows), so each equality is
+also mask form == gathered form for the whole model.
 
 Tolerance: the model runs in float32 and the oracle in float64, so the gap is float32 rounding, compounded layer by
 layer. The oracle itself evaluated in float32 arithmetic (``dtype=np.float32``) is 2.6e-5 from its float64 self on
