@@ -290,7 +290,7 @@ def _layer_tensors(tensors: dict, l: int) -> dict:
 
 def forward(cfg: dict, tensors: dict, ids, *, index_topk: int | None = None, return_hidden: bool = False,
             dtype=np.float64):
-    """Logits ``[T, vocab]`` (float64) of one causal pass over ``ids [T]``. ``index_topk``: K3.1's top-k (default:
+    """Logits ``[T, vocab]`` (in ``dtype``) of one causal pass over ``ids [T]``. ``index_topk``: K3.1's top-k (default:
     the config's). ``return_hidden``: also a dict of each layer's output (the AttnRes partial sum, or the hidden
     state), the sealed blocks, the output mix, the final hidden state, each MoE layer's routing and each layer's
     (normed) token mixer and FFN inputs. ``dtype``: the arithmetic; float64, or float32 to measure what float32
@@ -327,8 +327,7 @@ def forward(cfg: dict, tensors: dict, ids, *, index_topk: int | None = None, ret
     if not return_hidden:
         return logits
     return logits, {"layers": np.stack(layers), "blocks": np.stack(blocks) if blocks else None, "output_mix": mixed,
-                    "final_hidden": final, "routes": routes, "mixer_inputs": inputs,
-            "ffn_inputs": ffn_inputs}
+                    "final_hidden": final, "routes": routes, "mixer_inputs": inputs, "ffn_inputs": ffn_inputs}
 
 
 def _ffn_input(t: dict, blocks: list, x, block: int | None, l: int, mixer, eps):
