@@ -99,8 +99,8 @@ def _dims(cfg: dict) -> dict:
         "nope": int(cfg["qk_nope_head_dim"]),
         "pe": int(cfg["qk_rope_head_dim"]),
         "v": int(cfg["v_head_dim"]),
-        "HI": int(_get(cfg, "index_n_heads")),
-        "DI": int(_get(cfg, "index_head_dim")),
+        "HI": int(_get(cfg, "index_n_heads")) if has_indexer(cfg) else 0,
+        "DI": int(_get(cfg, "index_head_dim")) if has_indexer(cfg) else 0,
     }
 
 
@@ -150,9 +150,16 @@ def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) 
     return y if b is None else y + b
 
 
+def has_indexer(cfg: dict) -> bool:
+    """Whether ``cfg`` describes an indexer (K3.1); without one the layer is K3's dense MLA (``index_topk=None``)."""
+    return "index_n_heads" in (cfg.get("dsa_config") or {}) or "index_n_heads" in cfg
+
+
 def _check(cfg: dict, tensors: dict, x: np.ndarray) -> None:
     for name, shape in layer_shapes(cfg).items():
         if name == IDX + "k_norm.bias" and name not in tensors:
+            continue
+        if name.startswith(IDX) and not has_indexer(cfg):
             continue
         got = tuple(np.shape(tensors[name]))
         if got != shape:
@@ -161,18 +168,18 @@ def _check(cfg: dict, tensors: dict, x: np.ndarray) -> None:
         raise ValueError(f"x must be [T, {cfg['hidden_size']}], got {x.shape}")
 
 
-def q_lora(cfg: dict, tensors: dict, x: np.ndarray) -> np.ndarray:
+def q_lora(cfg: dict, tensors: dict, x: np.ndarray, dtype=np.float64) -> np.ndarray:
     """``qr = RMSNorm(q_a_proj(x); q_a_layernorm)`` [T, q_lora_rank]: feeds q_b_proj and the indexer's wq_b."""
-    x = np.asarray(x, np.float64)
+    x = np.asarray(x, dtype)
     eps = float(cfg.get("mla_norm_eps", 1e-6))
     return _rms(x @ tensors[P + "q_a_proj.weight"].T, tensors[P + "q_a_layernorm.weight"], eps)
 
 
-def index_scores(cfg: dict, tensors: dict, x: np.ndarray, q_lora: np.ndarray) -> np.ndarray:
+def index_scores(cfg: dict, tensors: dict, x: np.ndarray, q_lora: np.ndarray, dtype=np.float64) -> np.ndarray:
     """Indexer logits ``I [T, T]``: ``I[t, s] = sum_h w[t,h] ReLU(qI[t,h] . kI[s])`` for ``s <= t``, -inf above."""
     m = _dims(cfg)
-    x = np.asarray(x, np.float64)
-    q_lora = np.asarray(q_lora, np.float64)
+    x = np.asarray(x, dtype)
+    q_lora = np.asarray(q_lora, dtype)
     T = x.shape[0]
     HI, DI = m["HI"], m["DI"]
     eps = float(cfg.get("index_norm_eps", cfg["rms_norm_eps"]))
@@ -214,16 +221,16 @@ def topk_mask(scores: np.ndarray, k: int) -> np.ndarray:
     return mask
 
 
-def mla_layer_masked(cfg: dict, tensors: dict, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def mla_layer_masked(cfg: dict, tensors: dict, x: np.ndarray, mask: np.ndarray, dtype=np.float64) -> np.ndarray:
     """K3 gated NoPE MLA where query ``t`` attends to keys ``s`` with ``mask[t, s]`` (always ANDed with causal)."""
     _check(cfg, tensors, x)
     m = _dims(cfg)
-    x = np.asarray(x, np.float64)
+    x = np.asarray(x, dtype)
     T = x.shape[0]
     H, kvl, nope, pe, v = m["H"], m["kvl"], m["nope"], m["pe"], m["v"]
     eps = float(cfg.get("mla_norm_eps", 1e-6))
 
-    qr = q_lora(cfg, tensors, x)
+    qr = q_lora(cfg, tensors, x, dtype)
     q = (qr @ tensors[P + "q_b_proj.weight"].T).reshape(T, H, nope + pe)  # per head [nope | pe], no rotation
     ckv = x @ tensors[P + "kv_a_proj_with_mqa.weight"].T
     c = _rms(ckv[:, :kvl], tensors[P + "kv_a_layernorm.weight"], eps)
@@ -247,16 +254,17 @@ def mla_layer_masked(cfg: dict, tensors: dict, x: np.ndarray, mask: np.ndarray) 
     return o @ tensors[P + "o_proj.weight"].T
 
 
-def mla_layer(cfg: dict, tensors: dict, x: np.ndarray, *, index_topk: int | None) -> np.ndarray:
+def mla_layer(cfg: dict, tensors: dict, x: np.ndarray, *, index_topk: int | None, dtype=np.float64) -> np.ndarray:
     """One K3.1 full-attention layer's token mixer over a causal sequence ``x [T, hidden]`` -> ``[T, hidden]``.
 
     ``index_topk=None``: dense causal MLA (K3). Otherwise query ``t`` attends only to ``topk_mask`` of the indexer
-    scores (all its causal keys when ``t + 1 <= index_topk``, which is then exactly K3).
+    scores (all its causal keys when ``t + 1 <= index_topk``, which is then exactly K3). ``dtype``: the arithmetic
+    (float64; float32 only to measure what float32 rounding does, with float32 ``tensors``).
     """
-    x = np.asarray(x, np.float64)
+    x = np.asarray(x, dtype)
     T = x.shape[0]
     if index_topk is None:
         mask = np.tril(np.ones((T, T), dtype=bool))
     else:
-        mask = topk_mask(index_scores(cfg, tensors, x, q_lora(cfg, tensors, x)), int(index_topk))
-    return mla_layer_masked(cfg, tensors, x, mask)
+        mask = topk_mask(index_scores(cfg, tensors, x, q_lora(cfg, tensors, x, dtype), dtype), int(index_topk))
+    return mla_layer_masked(cfg, tensors, x, mask, dtype)
