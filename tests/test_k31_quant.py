@@ -23,6 +23,7 @@ from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.checkpoint.names import WeightError
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
 from kimi_jax.cli import main
+from kimi_jax.deploy.plan import make_plan
 from kimi_jax.model import config as C
 from kimi_jax.model import params
 from kimi_jax.model.cache import MLACache, cache_bytes, cache_shapes, init_cache, paged_cache, paged_cache_shapes
@@ -205,6 +206,13 @@ def test_int8_index_cache_holds_only_the_indexer_keys_in_int8():
     index = cache_bytes(cfg, B, S, jnp.bfloat16, kv_cache="int8-index")
     assert full["mla"] - index["mla"] == n_mla * B * S * (2 * DI - (DI + 4))
     assert full["total"] - index["total"] == full["mla"] - index["mla"]
+    # kimi-jax plan on one chip: a decode step at 4096 tokens reads every int8 index key (DI + 4 bytes a token) but
+    # only the top-k latent rows (R + O bf16 values)
+    S, m = 4096, cfg.mla
+    plan = make_plan(cfg, {"data": 1, "expert": 1, "model": 1}, batch=1, context=S, kv_cache="int8-index")
+    assert plan.cache["mla"] == n_mla * S * (2 * (m.kv_lora_rank + m.qk_rope_dim) + DI + 4)
+    want = n_mla * (S * (DI + 4) + m.indexer.topk * 2 * (m.kv_lora_rank + m.qk_rope_dim))
+    assert plan.step_read["MLA / KV cache"] == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="int8-index.*has no indexer"):
         cache_bytes(C.from_dict(C.tiny_k3_config_dict()), 1, 8, kv_cache="int8-index")
     with pytest.raises(ValueError, match="'int8-index'"):
