@@ -23,7 +23,9 @@ import jax.numpy as jnp
 _F32 = jnp.float32
 QMAX = 127
 
-FORMATS = (None, "int8")  # the ``kv_cache`` option of kimi_jax.model.cache: None = rows in the model dtype
+# the ``kv_cache`` option of kimi_jax.model.cache: None = rows in the model dtype; "int8" = every MLA / GQA field;
+# "int8-index" = only K3.1's DSA indexer keys (they only rank keys), the latent and the values' rows in full precision
+FORMATS = (None, "int8", "int8-index")
 
 
 class Int8Rows(NamedTuple):
@@ -94,4 +96,5 @@ def tile(values, scale, dtype):
 
 def check(kv_cache) -> None:
     if kv_cache not in FORMATS:
-        raise ValueError(f"kv_cache={kv_cache!r}: choose None (rows in the model dtype) or 'int8'")
+        raise ValueError(f"kv_cache={kv_cache!r}: choose None (rows in the model dtype), 'int8' (every cache field) "
+                         "or 'int8-index' (only K3.1's DSA indexer keys)")

@@ -9,6 +9,10 @@ int4 / int8 weight's fields follow the row of its float ``.weight``: :data:`CT_F
 tensors on different layer kinds (``g_proj`` on KDA vs MLA layers, ``q_proj`` on KDA vs GQA vs low-rank-less MLA):
 the path is resolved against the model built for the config, and the shape check tells them apart.
 
+FP8 block-quantized weights (DeepSeek-V3.2's indexer ``wq_b`` / ``wk``): a row marked ``fp8`` also takes its weight
+as float8_e4m3fn with a ``weight_scale_inv`` beside it (:data:`FP8_SCALE`); the scale joins the weight's placement
+(:attr:`Destination.scale`) and the reader dequantizes the pair (:func:`fp8_dequantize`).
+
 Every checkpoint tensor is consumed exactly once and every parameter is filled exactly once (or, for the few
 :data:`OPTIONAL` leaves, left zero); anything else is an error that names the tensor, the file and the shapes. Every transform is a function ``(array, where, shape)`` that
 checks its input and gets the shape of the slot it fills.
@@ -162,6 +166,7 @@ class Row:
     transform: Callable = identity
     stacked: bool = False  # fills slot `expert` of a stacked parameter
     check: Callable = finite  # what the values must not hold (NaN / Inf; MXFP4 scales: the NaN byte)
+    fp8: bool = False  # may be stored FP8 in 128 x 128 blocks with its ``weight_scale_inv`` beside it (FP8_SCALE)
 
     def match(self, name):
         return re.fullmatch(self.pattern, name)
@@ -205,8 +210,10 @@ RULES = (
     Row(LAYER + r"self_attn\.dt_bias", "layers.{layer}.self_attn.dt_bias", _flat),
     Row(LAYER + r"self_attn\.(?P<n>[a-z_]+_proj|[a-z_]+_proj_with_mqa|o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
          "layers.{layer}.self_attn.{n}"),
-    # K3.1's DSA indexer in each MLA layer (k_norm.bias optional: OPTIONAL below)
-    Row(LAYER + r"self_attn\.indexer\.(?P<n>wq_b|wk|weights_proj|k_norm)\.weight", "layers.{layer}.self_attn.indexer.{n}"),
+    # K3.1's DSA indexer in each MLA layer (k_norm.bias optional: OPTIONAL below). DeepSeek-V3.2 stores wq_b and
+    # wk FP8-block-quantized (dequantized at load: FP8_SCALE) and weights_proj unquantized.
+    Row(LAYER + r"self_attn\.indexer\.(?P<n>wq_b|wk)\.weight", "layers.{layer}.self_attn.indexer.{n}", fp8=True),
+    Row(LAYER + r"self_attn\.indexer\.(?P<n>weights_proj|k_norm)\.weight", "layers.{layer}.self_attn.indexer.{n}"),
     Row(LAYER + r"self_attn\.indexer\.k_norm\.bias", "layers.{layer}.self_attn.indexer.k_norm_bias"),
     # Dense MLP (layer 0 of Kimi models; every Llama layer). HF transformers writes Kimi Linear's dense layer
     # under `block_sparse_moe.` too (its save-time rename maps every `.mlp.` back).
@@ -268,6 +275,39 @@ def ct_tensors(weight_name: str) -> tuple[str, str]:
     return stem + PACKED, stem + SHAPE
 
 
+# FP8 block quantization (DeepSeek-V3 / V3.2's ``quant_method: fp8``, ``weight_block_size [128, 128]``): a weight
+# ``X.weight`` float8_e4m3fn ``[J, I]`` with ``X.weight_scale_inv`` float32 ``[ceil(J/128), ceil(I/128)]``, one scale
+# per 128 x 128 block (the last ones partial), ``w = float(fp8) * scale_inv`` of its block. Only rows marked ``fp8``
+# take it; the weight is dequantized at load to the parameter's dtype (:func:`fp8_dequantize`).
+FP8_SCALE, FP8_BLOCK = "weight_scale_inv", 128
+FP8_DTYPES = ("F8_E4M3",)  # the safetensors dtypes of a block-quantized weight
+FP8_RAW = ("F8_E4M3", "F8_E5M2")  # float8 tensors: never loaded as plain floats (they mean nothing unscaled)
+
+
+def fp8_scale_shape(shape) -> tuple:
+    """The ``weight_scale_inv`` shape of an FP8 weight of ``shape [J, I]``: ``[ceil(J/128), ceil(I/128)]``."""
+    return tuple(-(-int(n) // FP8_BLOCK) for n in shape)
+
+
+def fp8_check(where: str, dtype: str, shape, scale_name: str, scale_dtype: str, scale_shape) -> None:
+    """Refuse, from the headers alone, an FP8 weight whose dtype or ``weight_scale_inv`` does not fit it."""
+    if dtype not in FP8_DTYPES or len(shape) != 2:
+        raise WeightError(f"{where}: a weight with a {FP8_SCALE} beside it must be float8_e4m3fn [J, I] "
+                          f"(FP8 blocks of {FP8_BLOCK} x {FP8_BLOCK}), got {dtype} {list(shape)}")
+    want = fp8_scale_shape(shape)
+    if tuple(scale_shape) != want or scale_dtype not in ("F32", "BF16", "F16"):
+        raise WeightError(f"{where}: its block scales {scale_name!r} are {scale_dtype} {list(scale_shape)}, but an "
+                          f"FP8 weight {list(shape)} in {FP8_BLOCK} x {FP8_BLOCK} blocks needs float32 {list(want)}")
+
+
+def fp8_dequantize(w, scale_inv) -> np.ndarray:
+    """``w`` float8 ``[J, I]`` times each 128 x 128 block's ``scale_inv`` -> float32 ``[J, I]`` (one rounding: the
+    float32 product; every float8 value is exact in float32)."""
+    J, I = w.shape
+    s = np.asarray(scale_inv, np.float32)
+    return np.asarray(w).astype(np.float32) * np.repeat(np.repeat(s, FP8_BLOCK, 0)[:J], FP8_BLOCK, 1)[:, :I]
+
+
 @dataclasses.dataclass(frozen=True)
 class Destination:
     """Where one checkpoint tensor goes: parameter leaf ``target``, at ``expert`` of its leading dimension when the
@@ -278,6 +318,7 @@ class Destination:
     expert: int | None
     transform: Callable
     check: Callable = finite
+    scale: str | None = None  # an FP8 weight's block scales (the ``weight_scale_inv`` tensor beside it)
 
 
 def canonical(name: str, cfg: ModelConfig) -> str | None:
@@ -327,7 +368,7 @@ def assign(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
     """Match checkpoint tensor names to parameter leaves. Returns (placements, ignored names); raises on any tensor
     that fits nothing, any leaf (or expert slot) filled twice or not at all. ``files``: the checkpoint's file names,
     for the messages about tensors that are missing."""
-    placements, ignored, unmatched, shapes = [], [], [], []
+    placements, ignored, unmatched, shapes, scales = [], [], [], [], []
     for name in names:
         cname = canonical(name, cfg)
         if cname is None:
@@ -335,6 +376,9 @@ def assign(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
             continue
         if cname.endswith("." + SHAPE):
             shapes.append(name)  # consumed by its weight_packed's placement, below
+            continue
+        if cname.endswith("." + FP8_SCALE):
+            scales.append((name, cname))  # joins its FP8 weight's placement, below
             continue
         p = match(name, cname, targets)
         if p is None:
@@ -344,12 +388,29 @@ def assign(names, cfg: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct], *,
     placed = {p.tensor for p in placements}
     for name in shapes:
         (ignored if name[:-len(SHAPE)] + PACKED in placed else unmatched).append(name)
+    placements = _with_scales(placements, scales, unmatched)
     if unmatched:
         raise WeightError(
             f"{len(unmatched)} checkpoint tensor(s) match no parameter of this {cfg.family} model "
             f"(attention kinds {sorted(set(cfg.attn_types))}): {unmatched[:8]}{' ...' if len(unmatched) > 8 else ''}")
     _check_complete(placements, targets, cfg, files)
     return placements, ignored
+
+
+def _with_scales(placements: list[Destination], scales, unmatched: list[str]) -> list[Destination]:
+    """``placements`` with each FP8 block scale ``X.weight_scale_inv`` (``scales``: (name, canonical name)) joined to
+    the placement of its ``X.weight``, when that weight's row takes FP8 blocks (:data:`FP8_SCALE`); any other scale
+    goes to ``unmatched``."""
+    at = {p.tensor: i for i, p in enumerate(placements)}
+    out = list(placements)
+    for name, cname in scales:
+        weight_cname = cname[:-len(FP8_SCALE)] + "weight"
+        i = at.get(name[:-len(FP8_SCALE)] + "weight")
+        if i is None or not any(rule.fp8 and rule.match(weight_cname) for rule in RULES):
+            unmatched.append(name)
+        else:
+            out[i] = dataclasses.replace(out[i], scale=name)
+    return out
 
 
 def expected_tensor(target: str, cfg: ModelConfig) -> str | None:

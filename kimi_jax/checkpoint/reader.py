@@ -11,7 +11,8 @@ Every path from an HF checkpoint to memory goes through here: the single-host lo
 3. :meth:`Reader.read` reads any region of a leaf (``index``: one slice per dimension): the whole leaf for a
    single-host load or a conversion, a device's shard for a sharded load. An untransformed tensor read whole goes
    from the file straight into the output buffer (``preadv``, one copy); a region of one is read through the
-   safetensors lazy slice; a transformed (small) tensor is read whole, transformed, then cut.
+   safetensors lazy slice; a transformed (small) tensor is read whole, transformed, then cut; so is an FP8
+   block-quantized weight with its ``weight_scale_inv`` (dequantized: :func:`kimi_jax.checkpoint.names.fp8_dequantize`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def _where(p: Destination, info: TensorInfo) -> str:
 def transform(p: Destination, arr: np.ndarray, info: TensorInfo, slot: jax.ShapeDtypeStruct) -> np.ndarray:
     """Apply the row's transform, check shape and dtype class, cast to the parameter dtype."""
     where = _where(p, info)
+    if p.scale is None and info.dtype in names.FP8_RAW:
+        raise WeightError(f"{where}: a float8 weight ({info.dtype}) without its block scales "
+                          f"{p.tensor.removesuffix('weight') + names.FP8_SCALE!r} (parameter {p.target}); FP8 "
+                          "weights load only with their scales, dequantized (the name table's fp8 rows)")
     arr = p.transform(arr, where, tuple(slot.shape))
     if tuple(arr.shape) != tuple(slot.shape):
         raise WeightError(f"{where}: shape {list(info.shape)} -> {list(arr.shape)} does not fit parameter "
@@ -112,6 +117,10 @@ def preflight(ckpt: Checkpoint, jobs: list[Job]) -> None:
         slot = _slot(job)
         for p in job.sources:
             info = ckpt.tensors[p.tensor]
+            if p.scale is not None:  # FP8 blocks: checked from the headers; the rest as the float32 it becomes
+                scale = ckpt.tensors[p.scale]
+                names.fp8_check(_where(p, info), info.dtype, info.shape, p.scale, scale.dtype, scale.shape)
+                info = dataclasses.replace(info, dtype="F32")
             if p.transform in names.CHECKS_VALUES:
                 transform(p, ckpt.get(p.tensor), info, slot)
             else:
@@ -191,7 +200,11 @@ class Reader:
         """Region ``index`` of source tensor ``p.tensor`` (transformed, cast) into ``out``."""
         info = self.ckpt.tensors[p.tensor]
         direct = p.transform is names.identity and rows is None and DTYPES[info.dtype] == out.dtype
-        if direct and _full(index, slot.shape) and tuple(info.shape) == tuple(slot.shape) and out.flags.c_contiguous:
+        if p.scale is not None:  # FP8 blocks: the weight and its scales whole, dequantized, cast, then cut
+            w, s = self.ckpt.get(p.tensor), self.ckpt.get(p.scale)
+            out[...] = transform(p, names.fp8_dequantize(w, s), info, slot)[index]
+            nbytes = w.nbytes + s.nbytes
+        elif direct and _full(index, slot.shape) and tuple(info.shape) == tuple(slot.shape) and out.flags.c_contiguous:
             self._raw_into(info, out)  # the bulk of the bytes: one copy, file -> output array
             nbytes = info.nbytes
         elif direct or (p.transform is names.identity and rows is None):

@@ -29,6 +29,8 @@ DTYPES = {"BOOL": np.dtype(bool), "U8": np.dtype(np.uint8), "I8": np.dtype(np.in
 def is_integer(dtype: str) -> bool:
     """A safetensors dtype of integers or booleans (which can fill integer parameters, never float ones)."""
     return DTYPES[dtype].kind in "biu"
+# read from the file's bytes: safetensors' numpy reader has no float8 dtypes
+_RAW = ("F8_E4M3", "F8_E5M2")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -170,14 +172,30 @@ class Checkpoint:
         return f
 
     def get(self, name: str) -> np.ndarray:
-        """Read one tensor into host memory (bfloat16 arrives as ml_dtypes.bfloat16)."""
+        """Read one tensor into host memory (bfloat16 arrives as ml_dtypes.bfloat16, float8 as ml_dtypes' float8)."""
         info = self.tensors[name]
+        if info.dtype in _RAW:
+            return self._raw(info)
         try:
             return self._handle(info.file).get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e})") from None
+
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes read from its file, as ``DTYPES[info.dtype]`` (the dtypes safetensors' numpy reader
+        does not know)."""
+        try:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.nbytes)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
+        if len(data) != info.nbytes:
+            raise CheckpointError(f"{info.file}: tensor {info.name!r}: file ended after {len(data)} of its "
+                                  f"{info.nbytes} bytes")
+        return np.frombuffer(data, DTYPES[info.dtype]).reshape(info.shape).copy()
 
     def get_slice(self, name: str):
         """A lazy slice handle (``handle[idx]`` reads only that region)."""

@@ -3,6 +3,7 @@
     write_checkpoint(path, "k3")            # tiny K3 as Moonshot ships it: text_config, language_model. keys,
                                             # MXFP4 experts as compressed-tensors packs them, F32 where the release is
     write_checkpoint(path, "k3.1")          # tiny K3.1: the K3 layout plus self_attn.indexer.* in each MLA layer
+    write_checkpoint(path, "k3.1", fp8_indexer=True)  # its indexer wq_b / wk FP8 in 128 x 128 blocks (DeepSeek-V3.2)
     write_checkpoint(path, "kimi_linear")   # Kimi Linear as HF transformers' save_pretrained writes it
     write_checkpoint(path, "llama")         # LlamaForCausalLM, likewise
     write_checkpoint(path, "k3", tokenizer=True)  # with a small Kimi-format tokenizer: text prompts work
@@ -51,8 +52,10 @@ class Spec:
     dtype: str
     shape: tuple
     init: str  # linear | embed | lm_head | norm | res_proj | conv | a_log | dt_bias | bias | mxfp4_packed | mxfp4_scale
+    # | fp8 | fp8_scale
     layer: int | None = None  # None: a global tensor (embeddings, final norm, lm_head)
     heads: int = 0  # a_log: real entries (the rest is zero padding)
+    weight: tuple = ()  # fp8_scale: the shape of the FP8 weight it scales
 
     @property
     def entry(self) -> Entry:
@@ -115,7 +118,15 @@ def _req(c: dict, key: str, where: str):
     return c[key]
 
 
-def _mla_specs(t: dict, p: str, D: int, dt: str, layer: int) -> list[Spec]:
+def _fp8_specs(name: str, shape: tuple, layer: int) -> list[Spec]:
+    """An FP8 block-quantized weight as DeepSeek-V3.2 stores its indexer's ``wq_b`` / ``wk``: float8_e4m3fn codes and
+    float32 ``weight_scale_inv [ceil(J/128), ceil(I/128)]``."""
+    blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
+    return [Spec(name, "F8_E4M3", shape, "fp8", layer),
+            Spec(name + "_scale_inv", "F32", blocks, "fp8_scale", layer, weight=shape)]
+
+
+def _mla_specs(t: dict, p: str, D: int, dt: str, layer: int, fp8_indexer: bool = False) -> list[Spec]:
     H = _req(t, "num_attention_heads", "config")
     nope, rope, v = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
     q_lora, kv_lora = t.get("q_lora_rank"), t["kv_lora_rank"]
@@ -136,9 +147,10 @@ def _mla_specs(t: dict, p: str, D: int, dt: str, layer: int) -> list[Spec]:
     HI, DI = dsa.get("index_n_heads", t.get("index_n_heads")), dsa.get("index_head_dim", t.get("index_head_dim"))
     if HI is not None and DI is not None:  # K3.1: the DSA indexer of every MLA layer (DeepSeek-V3.2's tensors)
         q = p + "indexer."
-        out += [Spec(q + "wq_b.weight", dt, (HI * DI, _req(t, "q_lora_rank", "config")), "linear", layer),
-                Spec(q + "wk.weight", dt, (DI, D), "linear", layer),
-                Spec(q + "weights_proj.weight", dt, (HI, D), "linear", layer),
+        for name, shape in (("wq_b", (HI * DI, _req(t, "q_lora_rank", "config"))), ("wk", (DI, D))):
+            out += (_fp8_specs(q + name + ".weight", shape, layer) if fp8_indexer
+                    else [Spec(q + name + ".weight", dt, shape, "linear", layer)])
+        out += [Spec(q + "weights_proj.weight", dt, (HI, D), "linear", layer),
                 Spec(q + "k_norm.weight", dt, (DI,), "norm", layer),
                 Spec(q + "k_norm.bias", dt, (DI,), "bias", layer)]
     return out
@@ -170,8 +182,9 @@ def _mlp_specs(p: str, D: int, inter: int, dt: str, layer: int) -> list[Spec]:
             Spec(p + "down_proj.weight", dt, (D, inter), "linear", layer)]
 
 
-def k3_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
-    """Every tensor of a K3 checkpoint in the release layout (K3_SPEC §3), from the raw config.json dict."""
+def k3_inventory(config: dict, dtype: str = "bfloat16", fp8_indexer: bool = False) -> list[Spec]:
+    """Every tensor of a K3 checkpoint in the release layout (K3_SPEC §3), from the raw config.json dict.
+    ``fp8_indexer``: K3.1's indexer ``wq_b`` and ``wk`` FP8-block-quantized, as DeepSeek-V3.2 ships them."""
     t = config.get("text_config")
     if not isinstance(t, dict):
         raise ValueError("K3 config needs a text_config object (the release's top-level kimi_k3 wrapper)")
@@ -209,7 +222,7 @@ def k3_inventory(config: dict, dtype: str = "bfloat16") -> list[Spec]:
         if i in kda:
             out += _kda_specs(p + "self_attn.", D, H, K, W, bool(lac.get("use_full_rank_gate")), a_log, dt, f32, i)
         else:
-            out += _mla_specs(t, p + "self_attn.", D, dt, i)
+            out += _mla_specs(t, p + "self_attn.", D, dt, i, fp8_indexer)
         if i < first_dense:
             out += _mlp_specs(p + "mlp.", D, t["intermediate_size"], dt, i)
             continue
@@ -320,6 +333,9 @@ def draw(spec: Spec, seed: int, hidden: int) -> np.ndarray:
     if kind in ("mxfp4_packed", "mxfp4_scale"):
         packed, scale = _expert(spec, seed)
         return packed if kind == "mxfp4_packed" else scale
+    if kind in ("fp8", "fp8_scale"):
+        codes, scale = _fp8_block(spec, seed)
+        return codes if kind == "fp8" else scale
     if kind == "linear":
         x = n(float(np.clip(1 / math.sqrt(shape[-1]), 0.02, 0.1)))
     elif kind == "embed":
@@ -359,6 +375,27 @@ def _expert(spec: Spec, seed: int):
         w *= np.exp2(rng.integers(-1, 2, (rows, cols // mxfp4.GROUP, 1))).astype(np.float32)
         _EXPERT_CACHE[key] = mxfp4.quantize_np(w.reshape(rows, cols).astype(ml_dtypes.bfloat16))
     return _EXPERT_CACHE[key]
+
+
+FP8_BLOCK, FP8_MAX = 128, 448.0  # DeepSeek's weight_block_size and float8_e4m3fn's largest finite value
+
+
+def _fp8_block(spec: Spec, seed: int):
+    """(codes float8_e4m3fn, scale_inv float32) of one FP8 weight: the linear init with each 128 x 128 block times
+    2**m, m in {-1, 0, 1} (so block scales differ), then per block ``scale_inv = amax / 448`` and codes
+    ``round(w / scale_inv)`` as DeepSeek's ``weight_quant`` writes them. Both tensors draw from the weight's name."""
+    name = spec.name.removesuffix("_scale_inv")
+    shape = spec.weight or spec.shape
+    rng = _rng(seed, name)
+    rows, cols = (-(-n // FP8_BLOCK) for n in shape)
+    w = float(np.clip(1 / math.sqrt(shape[1]), 0.02, 0.1)) * rng.standard_normal(shape, dtype=np.float32)
+    up = lambda a: np.repeat(np.repeat(a, FP8_BLOCK, 0)[:shape[0]], FP8_BLOCK, 1)[:, :shape[1]]  # noqa: E731
+    w *= up(np.exp2(rng.integers(-1, 2, (rows, cols))).astype(np.float32))
+    amax = np.abs(np.pad(w, [(0, rows * FP8_BLOCK - shape[0]), (0, cols * FP8_BLOCK - shape[1])]))
+    amax = amax.reshape(rows, FP8_BLOCK, cols, FP8_BLOCK).max(axis=(1, 3))
+    scale = np.maximum(amax, 1e-12).astype(np.float32) / np.float32(FP8_MAX)
+    codes = np.clip(w / up(scale), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return codes, scale
 
 
 # -- files ----------------------------------------------------------------------------------------------------
@@ -418,7 +455,7 @@ def with_special_ids(c: dict) -> dict:
 
 
 def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, seed: int = 0, num_shards: int = 2,
-                     dtype: str = "bfloat16", tokenizer: bool = False) -> str:
+                     dtype: str = "bfloat16", tokenizer: bool = False, fp8_indexer: bool = False) -> str:
     """Write a random checkpoint of ``family`` ("k3" | "kimi_linear" | "llama", or "k3.1": K3's layout with
     :func:`~kimi_jax.model.config.tiny_k31_config_dict`) to directory ``path``.
 
@@ -428,7 +465,9 @@ def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, se
     ``dtype``: the dtype of every tensor the release does not pin (F32 and U8 tensors stay as released).
     ``tokenizer``: also write a small BPE tokenizer in the Kimi format whose vocabulary is the model's, the config's
     special ids set to its specials (:func:`with_special_ids`); a checkpoint that cannot take one is refused before
-    anything is written, with :func:`tokenizer_problem`'s reason.
+    anything is written, with :func:`tokenizer_problem`'s reason. ``fp8_indexer``: K3.1's indexer ``wq_b`` and ``wk``
+    stored FP8-block-quantized (float8_e4m3fn + float32 ``weight_scale_inv`` per 128 x 128 block), as DeepSeek-V3.2
+    ships them; refused for a config without an indexer.
     Returns ``path``.
     """
     _check_family(family)
@@ -444,7 +483,9 @@ def write_checkpoint(path, family: str = "k3", *, config: dict | None = None, se
         if isinstance(c, dict):
             c.pop("torch_dtype", None)
             c["dtype"] = dtype
-    specs = INVENTORIES[family](config, dtype)
+    specs = INVENTORIES[family](config, dtype, **({"fp8_indexer": True} if fp8_indexer and family == "k3" else {}))
+    if fp8_indexer and not any(s.init == "fp8" for s in specs):
+        raise ValueError(f"fp8_indexer: this {family} config has no DSA indexer (K3.1's) whose weights could be FP8")
     text = config.get("text_config", config)
     hidden, layers = text["hidden_size"], text["num_hidden_layers"]
     groups = shard_groups(specs, layers, num_shards)

@@ -82,7 +82,7 @@ def _cmd_make_tiny(args):
             config = json.load(f)
     why = synthetic.tokenizer_problem(args.family, config)
     path = synthetic.write_checkpoint(args.dir, args.family, config=config, seed=args.seed, num_shards=args.shards,
-                                      dtype=args.dtype, tokenizer=why is None)
+                                      dtype=args.dtype, tokenizer=why is None, fp8_indexer=args.fp8_indexer)
     if why is None:
         print(f"wrote a random {args.family} checkpoint to {path}, with a tokenizer (tiktoken.model): text prompts "
               "work")
@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shards", type=int, default=2, help="safetensors files to split it into (default: %(default)s)")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of the tensors the release does not pin (default: %(default)s)")
+    t.add_argument("--fp8-indexer", action="store_true",
+                   help="k3.1: the indexer's wq_b and wk as float8_e4m3fn with a float32 weight_scale_inv per "
+                        "128 x 128 block, as DeepSeek-V3.2 stores them (loaded dequantized)")
     t.set_defaults(func=_cmd_make_tiny)
     train_cli.add_train_arguments(sub.add_parser(
         "train", help="train or LoRA-tune a model on text files (Orbax checkpoints, resumable; exports the HF layout)"))

@@ -27,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import cache_quant
 from kimi_jax.checkpoint.loading import auto_dtype, from_pretrained
 from kimi_jax.cli import progress
 from kimi_jax.cli.demo import build_demo_checkpoint, demo_model_dir
@@ -89,6 +90,13 @@ def quantize_argument(p: argparse.ArgumentParser):
     p.add_argument("--quantize", default=None, metavar="FORMAT",
                    help="weight-only format of the dense weights, quantized at load: int8, int4[:gN][:zero], nf4 "
                         "(from_pretrained(quantize=...))")
+
+
+def kv_cache_argument(p: argparse.ArgumentParser):
+    p.add_argument("--kv-cache", default=None, choices=[f for f in cache_quant.FORMATS if f],
+                   help="cache rows in int8 with a float32 scale per row: int8 = MLA latent, rope key, K3.1's "
+                        "indexer keys, GQA K / V; int8-index = K3.1's DSA indexer keys only, the latent kept in "
+                        "--dtype (default: every field in --dtype)")
 
 
 def compile_cache_arguments(p: argparse.ArgumentParser):

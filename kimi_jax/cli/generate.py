@@ -38,8 +38,7 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-len", type=int, default=None,
                    help="cache length: prompt + new tokens must fit (default: fits the request)")
-    p.add_argument("--kv-cache", default=None, choices=["int8"],
-                   help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
+    common.kv_cache_argument(p)
     p.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
                    help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
     common.quantize_argument(p)

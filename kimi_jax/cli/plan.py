@@ -48,8 +48,7 @@ def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
                          "in a fraction of the time; see kimi_jax/model/layer_plan.py for what it costs per step)")
     pl.add_argument("--quantize", default=None, metavar="FORMAT",
                     help="weight-only format of the dense weights: int8, int4[:gN][:zero], nf4 (kimi_jax.quantize)")
-    pl.add_argument("--kv-cache", default=None, choices=["int8"],
-                    help="MLA latent / GQA K,V cache rows in int8 with a float32 scale per row (default: --dtype)")
+    common.kv_cache_argument(pl)
     pl.add_argument("--kda-state", default=None, choices=["float32", "bfloat16"],
                     help="KDA recurrent state storage (default float32; the update runs in float32 either way)")
     pl.add_argument("--offload", default=None, metavar="KINDS",
@@ -118,9 +117,9 @@ def _plan(args) -> int:
     chunk = args.prefill_chunk if args.prefill_chunk is not None else (COMPILE_PREFILL_CHUNK if target else 0)
     serve = None
     if args.serve:  # the engine's own checks of its shapes, before any slow work
-        if args.kv_cache or args.kda_state or args.offload:
-            raise ValueError("--serve: the serving engine keeps its cache in --dtype on the device (no --kv-cache, "
-                             "--kda-state or --offload)")
+        if args.kda_state or args.offload:
+            raise ValueError("--serve: the serving engine keeps its cache on the device and its KDA state in float32 "
+                             "(no --kda-state or --offload)")
         chunk = args.prefill_chunk or SERVE_PREFILL_CHUNK
         serve = validate.shapes(slots=args.slots, max_len=args.max_len, page_size=args.page_size, pages=args.pages,
                                 prefill_chunk=chunk, min_chunk=chunk, snapshot_every=None, compact_decode=True)

@@ -54,6 +54,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                    help="tokens between snapshots inside a prompt (a multiple of --prefill-chunk; default: each chunk)")
     common.dtype_argument(p)
     common.quantize_argument(p)
+    common.kv_cache_argument(p)
     p.add_argument("--no-check-finite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them")
     p.add_argument("--speculative", default=None, metavar="SPEC",
@@ -168,7 +169,8 @@ def _start_engine(args, path: str, name: str, where: str, startup):
                         prefix_cache_bytes=int(args.prefix_cache_gb * 1e9),
                         prefix_host_bytes=int(args.prefix_host_gb * 1e9), snapshot_every=args.snapshot_every,
                         batch_invariant=args.batch_invariant, peer_timeout=args.peer_timeout,
-                        speculative=args.speculative, structured=_structured(args, got.tokenizer))
+                        speculative=args.speculative, structured=_structured(args, got.tokenizer),
+                        kv_cache=args.kv_cache)
     on = "one device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     _say(f"{where}{name} loaded in {got.seconds:.1f}s ({dtype}, {on}); compiling the engine's programs "
          f"({args.slots} slots, max_len {args.max_len})")

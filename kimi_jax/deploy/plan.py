@@ -173,7 +173,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
         p_used = 1 - (1 - moe.top_k / moe.num_experts) ** group_tokens  # expected share of local experts used
         read["routed experts (used)"] = int(sum(tot * p_used for tot in expert_local.values()))
     read["KDA state (read + write)"] = 2 * (cache["kda_state"] + cache["kda_conv"])
-    read["MLA / KV cache"] = _mla_read(cfg, cache["mla"], context) + cache["kv"]
+    read["MLA / KV cache"] = _mla_read(cfg, cache["mla"], context, dt, cache_options) + cache["kv"]
     seqs, seqs_loc = (1, 1) if serve is not None else (batch, b_loc)  # the engine prefills one sequence at a time
     prefill = (_prefill_activations(cfg, sizes, lay, specs, model, seqs, seqs_loc, prefill_chunk, dt)
                if prefill_chunk else {})
@@ -186,14 +186,17 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
                 drafter_bytes(drafter, batch, context, dt.name) if drafter is not None else {})
 
 
-def _mla_read(cfg, mla_bytes: int, context: int) -> int:
+def _mla_read(cfg, mla_bytes: int, context: int, dt, cache_options) -> int:
     """Bytes of the MLA cache (``mla_bytes``: latent, decoupled key part and K3.1's indexer keys) a decode step
     reads: all of it, or with K3.1's indexer every indexer key but only ``topk`` of the ``context`` latent rows (the
-    indexer key's share of a cached token by its width, as the cache stores them alike)."""
+    indexer key's share of a cached token's bytes, as ``cache_options`` store them: int8 keys beside a bf16 latent
+    under ``kv_cache="int8-index"``)."""
     mla = cfg.mla
-    if mla is None or mla.indexer is None:
+    if mla is None or mla.indexer is None or "mla" not in cfg.attn_types:
         return mla_bytes
-    ik = mla.indexer.head_dim / (mla.kv_lora_rank + mla.qk_rope_dim + mla.indexer.head_dim)
+    one = next(e for e in cache_shapes(cfg, 1, 1, dt, **(cache_options or {})).layers if isinstance(e, MLACache))
+    nbytes = lambda x: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(x))  # noqa: E731
+    ik = nbytes(one.ik) / nbytes(one)
     return int(mla_bytes * (ik + (1 - ik) * min(1.0, mla.indexer.topk / max(context, 1))))
 
 

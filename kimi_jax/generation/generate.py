@@ -325,7 +325,7 @@ class Generator:
 
     ``max_len``: cache length S (prompt + new tokens must fit). ``batch_buckets`` / ``prompt_buckets``:
     static shapes requests are padded to (defaults: powers of two; prompts from 16 up to ``max_len``).
-    ``kv_cache`` (None or ``"int8"``) and ``kda_state`` (None = float32, or bfloat16): how the cache stores its
+    ``kv_cache`` (None, ``"int8"`` or, K3.1, ``"int8-index"``) and ``kda_state`` (None = float32, or bfloat16): how the cache stores its
     rows and the KDA state (:mod:`kimi_jax.model.cache`).
     ``prefill_chunk``: the most prompt tokens one prefill call takes; longer prompts are prefilled in chunks of it
     (or of less, when the memory budget asks for it). ``memory_budget``: bytes per device a request may use for its

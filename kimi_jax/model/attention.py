@@ -14,7 +14,8 @@ Kimi K3.1's MLA layers carry a DSA indexer (:class:`Indexer`): each query attend
 (``kernels_pallas.dsa``), and the cache entry keeps the indexer keys beside the latent, on the same slots / pages.
 
 A cache entry's fields may be int8 rows (:class:`kernels_pallas.cache_quant.Int8Rows`, ``kv_cache="int8"`` in
-:mod:`kimi_jax.model.cache`): rows are quantized as they are stored and the kernels read the codes. A bfloat16 KDA
+:mod:`kimi_jax.model.cache`; ``"int8-index"``: the indexer keys alone, so one entry mixes int8 and plain fields): rows
+are quantized as they are stored (per field) and the kernels read the codes. A bfloat16 KDA
 state is widened to float32 for the update and rounded back when stored.
 """
 

@@ -12,6 +12,10 @@ Two storage options, chosen where the cache is built (every function below takes
 * ``kv_cache="int8"``: each MLA / GQA field is a :class:`kernels_pallas.cache_quant.Int8Rows` (int8 codes and a
   float32 scale per row: per token for ``c`` and ``kpe``, per token and kv head for ``k`` and ``v``), quantized as
   rows are written; the attention kernels read the codes. K3: 576 + 8 bytes per MLA token instead of 1152 (bf16).
+* ``kv_cache="int8-index"`` (K3.1 only): only the DSA indexer keys ``ik`` are int8 rows (one scale per token): they
+  only rank keys for the top-k selection, while ``c`` and ``kpe`` stay in the model dtype (the attention reads them
+  exactly). K3.1: 128 + 4 bytes of indexer key per MLA token instead of 256 (bf16). Every reader takes a field as it
+  is (``cache_quant.dense`` / ``is_int8`` per field), so an entry may mix int8 and plain fields.
 * ``kda_state=jnp.bfloat16``: the KDA state stored in bfloat16, widened to float32 for each update and rounded back
   when stored (half the bytes; the recurrence itself stays float32).
 
@@ -119,8 +123,10 @@ def _state_dtype(kda_state):
 
 
 def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype, kv_cache=None, kda_state=None):
-    def rows(shape):
-        return Int8Rows.shapes(shape) if kv_cache == "int8" else jax.ShapeDtypeStruct(shape, dtype)
+    def rows(shape, index=False):  # index: the DSA indexer keys, int8 under "int8-index" too
+        if kv_cache == "int8" or (index and kv_cache == "int8-index"):
+            return Int8Rows.shapes(shape)
+        return jax.ShapeDtypeStruct(shape, dtype)
 
     if kind == "kda":
         k = cfg.kda
@@ -129,14 +135,17 @@ def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype, 
         return KDACache(tail, tail, tail, state)
     if kind == "mla":
         m = cfg.mla
-        ik = None if m.indexer is None else rows((batch, max_len, m.indexer.head_dim))
+        ik = None if m.indexer is None else rows((batch, max_len, m.indexer.head_dim), index=True)
         return MLACache(rows((batch, max_len, m.kv_lora_rank)), rows((batch, max_len, m.qk_rope_dim)), ik)
     g = cfg.gqa
     return KVCache(rows((batch, max_len, g.num_kv_heads, g.head_dim)), rows((batch, max_len, g.num_kv_heads, g.head_dim)))
 
 
-def _options(kv_cache, kda_state):
+def _options(cfg: ModelConfig, kv_cache, kda_state):
     cache_quant.check(kv_cache)
+    if kv_cache == "int8-index" and (cfg.mla is None or cfg.mla.indexer is None or "mla" not in cfg.attn_types):
+        raise ValueError(f"kv_cache='int8-index' stores K3.1's DSA indexer keys in int8, but this {cfg.family} model "
+                         "has no indexer: use kv_cache='int8' (every cache field) or None")
     _state_dtype(kda_state)
     return dict(kv_cache=kv_cache, kda_state=kda_state)
 
@@ -144,9 +153,9 @@ def _options(kv_cache, kda_state):
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, scan: bool = False,
                  kv_cache: str | None = None, kda_state=None) -> Cache:
     """The cache as ``ShapeDtypeStruct`` leaves: no memory. ``scan``: laid out for a model with scanned layers.
-    ``kv_cache`` (None or ``"int8"``) and ``kda_state`` (None = float32, or bfloat16): the storage options of the
-    module docstring."""
-    opts = _options(kv_cache, kda_state)
+    ``kv_cache`` (None, ``"int8"`` or ``"int8-index"``) and ``kda_state`` (None = float32, or bfloat16): the storage
+    options of the module docstring."""
+    opts = _options(cfg, kv_cache, kda_state)
     plan = layer_plan(cfg, scan)
     dt = jnp.dtype(dtype)
     layers = tuple(None if i in plan.scanned else _layer_shapes(cfg, kind, batch, max_len, dt, **opts)
@@ -162,8 +171,8 @@ def paged_cache_shapes(cfg: ModelConfig, slots: int, n_pages: int, page_size: in
                        scan: bool = False, kv_cache: str | None = None, kda_state=None) -> Cache:
     """The paged cache as ``ShapeDtypeStruct`` leaves: per-slot KDA entries, ``[n_pages, page_size, ...]`` pools
     (int8 pools with ``kv_cache="int8"``: codes ``[n_pages, page_size, ...]``, scales ``[n_pages, page_size, ...,
-    1]``)."""
-    opts = _options(kv_cache, kda_state)
+    1]``; ``"int8-index"``: the indexer key pools alone)."""
+    opts = _options(cfg, kv_cache, kda_state)
     plan = layer_plan(cfg, scan)
     dt = jnp.dtype(dtype)
 

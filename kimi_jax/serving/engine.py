@@ -95,13 +95,15 @@ class Engine:
     are computed on the host (:mod:`kimi_jax.text.grammar`) and applied on the device before sampling: every compute
     program takes one bitmask per row (a row without a constraint allows every id, which leaves its logits as they
     are, bit for bit), so the programs are as many as without and none compiles under load.
+    ``kv_cache``: the page pools' row format (:mod:`kimi_jax.model.cache`): None (the model dtype), ``"int8"`` or,
+    for K3.1, ``"int8-index"`` (only the DSA indexer keys in int8).
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, slots: int = 8, max_len: int = 2048,
                  page_size: int = 64, pages: int | None = None, prefill_chunk: int = 256, min_chunk: int = 64,
                  prefix_cache_bytes: int = 1 << 30, prefix_host_bytes: int = 0, snapshot_every: int | None = None,
                  compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
-                 peer_timeout: float = 20.0, speculative=None, structured: bool = False):
+                 peer_timeout: float = 20.0, speculative=None, structured: bool = False, kv_cache: str | None = None):
         drafter = _drafter(speculative, model)
         if drafter is not None and (batch_invariant or record_logits):
             raise EngineError("speculative decoding: not with batch_invariant or record_logits yet")
@@ -115,7 +117,7 @@ class Engine:
         self.cfg, self.tokenizer = model.cfg, tokenizer
         self.slots, self.max_len, self.page_size, self.n_pages = sh.slots, sh.max_len, sh.page_size, sh.n_pages
         try:
-            self.executor = Executor(model, sh, record=record_logits,
+            self.executor = Executor(model, sh, record=record_logits, kv_cache=kv_cache,
                                      drafter=None if isinstance(drafter, speculative_mod.NGram) else drafter)
         except CacheTooLarge as e:
             raise EngineError(str(e)) from None

@@ -83,15 +83,17 @@ class Executor:
     (:class:`~kimi_jax.generation.speculative.DraftModel`): its weights (replicated on a mesh) and its own paged
     cache on the same page table join the state (prefix snapshots and pages carry its KDA states and pools beside
     the target's); it prefills each chunk the target does, and every compute op ending a prompt or decoding also
-    has it follow the kept tokens and draft each row's next block (:func:`kimi_jax.serving.steps.model_draft_step`)."""
+    has it follow the kept tokens and draft each row's next block (:func:`kimi_jax.serving.steps.model_draft_step`).
+    ``kv_cache``: the pools' row format (:func:`kimi_jax.model.cache.paged_cache`: None, ``"int8"`` or
+    ``"int8-index"``); snapshots, spills and page copies move every field of a pool alike."""
 
-    def __init__(self, model, shapes: Shapes, *, record: bool = False, drafter=None):
-        self.shapes, self.record = shapes, bool(record)
+    def __init__(self, model, shapes: Shapes, *, record: bool = False, drafter=None, kv_cache: str | None = None):
+        self.shapes, self.record, self.kv_cache = shapes, bool(record), kv_cache
         self.cfg, self.dtype, self.scan = model.cfg, model.run.dtype, model.run.scan_layers
         self.graphdef, self.params = nnx.split(model)
         parallel = model.run.parallel
         self.cache_shapes = paged_cache_shapes(self.cfg, shapes.slots, shapes.n_pages, shapes.page_size, self.dtype,
-                                               scan=self.scan)
+                                               scan=self.scan, kv_cache=kv_cache)
         self.shardings = None if parallel is None else paged_cache_shardings(
             self.cfg, self.cache_shapes, parallel.mesh, parallel.layout)
         self.replicated = None if parallel is None else jax.sharding.NamedSharding(parallel.mesh,
@@ -173,7 +175,7 @@ class Executor:
             # committed): a program compiled for an uncommitted cache would compile again for a committed one
             device = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.cache = jax.device_put(paged_cache(self.cfg, sh.slots, sh.n_pages, sh.page_size, self.dtype,
-                                                    scan=self.scan), device)
+                                                    scan=self.scan, kv_cache=self.kv_cache), device)
         else:
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.cache_shapes)  # noqa: E731
             self.cache = jax.jit(zeros, out_shardings=self.shardings)()
