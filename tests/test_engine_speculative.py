@@ -154,7 +154,7 @@ def test_refusals(model, capsys):
     assert main(["serve", "--speculative", "ngram", "--batch-invariant"]) == 2
     assert "not with --batch-invariant" in capsys.readouterr().err
     assert main(["serve", "--speculative", "draft:/nowhere"]) == 2
-    assert "draft models do not run in the server" in capsys.readouterr().err
+    assert "no draft model at '/nowhere'" in capsys.readouterr().err
     assert main(["serve", "--speculative", "dspark:/nowhere"]) == 2  # its config.json read before the model loads
     assert "/nowhere" in capsys.readouterr().err
 
@@ -276,3 +276,78 @@ def test_shipped_demo_drafter_in_the_engine():
     # more than half the new tokens were accepted drafts: over 2 tokens per slot and forward
     assert st["compiles_after_warmup"] == 0 and st["spec_accepted"] > new / 2, st
     assert st["spec_accepted"] > 0.6 * st["spec_drafted"], st
+
+
+def _draft_engine_run(eng, plain, prompts, V):
+    """Greedy replies through ``eng`` equal ``plain``'s: requests of mixed lengths in flight (a 3-chunk prompt among
+    them), a prefix hit, and a cancellation mid-reply after which the slot serves the next request correctly."""
+    want = plain.generate(prompts, max_tokens=16, stop_ids=())
+    got = eng.generate(prompts, max_tokens=16, stop_ids=())
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+
+    a = prompts[2]  # its prompt's snapshot at 32 tokens is a prefix hit for this one
+    tail = _prompts(V, (9,), seed=2)[0]
+    cold = plain.generate([a[:40] + tail], max_tokens=16, stop_ids=())[0]
+    hit = eng.generate([a[:40] + tail], max_tokens=16, stop_ids=())[0]
+    assert hit.cached_tokens == 32 and hit.tokens == cold.tokens
+
+    b, c = _prompts(V, (12, 20), seed=3)
+    wb, wc = (plain.generate([p], max_tokens=n, stop_ids=())[0] for p, n in ((b, 30), (c, 12)))
+    h = eng.submit(Request(b, max_tokens=30, stop_ids=()))
+    for _ in range(200):
+        eng.step()
+        if any(s is not None and len(s.out) >= 5 for s in eng.running):
+            break
+    h.cancel()
+    for _ in range(20):
+        eng.step()
+        if h.finished:
+            break
+    r = h.result(timeout=10)
+    assert r.finish_reason == "abort" and len(r.tokens) >= 5 and r.tokens == wb.tokens[: len(r.tokens)]
+    assert eng.generate([c], max_tokens=12, stop_ids=())[0].tokens == wc.tokens
+    st = eng.stats()
+    assert st["slots_busy"] == 0 and st["compiles_after_warmup"] == 0 and st["spec_steps"] > 0, st
+    return st
+
+
+# K3 -m slow (~100 s on 2 cores, mostly compiles); Kimi Linear covers KDA + MLA in the default set (~40 s)
+@pytest.mark.parametrize("family", [pytest.param("k3", marks=pytest.mark.slow), "kimi_linear"])
+def test_draft_model_in_the_engine_follows_the_target_exactly(family, models, k3_golden):
+    """A model drafting for itself (``DraftModel``): its own paged cache must hold exactly what the target's does --
+    after its prefills, after every verify step it follows, across its own drafting steps (whose KDA states it
+    drops), a prefix hit (its snapshot and pages restored) and a cancellation -- so every draft it makes is the
+    target's greedy token and is accepted; the replies are the plain engine's (K3: and the fixture's golden
+    tokens)."""
+    model, plain = models(family)
+    V = model.cfg.vocab_size
+    first = k3_golden["input_ids"].tolist() if family == "k3" else _prompts(V, (23, 11), seed=0)
+    prompts = first + _prompts(V, (70, 5), seed=1)
+    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(model, k=K))
+    eng.warmup()
+    if family == "k3":
+        got = eng.generate(prompts[:2], max_tokens=k3_golden["greedy_tokens"].shape[1], stop_ids=())
+        np.testing.assert_array_equal(np.array([g.tokens for g in got]), k3_golden["greedy_tokens"])
+    st = _draft_engine_run(eng, plain, prompts, V)
+    assert st["spec_accepted"] == st["spec_drafted"] > 0, st
+    assert st["decode_steps"] * 2 < st["finished"] * 16  # about k + 1 tokens per step
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: another engine's programs
+def test_draft_model_in_the_engine_with_rejections(models):
+    """A draft model that disagrees with the target (the K3 fixture with its output head perturbed): drafts are
+    rejected at every depth, the draft model's cache follows only the kept positions, and the replies stay the
+    plain engine's."""
+    import jax
+    from flax import nnx
+
+    model, plain = models("k3")
+    V = model.cfg.vocab_size
+    draft = nnx.merge(*nnx.split(model))  # new modules over the same arrays; the head below is replaced
+    head = draft.embed_tokens if model.cfg.tie_word_embeddings else draft.lm_head
+    noise = np.random.default_rng(9).standard_normal(head.value.shape)
+    head.value = head.value + jax.numpy.asarray(0.5 * noise * float(jax.numpy.std(head.value)), head.value.dtype)
+    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(draft, k=K))
+    eng.warmup()
+    st = _draft_engine_run(eng, plain, _prompts(V, (23, 11, 70, 5), seed=0), V)
+    assert 0 < st["spec_accepted"] < st["spec_drafted"], st

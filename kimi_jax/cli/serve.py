@@ -60,7 +60,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--speculative", default=None, metavar="SPEC",
                    help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts each reply's next tokens from its "
                         "prompt and reply so far; 'dspark:PATH[,k=N]' runs a DSpark drafter (the released k3_dspark "
-                        "layout) on the device beside the model; a step where some request drafted checks every "
+                        "layout) on the device beside the model; 'draft:PATH[,k=N]' a smaller model of the family "
+                        "(same vocabulary) with its own paged cache; a step where some request drafted checks every "
                         "slot's drafts in one forward (greedy replies unchanged; default: off)")
     p.add_argument("--structured-outputs", choices=["auto", "on", "off"], default="auto",
                    help="constrained decoding (response_format, a forced tool_choice, structured_outputs): every "
@@ -101,10 +102,12 @@ def run_serve(args):
     if not args.peer_timeout > 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     if args.speculative:
-        if args.speculative.partition(":")[0] == "draft":
-            raise ValueError("--speculative draft:PATH: draft models do not run in the server yet (kimi-jax generate "
-                             "runs them); use 'ngram' or 'dspark:PATH'")
-        speculative.parse(args.speculative, weights=False)  # a wrong spec is named before anything loads
+        name, _, rest = args.speculative.partition(":")
+        path = rest.partition(",")[0]
+        if name == "draft" and path and path != "demo" and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--speculative {args.speculative}: no draft model at {path!r} (no config.json there)")
+        if name != "draft":
+            speculative.parse(args.speculative, weights=False)  # a wrong spec is named before anything loads
         if args.batch_invariant:
             raise ValueError("--speculative: not with --batch-invariant yet")
     common.setup_compile_cache(args)
