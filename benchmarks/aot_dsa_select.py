@@ -12,10 +12,8 @@ Writes ``benchmarks/results/aot_dsa_select.json`` (``--json`` elsewhere) with th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -24,7 +22,7 @@ import jax.numpy as jnp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.aot_sparse_mla import compile_one  # noqa: E402
+from benchmarks.aot_sparse_mla import compile_one, write_results  # noqa: E402
 from kernels_pallas.dsa import reference, streaming  # noqa: E402
 from kimi_jax.deploy import aot  # noqa: E402
 
@@ -61,15 +59,8 @@ def main(argv=None):
                 r.pop("pallas_kernel", None)
                 rows.append({"target": target, "case": case, "batch": batch, "queries": queries, "form": name, **r})
                 print(json.dumps(rows[-1]), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                            text=True, check=False).stdout.strip()
-    shapes = {"heads": a.heads, "head_dim": a.head_dim, "topk": a.topk, "context": a.context,
-              "key_block": streaming.KEY_BLOCK}
-    out = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
-           "jax": jax.__version__, "shapes": shapes, "cache_dtype": "bfloat16", "results": rows}
-    with open(a.json, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", a.json)
+    write_results(a.json, {"heads": a.heads, "head_dim": a.head_dim, "topk": a.topk, "context": a.context,
+                           "key_block": streaming.KEY_BLOCK}, rows)
 
 
 if __name__ == "__main__":

@@ -92,14 +92,18 @@ def main(argv=None):
                 r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"}
             rows.append({"target": target, "op": name, **r})
             print(json.dumps(rows[-1]), flush=True)
+    write_results(a.json, {k: getattr(a, k) for k in ("batch", "heads", "latent", "rope", "context", "topk")}, rows)
+
+
+def write_results(path: str, shapes: dict, rows: list) -> None:
+    """The compilers' figures ``rows`` at ``shapes`` as JSON at ``path``, with the date, commit and JAX version."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True, check=False).stdout.strip()
-    shapes = {k: getattr(a, k) for k in ("batch", "heads", "latent", "rope", "context", "topk")}
     out = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
            "jax": jax.__version__, "shapes": shapes, "cache_dtype": "bfloat16", "results": rows}
-    with open(a.json, "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print("wrote", a.json)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,26 @@ def _oracle(monkeypatch, replies: dict):
     monkeypatch.setattr(scheduler_mod.speculative, "ngram_draft_host", draft)
 
 
+def _cancel_mid_reply(eng, b, wb, c, wc):
+    """Request ``b`` (30 tokens) cancelled after 5: it ends "abort" with a prefix of its plain reply ``wb``; then
+    ``c`` (12 tokens) gets its plain reply ``wc``, and every slot is free."""
+    h = eng.submit(Request(b, max_tokens=30, stop_ids=()))
+    for _ in range(200):
+        eng.step()
+        if any(s is not None and len(s.out) >= 5 for s in eng.running):
+            break
+    h.cancel()
+    for _ in range(20):
+        eng.step()
+        if h.finished:
+            break
+    assert h.finished
+    r = h.result(timeout=10)
+    assert r.finish_reason == "abort" and len(r.tokens) >= 5 and r.tokens == wb.tokens[: len(r.tokens)]
+    assert eng.generate([c], max_tokens=12, stop_ids=())[0].tokens == wc.tokens
+    assert eng.stats()["slots_busy"] == 0
+
+
 def test_host_drafter_matches_the_device_drafter():
     """The scheduler's n-gram lookup (numpy, per sequence) proposes what the compiled one does."""
     import jax.numpy as jnp
@@ -116,21 +136,7 @@ def test_speculative_engine_equals_the_plain_engine(family, models, k3_golden, m
     wb = plain.generate([b], max_tokens=30, stop_ids=())[0]
     wc = plain.generate([c], max_tokens=12, stop_ids=())[0]
     _oracle(monkeypatch, {tuple(b): wb.tokens, tuple(c): wc.tokens})
-    h = eng.submit(Request(b, max_tokens=30, stop_ids=()))
-    for _ in range(200):
-        eng.step()
-        if any(s is not None and len(s.out) >= 5 for s in eng.running):
-            break
-    h.cancel()
-    for _ in range(20):
-        eng.step()
-        if h.finished:
-            break
-    assert h.finished
-    r = h.result(timeout=10)
-    assert r.finish_reason == "abort" and len(r.tokens) >= 5 and r.tokens == wb.tokens[: len(r.tokens)]
-    assert eng.generate([c], max_tokens=12, stop_ids=())[0].tokens == wc.tokens
-    assert eng.stats()["slots_busy"] == 0
+    _cancel_mid_reply(eng, b, wb, c, wc)
 
     # a request that opts out (the server's "speculative": false) is decoded without drafts
     drafted = eng.stats()["spec_drafted"]
@@ -293,19 +299,7 @@ def _draft_engine_run(eng, plain, prompts, V):
 
     b, c = _prompts(V, (12, 20), seed=3)
     wb, wc = (plain.generate([p], max_tokens=n, stop_ids=())[0] for p, n in ((b, 30), (c, 12)))
-    h = eng.submit(Request(b, max_tokens=30, stop_ids=()))
-    for _ in range(200):
-        eng.step()
-        if any(s is not None and len(s.out) >= 5 for s in eng.running):
-            break
-    h.cancel()
-    for _ in range(20):
-        eng.step()
-        if h.finished:
-            break
-    r = h.result(timeout=10)
-    assert r.finish_reason == "abort" and len(r.tokens) >= 5 and r.tokens == wb.tokens[: len(r.tokens)]
-    assert eng.generate([c], max_tokens=12, stop_ids=())[0].tokens == wc.tokens
+    _cancel_mid_reply(eng, b, wb, c, wc)
     st = eng.stats()
     assert st["slots_busy"] == 0 and st["compiles_after_warmup"] == 0 and st["spec_steps"] > 0, st
     return st
