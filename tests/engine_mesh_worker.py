@@ -1,7 +1,7 @@
 """The serving engine on a mesh of 8 simulated CPU devices (run by tests/test_engine.py in a subprocess: jax must see
 the devices from its first import). Serves the same requests, prefix hits included, on one device and on a mesh;
-prints one JSON line of the largest logit difference and whether every token matched. A third argument, a DSpark
-drafter's directory: both engines run it (``speculative="dspark:DIR"``; no logits recorded then)."""
+prints one JSON line of the largest logit difference and whether every token matched. A third argument, a drafter
+(``"dspark:DIR"``, ``"draft:DIR"``): both engines run it (no logits recorded then)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from kimi_jax.serving.engine import Engine  # noqa: E402
 
 
 def serve(model, prompts, drafter=None):
-    spec = dict(speculative=f"dspark:{drafter}") if drafter else dict(record_logits=True)
+    spec = dict(speculative=drafter) if drafter else dict(record_logits=True)
     eng = Engine(model, slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, **spec)
     eng.warmup()
     first = eng.generate(prompts[:2], max_tokens=6, stop_ids=())

@@ -303,18 +303,7 @@ def test_engine_on_a_mesh_equals_one_device(k3_tiny_a, mesh, state_spec):
     """The engine with a model sharded over 8 simulated devices (data x expert x model): the same tokens and logits
     as on one device, prefix hits included, KDA state split over the mesh, and no compile after warm-up (every
     written cache keeps its sharding). KDA state: slots over data, heads over model (whole on an expert-only mesh)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.engine_mesh_worker", k3_tiny_a, mesh], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = _mesh_worker(k3_tiny_a, mesh)
     assert r["tokens_equal"] and r["max_diff"] < TOL, r
     assert r["cached"] == [0, 0, 45, 20], r
     assert r["compiles_after_warmup"] == 0, r
@@ -328,8 +317,6 @@ def test_dspark_engine_on_a_mesh_equals_one_device(k3_tiny_a, tmp_path):
     warm-up."""
     import json
     import os
-    import subprocess
-    import sys
 
     from tests import dspark_oracle as oracle
     from tests.test_dspark import _write
@@ -340,15 +327,36 @@ def test_dspark_engine_on_a_mesh_equals_one_device(k3_tiny_a, tmp_path):
     cfg = oracle.tiny_config(target["vocab_size"], hidden_size=H, target_hidden_size=H, target_layer_ids=[1, 4, 8],
                              num_target_layers=3, block_size=3)
     drafter = _write(tmp_path, cfg, oracle.random_checkpoint(cfg, seed=2))
+    r = _mesh_worker(k3_tiny_a, "2x1x4", f"dspark:{drafter}")
+    assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
+    assert r["spec"]["spec_steps"] > 0, r
+
+
+def _mesh_worker(path, mesh, *drafter):
+    """tests/engine_mesh_worker.py (the model at ``path``, a ``mesh`` of 8 CPU devices such as ``"2x1x4"``, a
+    drafter if given) in a subprocess: its JSON result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.engine_mesh_worker", k3_tiny_a, "2x1x4", drafter], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.engine_mesh_worker", path, mesh, *drafter], cwd=root,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # ~3-5 min on 2 cores (two 8-device engines with a draft model in a subprocess)
+def test_draft_model_engine_on_a_mesh_equals_one_device(k3_tiny_a):
+    """A draft model in the engine on a data x model mesh (the K3 fixture drafting for itself; its weights and cache
+    replicated): the same greedy tokens as on one device, prefix hits included, every draft accepted, no compile
+    after warm-up."""
+    r = _mesh_worker(k3_tiny_a, "2x1x4", f"draft:{k3_tiny_a},k=3")
     assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
-    assert r["spec"]["spec_steps"] > 0, r
+    assert r["spec"]["spec_accepted"] == r["spec"]["spec_drafted"] > 0, r
 
 
 def test_prefix_pages_spill_to_host_and_come_back(families, engines):
