@@ -1,6 +1,7 @@
 """K3.1's DSA selection (``kernels_pallas/dsa``) compiled deviceless by the real TPU and GPU compilers at full K3.1
 indexer shapes (32 heads x 128, top-2048), the reference (all scores at once) beside the streaming form (keys in
-blocks, a running top-k), with the compilers' memory and cost analysis per device: a prefill chunk of 2,048 queries
+blocks, a running top-k) and the op's automatic choice on one chip (the streaming form with the Pallas scores
+kernel), with the compilers' memory and cost analysis per device: a prefill chunk of 2,048 queries
 and a decode step of 8 sequences, each over a 128K-token bf16 indexer-key cache.
 
     python benchmarks/aot_dsa_select.py                      # v5p, v6e, H200
@@ -23,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.aot_sparse_mla import compile_one, write_results  # noqa: E402
+from kernels_pallas import dsa  # noqa: E402
 from kernels_pallas.dsa import reference, streaming  # noqa: E402
 from kimi_jax.deploy import aot  # noqa: E402
 
@@ -46,7 +48,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     aot.cpu_runtime()
     cases = {"prefill_chunk": (1, 2048), "decode": (8, 1)}
-    forms = {"reference": reference.select, "streaming": streaming.select}
+    forms = {"reference": reference.select, "streaming": streaming.select, "automatic (pallas)": dsa.select}
     rows = []
     for target in a.targets:
         for case, (batch, queries) in cases.items():
@@ -56,7 +58,6 @@ def main(argv=None):
                     r = compile_one(target, lambda *x, fn=fn: fn(*x, topk=a.topk), args)
                 except Exception as e:  # noqa: BLE001  (the compiler's refusal is a result too)
                     r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"}
-                r.pop("pallas_kernel", None)
                 rows.append({"target": target, "case": case, "batch": batch, "queries": queries, "form": name, **r})
                 print(json.dumps(rows[-1]), flush=True)
     write_results(a.json, {"heads": a.heads, "head_dim": a.head_dim, "topk": a.topk, "context": a.context,

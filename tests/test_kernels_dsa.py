@@ -70,7 +70,8 @@ def test_automatic_choice_streams_long_contexts():
                       jax.ShapeDtypeStruct((B, S, K), F32), jax.ShapeDtypeStruct((B, T), jnp.int32))
     assert dsa.SELECT_OP.choose(None, args(short), dict(topk=topk)) == "reference"
     assert dsa.SELECT_OP.choose(None, args(long_), dict(topk=topk)) == "streaming"
-    assert dsa.SELECT_OP.choose("pallas_interpret", args(long_), dict(topk=topk)) == "streaming"  # no Pallas form
+    assert dsa.SELECT_OP.choose("pallas", args(long_), dict(topk=topk)) == "streaming"  # no Pallas on CPU
+    assert dsa.SELECT_OP.choose("pallas_interpret", args(long_), dict(topk=topk)) == "pallas_interpret"
     assert dsa.SELECT_OP.choose("reference", args(long_), dict(topk=topk)) == "reference"
     pages = (*args(0)[:2], jax.ShapeDtypeStruct((64, 64, K), F32), jax.ShapeDtypeStruct((B, 64), jnp.int32),
              args(0)[3])
@@ -91,3 +92,38 @@ def test_streaming_memory_does_not_grow_with_the_context():
     for S in (1 << 14, 1 << 16):
         assert temp(reference.select, S) >= B * T * S * 4
         assert temp(streaming.select, S) < 4 * bound, (S, temp(streaming.select, S), bound)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])  # each backend's block rules, run by the interpreter
+def test_pallas_scores_equal_the_reference(platform):
+    """The kernel's scores equal the reference's bit for bit on integer-valued operands (exact in float32; -inf past
+    each query), and so the selection (static and paged), including decode-shaped calls of one query."""
+    from kernels_pallas.dsa import pallas
+
+    rng = np.random.default_rng(11)
+    for B, T, S, H, K, topk in ((2, 6, 37, 3, 4, 5), (1, 9, 150, 4, 16, 8), (3, 1, 100, 2, 8, 16)):
+        q_pos = np.sort(rng.integers(0, S, (B, T)), axis=1)
+        q, w, k, pos = _operands(rng, B, T, S, H, K, q_pos, integer=True)
+        got = pallas.block_scores(q, w, k, pos, platform=platform, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.index_scores(q, w, k, pos)))
+        want = reference.select(q, w, k, pos, topk=topk)
+        got = pallas.select(q, w, k, pos, topk=topk, platform=platform, interpret=True, key_block=64)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    page, P = 16, 5
+    q, w, k, pos = _operands(rng, 2, 3, P * page, 2, 4, [[3, 40, 79], [0, 17, 18]], integer=True)
+    pool, table = k.reshape(2 * P, page, 4), jnp.asarray(rng.permutation(2 * P).reshape(2, P), jnp.int32)
+    got = pallas.paged_select(q, w, pool, table, pos, topk=6, platform=platform, interpret=True, key_block=32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.paged_select(q, w, pool, table, pos, topk=6)))
+
+
+def test_int8_keys_pass_over_the_kernel():
+    """int8 keys: the automatic choice on GPU runs a plain-XLA form; asking for the kernel raises."""
+    from kernels_pallas._dispatch import KernelUnavailable
+
+    B, T, H, K, S = 1, 2, 2, 4, 64
+    args = (jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H), F32),
+            cache_quant.quantize(jnp.zeros((B, S, K), F32)), jax.ShapeDtypeStruct((B, T), jnp.int32))
+    assert dsa.SELECT_OP.choose("pallas_interpret", args[:2] + (jnp.zeros((B, S, K)),) + args[3:],
+                                dict(topk=8)) == "pallas_interpret"
+    with pytest.raises(KernelUnavailable, match="int8"):
+        dsa.SELECT_OP.choose("pallas_interpret", args, dict(topk=8))

@@ -25,9 +25,10 @@ from kernels_pallas.dsa.reference import index_scores
 KEY_BLOCK = 2048  # keys per step: [B, T, KEY_BLOCK + X] float32 live
 
 
-def _stream(q_BTHK, w_BTH, keys_at, n_blocks: int, block: int, S: int, q_pos_BT, topk: int):
+def _stream(q_BTHK, w_BTH, keys_at, n_blocks: int, block: int, S: int, q_pos_BT, topk: int, scores):
     """The selection over ``n_blocks`` key blocks of ``block`` positions, block ``j`` being ``keys_at(j)`` ``[B,
-    block, K]`` at positions ``j * block + i`` (those at ``S`` or beyond: none)."""
+    block, K]`` at positions ``j * block + i`` (those at ``S`` or beyond: none), scored by ``scores`` (the
+    reference's :func:`~kernels_pallas.dsa.reference.index_scores` or a kernel of its signature)."""
     B, T = q_pos_BT.shape
     X = min(int(topk), S)
     down = jnp.arange(block - 1, -1, -1)  # a block's positions, last first
@@ -35,7 +36,7 @@ def _stream(q_BTHK, w_BTH, keys_at, n_blocks: int, block: int, S: int, q_pos_BT,
     def step(j, kept):
         vals, pos = kept
         first = j * block
-        s = index_scores(q_BTHK, w_BTH, keys_at(j), q_pos_BT - first)[..., ::-1]  # [B, T, block], last key first
+        s = scores(q_BTHK, w_BTH, keys_at(j), q_pos_BT - first)[..., ::-1]  # [B, T, block], last key first
         at = jnp.broadcast_to(first + down, s.shape)
         s = jnp.where(at < S, s, -jnp.inf)
         cand_v, cand_p = jnp.concatenate([s, vals], -1), jnp.concatenate([at, pos], -1)
@@ -47,7 +48,7 @@ def _stream(q_BTHK, w_BTH, keys_at, n_blocks: int, block: int, S: int, q_pos_BT,
     return jnp.where(vals > -jnp.inf, pos, -1).astype(jnp.int32)
 
 
-def select(q_BTHK, w_BTH, k_BSK, q_pos_BT, *, topk, key_block=KEY_BLOCK):
+def select(q_BTHK, w_BTH, k_BSK, q_pos_BT, *, topk, key_block=KEY_BLOCK, scores=index_scores):
     """:func:`kernels_pallas.dsa.reference.select`, streaming the keys ``key_block`` rows at a time."""
     S = jax.tree.leaves(k_BSK)[0].shape[1]
     block = min(int(key_block), S)
@@ -55,10 +56,10 @@ def select(q_BTHK, w_BTH, k_BSK, q_pos_BT, *, topk, key_block=KEY_BLOCK):
     pad = lambda a: jnp.pad(a, [(0, 0), (0, n * block - S)] + [(0, 0)] * (a.ndim - 2))
     k = jax.tree.map(pad, k_BSK)
     rows = lambda j: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=1), k)
-    return _stream(q_BTHK, w_BTH, rows, n, block, S, q_pos_BT, topk)
+    return _stream(q_BTHK, w_BTH, rows, n, block, S, q_pos_BT, topk, scores)
 
 
-def paged_select(q_BTHK, w_BTH, k_pages, page_table, q_pos_BT, *, topk, key_block=KEY_BLOCK):
+def paged_select(q_BTHK, w_BTH, k_pages, page_table, q_pos_BT, *, topk, key_block=KEY_BLOCK, scores=index_scores):
     """:func:`select` over indexer keys in pages ``[n_pages, page_size, K]``: whole pages at a time, gathered through
     ``page_table [B, pages_per_seq]`` (a block of at least one page)."""
     page_size = jax.tree.leaves(k_pages)[0].shape[1]
@@ -71,4 +72,4 @@ def paged_select(q_BTHK, w_BTH, k_pages, page_table, q_pos_BT, *, topk, key_bloc
         ids = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)  # [B, per]
         return jax.tree.map(lambda a: a[ids].reshape(B, per * page_size, *a.shape[2:]), k_pages)
 
-    return _stream(q_BTHK, w_BTH, pages, n, per * page_size, P * page_size, q_pos_BT, topk)
+    return _stream(q_BTHK, w_BTH, pages, n, per * page_size, P * page_size, q_pos_BT, topk, scores)
