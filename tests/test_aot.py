@@ -170,7 +170,10 @@ def _ratios(out):
     return [float(line.split()[-1]) for line in out.splitlines() if line.strip().startswith("arguments (")]
 
 
-@pytest.mark.parametrize("target", ["tpu:v5e:1x1", pytest.param("gpu:h200:1x1x1", marks=pytest.mark.slow)])
+# -m slow (33 s and 25 s on 2 cores): test_plan_compile_sharded_pallas and the tiny families' plan compiles
+# (tests/test_aot_plan_families.py) run the same planner and compiler path in the default set
+@pytest.mark.parametrize("target", [pytest.param("tpu:v5e:1x1", marks=pytest.mark.slow),
+                                    pytest.param("gpu:h200:1x1x1", marks=pytest.mark.slow)])
 def test_plan_compile_one_device(capsys, target):
     rc, out, err = _plan(capsys, "--compile", target, "--mesh", "data=1", *SLICE)
     assert rc == 0, out + err

@@ -94,7 +94,8 @@ def test_streaming_memory_does_not_grow_with_the_context():
         assert temp(streaming.select, S) < 4 * bound, (S, temp(streaming.select, S), bound)
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])  # each backend's block rules, run by the interpreter
+# each backend's block rules, run by the interpreter (TPU's -m slow: CI time)
+@pytest.mark.parametrize("platform", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_pallas_scores_equal_the_reference(platform):
     """The kernel's scores equal the reference's bit for bit on integer-valued operands (exact in float32; -inf past
     each query), and so the selection (static and paged), including decode-shaped calls of one query."""
