@@ -163,6 +163,9 @@ def test_compiler_options_only_for_scanned_tpu_models():
         is None
 
 
+# -m slow for CI time (the 30-minute budget): the scanned TPU programs and the sharded Pallas compiles run in the
+# default set
+@pytest.mark.slow
 def test_generator_programs_compile_for_tpu():
     """The public generation path's two programs (``kimi_jax.generation.generate.prefill`` and the ``while_loop`` of
     ``decode``, what ``Generator`` runs) compile for a TPU v5e 2x2 with the sharded tiny K3's abstract weights."""
@@ -188,7 +191,9 @@ def test_generator_programs_compile_for_tpu():
     assert dec.as_text().count(t.marker) == expected_kernels(cfg)  # one decode step inside the loop body
 
 
-@pytest.mark.parametrize("target", ["tpu", pytest.param("gpu", marks=pytest.mark.slow)])
+# -m slow (CI time): tests/test_aot_dspark.py compiles the same speculative loop with a DSpark drafter
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_speculative_loop_compiles(target):
     """``generate``'s speculative decode loop (n-gram drafting, the verify forward over k + 1 positions with the KDA
     layers in verify mode, the commit, and the plain step for when nobody drafts: one ``while_loop``) compiles for

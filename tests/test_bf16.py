@@ -25,6 +25,8 @@ def _rel(a, b):
     return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / jnp.sqrt(jnp.mean(b**2)))
 
 
+# -m slow for CI time (the 30-minute budget): the bf16 model run runs in the default set
+@pytest.mark.slow
 def test_blocks_bf16_close_to_f32(model):
     r32, r16 = RunConfig(dtype=jnp.float32), RunConfig(dtype=jnp.bfloat16)
     T = 20

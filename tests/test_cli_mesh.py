@@ -28,6 +28,9 @@ print("ERRS", (one, mesh, scanned, spec, auto))
 """
 
 
+# -m slow for CI time (the 30-minute budget): sharded generation is checked in-process on 8 devices
+# (tests/test_sharding_devices.py) and serve on a mesh over two processes
+@pytest.mark.slow
 def test_generate_on_a_mesh_equals_one_device(k3_tiny_a, k3_golden, capfd):
     ids = [",".join(map(str, row)) for row in k3_golden["input_ids"].tolist()]
     one, mesh, scanned, spec, auto = script_on_cpu_devices(SCRIPT.format(path=k3_tiny_a, a=ids[0], b=ids[1]),

@@ -108,6 +108,8 @@ def _pair_rate(text: str, pairs: set) -> tuple[float, int]:
     return sum(p in pairs for p in got) / max(1, len(got)), len(got)
 
 
+# -m slow for CI time (the 30-minute budget): the held-out loss test runs in the default set
+@pytest.mark.slow
 def test_demo_model_writes_the_language_it_read(model, corpus, tmp_path):
     """Greedy continuations of the shipped model are made of word pairs its corpus uses; the random-weight tiny
     K3's are not (the same measure on both)."""

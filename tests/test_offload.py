@@ -125,6 +125,8 @@ def test_offload_bytes_match_the_arrays():
     assert "per decode step" in offload_costs.format_offload(o)
 
 
+# -m slow for CI time (the 30-minute budget): the offload plan's other checks run in the default set
+@pytest.mark.slow
 def test_offload_plan_k3_needs_fewer_h200():
     """K3, batch 8, 128K context: experts on host fit on fewer H200 than the plan's smallest on-device mesh, and the
     price is the routed experts' bytes over PCIe each decode step (every local expert byte before, and still on TPU,
@@ -388,6 +390,8 @@ def _zero_host_experts(model):
             var.set_value(jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), var.get_value()))
 
 
+# -m slow for CI time (the 30-minute budget): offloaded generation equals on-device in the default set
+@pytest.mark.slow
 def test_hot_experts_generate_bit_for_bit_and_are_read_from_the_device(k3_tiny_a, k3_golden, on_device):
     """`hot_experts.keep_hot_experts`: (1) usage counts every routed choice once (tokens x top-k per MoE layer); (2) with
     2 of 8 experts per layer hot, generation (prefill + 5 decode steps) gives the on-device logits bit for bit; (3)

@@ -201,6 +201,8 @@ def test_rejection_sampling_keeps_the_samplers_distribution(draft, top_k):
         assert np.mean(a >= 1) == pytest.approx(target(0)[drafts[0]], abs=0.01)  # rarely or never accepted
 
 
+# -m slow for CI time (the 30-minute budget): the rejection sampler's distribution is checked by the chi-square test
+@pytest.mark.slow
 def test_sampled_speculative_generation_is_reproducible_and_greedy_when_cold(k3_tiny_a, monkeypatch):
     """Temperature > 0 runs through rejection sampling: a near-zero temperature with the oracle drafter (every
     acceptance length) gives the plain greedy tokens, so the sampled path keeps the right tokens in the right places;

@@ -91,6 +91,8 @@ def _run(call: str) -> dict:
     return script_on_cpu_devices(f"from tests.test_train_moe_sharded import *\nprint('ERRS', {call})", 4)
 
 
+# -m slow for CI time (the 30-minute budget): the expert-parallel gradients run in the default set
+@pytest.mark.slow
 def test_k3_train_step_on_expert_and_model_axes_equals_one_device():
     """Tiny K3 (a dense layer, then a LatentMoE layer) on data=1, expert=2, model=2: each device holds 4 of the 8
     experts and half of each one's hidden width (the down projection's partial sums meet in a psum)."""
