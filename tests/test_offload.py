@@ -335,6 +335,8 @@ def test_routed_fetch_decode_equals_on_device(fixture, batch, request, monkeypat
     np.testing.assert_array_equal(runs[1], runs[0])
 
 
+# -m slow for CI time (the 30-minute budget): offloaded generation equals on-device in the default set
+@pytest.mark.slow
 def test_from_pretrained_reads_the_experts_into_host_memory(k3_tiny_a, k3_golden, monkeypatch):
     """``from_pretrained(run=RunConfig(offload=("experts",)))`` puts every routed-expert leaf into host memory as it is
     read (the device never holds them), refuses a mesh before reading, and the model called directly (no
