@@ -191,13 +191,12 @@ def _mla_read(cfg, mla_bytes: int, context: int, dt, cache_options) -> int:
     reads: all of it, or with K3.1's indexer every indexer key but only ``topk`` of the ``context`` latent rows (the
     indexer key's share of a cached token's bytes, as ``cache_options`` store them: int8 keys beside a bf16 latent
     under ``kv_cache="int8-index"``)."""
-    mla = cfg.mla
-    if mla is None or mla.indexer is None or "mla" not in cfg.attn_types:
+    if cfg.indexer is None:
         return mla_bytes
     one = next(e for e in cache_shapes(cfg, 1, 1, dt, **(cache_options or {})).layers if isinstance(e, MLACache))
     nbytes = lambda x: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(x))  # noqa: E731
     ik = nbytes(one.ik) / nbytes(one)
-    return int(mla_bytes * (ik + (1 - ik) * min(1.0, mla.indexer.topk / max(context, 1))))
+    return int(mla_bytes * (ik + (1 - ik) * min(1.0, cfg.indexer.topk / max(context, 1))))
 
 
 @functools.lru_cache(maxsize=8)

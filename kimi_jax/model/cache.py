@@ -143,7 +143,7 @@ def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype, 
 
 def _options(cfg: ModelConfig, kv_cache, kda_state):
     cache_quant.check(kv_cache)
-    if kv_cache == "int8-index" and (cfg.mla is None or cfg.mla.indexer is None or "mla" not in cfg.attn_types):
+    if kv_cache == "int8-index" and cfg.indexer is None:
         raise ValueError(f"kv_cache='int8-index' stores K3.1's DSA indexer keys in int8, but this {cfg.family} model "
                          "has no indexer: use kv_cache='int8' (every cache field) or None")
     _state_dtype(kda_state)

@@ -212,6 +212,11 @@ class ModelConfig:
     def attn_res(self) -> bool:
         return self.attn_res_block_size is not None
 
+    @property
+    def indexer(self):
+        """K3.1's DSA indexer (:class:`IndexerConfig`) when this model's MLA layers carry one, else None."""
+        return self.mla.indexer if self.mla is not None and "mla" in self.attn_types else None
+
     def layer_kinds(self) -> list[tuple[str, str]]:
         return list(zip(self.attn_types, self.ffn_types))
 
