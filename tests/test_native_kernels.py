@@ -53,8 +53,9 @@ def _lowered(x, w, idx, **kw):
 
 
 def test_automatic_choice_on_cpu():
-    """Float32 weights on CPU: the native kernel; bfloat16 compute, MXFP4 weights, or implementation='reference':
-    the plain-jnp reference. Asking for the native kernel where it cannot run raises."""
+    """Float32 weights on CPU: the native kernel; bfloat16 compute or implementation='reference': the plain-jnp
+    reference; MXFP4 weights: the kernel's MXFP4 handler. Asking for the native kernel where it cannot run
+    raises."""
     rng = np.random.default_rng(0)
     x, w, idx = _case(rng, 1, 2, 64, 32, 4)
     assert TARGET in _lowered(x, w, idx)
@@ -62,9 +63,9 @@ def test_automatic_choice_on_cpu():
     assert TARGET not in _lowered(x, w, idx, compute_dtype=jnp.bfloat16)
     packed = MXFP4Weight(jnp.asarray(rng.integers(0, 256, (4, 32, 32)), jnp.uint8),
                          jnp.asarray(rng.integers(118, 126, (4, 32, 2)), jnp.uint8))
-    assert TARGET not in _lowered(x, packed, idx)
-    with pytest.raises(KernelUnavailable, match="MXFP4"):
-        _lowered(x, packed, idx, implementation="cpu_native")
+    assert TARGET not in _lowered(x, packed, idx) and "kimi_jax_KimiMatvecGroupMXFP4" in _lowered(x, packed, idx)
+    with pytest.raises(KernelUnavailable, match="MXFP4 scales stored as float32"):
+        _lowered(x, packed._replace(scale=packed.scale.astype(jnp.float32)), idx, implementation="cpu_native")
     with pytest.raises(KernelUnavailable, match="bfloat16"):
         _lowered(x, w, idx, implementation="cpu_native", compute_dtype=jnp.bfloat16)
     tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
@@ -352,6 +353,62 @@ def test_bfloat16_weights_stream_in_the_native_kernel():
     np.testing.assert_allclose(np.asarray(gather(xb, wb, idx)), np.asarray(ref), atol=1e-4, rtol=0)
 
 
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # the OCP MX spec's FP4 (E2M1) magnitudes; bit 3 is the sign
+
+
+def _mxfp4_decoded(packed, scale):
+    """MXFP4 bytes -> float64 ``[..., J, I]``, written here from the format: the low nibble is the even column,
+    each E2M1 code's bit 3 its sign, every 32 columns scaled by 2^(E8M0 byte - 127) (255: NaN)."""
+    packed, scale = np.asarray(packed), np.asarray(scale).astype(np.float64)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    mag = np.asarray(E2M1)[codes & 7]
+    vals = np.where(codes & 8, -mag, mag)
+    s = np.where(scale == 255, np.nan, np.exp2(scale - 127))
+    return vals * np.repeat(s, 32, axis=-1)
+
+
+def test_mxfp4_experts_stream_in_the_native_kernel():
+    """MXFP4 expert stacks (K3's routed experts) read in place, codes and E8M0 scale bytes decoded in the kernel:
+    float32 results equal float64 numpy on the decoded weights (a NaN scale byte gives NaN rows, as the format
+    says); the MoE gather takes the kernel automatically on CPU, float32 and bfloat16 compute, and agrees with the
+    reference's decode-then-multiply; the expert path reads packed experts in place up to a verify step's few
+    pairs."""
+    from kernels_pallas import experts
+
+    rng = np.random.default_rng(11)
+    E, J, I = 5, 70, 96  # rows past the last 8, three scale groups
+    packed = rng.integers(0, 256, (E, J, I // 2)).astype(np.uint8)
+    scale = rng.integers(110, 135, (E, J, I // 32)).astype(np.uint8)
+    scale[3, 7, 1] = 255
+    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scale))
+    x = rng.standard_normal((6, I)).astype(np.float32)
+    ids = np.array([0, 3, 3, 4, 1, 0], np.int32)
+    f = jax.jit(lambda a, b, c: matvec.group([(a, b, c)]))
+    assert f.lower(x, w, ids).as_text().count("kimi_jax_KimiMatvecGroupMXFP4") == 1
+    got = np.asarray(f(x, w, ids)[0])
+    want = np.einsum("mi,mji->mj", x.astype(np.float64), _mxfp4_decoded(packed, scale)[ids])
+    assert np.isnan(got[1:3, 7]).all() and np.isnan(want[1:3, 7]).all() and np.isfinite(np.delete(got, 7, 1)).all()
+    ok = ~np.isnan(want)
+    np.testing.assert_allclose(got[ok], want[ok], atol=1e-6 * np.abs(want[ok]).max(), rtol=0)
+
+    # the MoE gather (decode of a K3 layer): native automatically, equal to the reference
+    scale[3, 7, 1] = 120
+    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scale))
+    xg, idx = rng.standard_normal((3, 2, I)).astype(np.float32), rng.integers(0, E, (3, 2)).astype(np.int32)
+    for dt in (jnp.float32, jnp.bfloat16):
+        gather = jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c, compute_dtype=dt))
+        assert "kimi_jax_KimiMatvecGroupMXFP4" in gather.lower(xg, w, idx).as_text()
+        ref = jax.jit(lambda a, b, c: moe_api.gather_matmul(a, b, c, compute_dtype=dt, implementation="reference"))
+        g, r = np.asarray(gather(xg, w, idx), np.float32), np.asarray(ref(xg, w, idx), np.float32)
+        np.testing.assert_allclose(g, r, atol=(1e-5 if dt == jnp.float32 else 2e-2) * np.abs(r).max(), rtol=0)
+
+    # packed experts on CPU: gathered up to matvec.PACKED_ROWS pairs, or the experts' count, whichever is more
+    choose = lambda pairs, n: experts.choose_path(pairs, n, float32=False, packed_weights=True)  # noqa: E731
+    assert [choose(p, 8) for p in (2, 10, 16, 17)] == ["gather", "gather", "gather", "sorted"]
+    assert [choose(p, 896) for p in (640, 897)] == ["gather", "sorted"]
+    assert experts.choose_path(10, 8, float32=False, packed_weights=True, implementation="reference") == "sorted"
+
+
 def test_every_native_source_ships_with_the_package():
     """A wheel carries every kernel source and the header they share (pyproject's package-data): a source left out
     would make an installed package fall back to the reference with a warning."""
@@ -405,12 +462,13 @@ def _has_avx512() -> bool:
 
 @pytest.mark.skipif(not _has_avx512(), reason="compares this machine's AVX-512 build with an AVX2 build")
 def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
-    """The bfloat16 and 4-bit summation orders do not depend on the instruction set (native.cc): a build for AVX2 +
+    """The bfloat16 and 4-bit (int4, MXFP4) summation orders do not depend on the instruction set (native.cc): a build for AVX2 +
     FMA gives this machine's AVX-512 build's bits, rows and columns past every vector and block tail included."""
     script = textwrap.dedent("""
         import sys
         import numpy as np, jax, jax.numpy as jnp
         from kernels_pallas import _native, matvec, quant
+        from kernels_pallas.mxfp4 import MXFP4Weight
         if sys.argv[1] == "avx2":
             _native._arch_flags = lambda: ["-mavx2", "-mfma", "-mf16c"]
         rng = np.random.default_rng(0)
@@ -419,9 +477,11 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
         w1 = jnp.asarray(rng.standard_normal((70, 1000)), bf)
         w2 = jnp.asarray(rng.standard_normal((4, 300, 2048)), bf)
         w3 = quant.quantize(jnp.asarray(rng.standard_normal((70, 2048)), jnp.float32), quant.Format.parse("int4:g32"))
+        w4 = MXFP4Weight(jnp.asarray(rng.integers(0, 256, (4, 70, 1024)), jnp.uint8),
+                         jnp.asarray(rng.integers(115, 130, (4, 70, 64)), jnp.uint8))
         ids = jnp.asarray([3, 0, 3], jnp.int32)
         f = jax.jit(lambda it: matvec.group(it, implementation="cpu_native"))
-        outs = f([(x1, w1, None), (x2, w2, ids)]) + f([(x2[:1], w3, None)])
+        outs = f([(x1, w1, None), (x2, w2, ids)]) + f([(x2[:1], w3, None)]) + f([(x2, w4, ids)])
         np.save(sys.argv[2], np.concatenate([np.asarray(o).ravel() for o in outs]))
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -432,7 +492,7 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[build] = np.load(out)
-    assert got["native"].size == 70 + 3 * 300 + 70
+    assert got["native"].size == 70 + 3 * 300 + 70 + 3 * 70
     np.testing.assert_array_equal(got["native"], got["avx2"])
 
 

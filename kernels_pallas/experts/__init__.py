@@ -11,8 +11,9 @@
 * on a mesh whose axes split the experts (``exchange`` given): pairs sent to the devices that hold their experts
   (:mod:`kernels_pallas.experts.expert_parallel`).
 
-On CPU a float gather may run, with the shared experts when given, as one native call per projection
-(:func:`kernels_pallas.experts.cpu.grouped_gather`); only then is the second result the shared experts' output.
+On CPU a gather (float or packed experts) may run, with the shared experts when given and in the same format, as
+one native call per projection (:func:`kernels_pallas.experts.cpu.grouped_gather`); only then is the second result
+the shared experts' output.
 The products inside each path are kernel ops of their own (:mod:`kernels_pallas.moe_gmm`,
 :mod:`kernels_pallas.matvec`), dispatched with ``implementation``.
 """
@@ -55,8 +56,8 @@ class Shared(NamedTuple):
     act: Callable
 
 
-def choose_path(pairs: int, num_experts: int, *, float32: bool, implementation=None, placement=None,
-                requested: str = "auto") -> str:
+def choose_path(pairs: int, num_experts: int, *, float32: bool, packed_weights: bool = False, implementation=None,
+                placement=None, requested: str = "auto") -> str:
     """The path for ``pairs`` (token, expert) pairs: ``requested`` unless ``"auto"``; else ``"gather"`` when the
     pairs do not outnumber the experts and ``"sorted"`` otherwise, and on XLA:CPU (automatic kernels, one
     device, float32 experts) ``"dense"`` for batches in between: each expert is read once, and the wasted products
@@ -70,9 +71,15 @@ def choose_path(pairs: int, num_experts: int, *, float32: bool, implementation=N
         return requested
     E = num_experts
     one_device = placement is None or placement.devices == 1
+    native_cpu = implementation is None and one_device and target_platform(placement) == "cpu" and \
+        matvec.native.KERNEL.ready()
     if implementation is None and float32 and one_device and target_platform(placement) == "cpu":
-        gather = pairs <= E if matvec.native.KERNEL.ready() else 4 * pairs < 3 * E
+        gather = pairs <= E if native_cpu else 4 * pairs < 3 * E
         return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
+    if native_cpu and packed_weights:
+        # packed experts (MXFP4, int8 / int4) are read in place by the native kernel up to matvec.PACKED_ROWS
+        # pairs (a verify step's few positions over few experts), where the sorted path decodes every expert
+        return "gather" if pairs <= max(E, matvec.PACKED_ROWS) else "sorted"
     return "gather" if pairs <= E else "sorted"
 
 
@@ -88,8 +95,9 @@ def routed_experts(z_NL, w: dict, idx_NX, *, act, compute_dtype, precision=None,
                                    **kw)
         return y, None
     N, X = idx_NX.shape
-    chosen = choose_path(N * X, w["w1"].shape[0], float32=_float32(w, compute_dtype), implementation=implementation,
-                         placement=placement, requested=path)
+    chosen = choose_path(N * X, w["w1"].shape[0], float32=_float32(w, compute_dtype),
+                         packed_weights=packed.is_packed(w["w1"]), implementation=implementation, placement=placement,
+                         requested=path)
     if chosen == "gather":
         fused = cpu.grouped_gather(z_NL, w, idx_NX, shared, act=act, compute_dtype=compute_dtype,
                                    implementation=implementation, placement=placement)
@@ -101,8 +109,9 @@ def routed_experts(z_NL, w: dict, idx_NX, *, act, compute_dtype, precision=None,
 def _local(z_NL, w, idx_NX, *, path, placement, act, compute_dtype, precision, implementation):
     """One device's tokens through one path (the whole of ``w`` on this device)."""
     N, X = idx_NX.shape
-    path = choose_path(N * X, w["w1"].shape[0], float32=_float32(w, compute_dtype), implementation=implementation,
-                       placement=placement, requested=path)
+    path = choose_path(N * X, w["w1"].shape[0], float32=_float32(w, compute_dtype),
+                       packed_weights=packed.is_packed(w["w1"]), implementation=implementation, placement=placement,
+                       requested=path)
     kw = dict(act=act, compute_dtype=compute_dtype, implementation=implementation)
     if path == "dense":
         if packed.is_packed(w["w1"]):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas import matvec, packed
-from kernels_pallas.mxfp4 import MXFP4Weight
 
 
 def _cast(w, dt):
@@ -20,17 +19,18 @@ def _cast(w, dt):
 def grouped_gather(z_NL, w, idx_NX, shared=None, *, act, compute_dtype, implementation=None, placement=None):
     """(routed ``[N, X, L]``, shared ``[N, D]`` or None) in ``compute_dtype``, or None where the grouped-product op
     would not stream these items as one call (then each part runs on its own). ``shared``:
-    :class:`kernels_pallas.experts.Shared` or None."""
-    if isinstance(w["w1"], MXFP4Weight):  # the native kernel takes float and integer weights, not MXFP4
-        return None
+    :class:`kernels_pallas.experts.Shared` or None; its output is None (the caller runs the shared experts) when
+    their weights are in another format than the routed ones (MXFP4 experts beside float shared experts: one
+    format per native call)."""
     N, X = idx_NX.shape
     dt, ids = compute_dtype, idx_NX.reshape(N * X)
     zx = jnp.broadcast_to(z_NL.astype(dt)[:, None], (N, X, z_NL.shape[-1])).reshape(N * X, -1)
     items = [(zx, _cast(w["w1"], dt), ids), (zx, _cast(w["w3"], dt), ids)]
+    kw = dict(implementation=implementation, placement=placement)
     if shared is not None:
         xs = shared.x.astype(dt)
-        items += [(xs, _cast(shared.gate, dt), None), (xs, _cast(shared.up, dt), None)]
-    kw = dict(implementation=implementation, placement=placement)
+        both = items + [(xs, _cast(shared.gate, dt), None), (xs, _cast(shared.up, dt), None)]
+        items, shared = (both, shared) if matvec.fuses(both, **kw) else (items, None)
     if not matvec.fuses(items, **kw):
         return None
     up = matvec.group(items, **kw)

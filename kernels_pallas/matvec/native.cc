@@ -7,14 +7,18 @@
 //                                            (W = q * scale), and for I4Z an int8 zero point per group
 //                                            (W = (q - zero) * scale)
 //   KimiMatvecGroupNF4                       NF4 nibble pairs, a float32 absmax per group (W = NF4[code] * absmax)
+//   KimiMatvecGroupMXFP4                     MXFP4 (K3's routed experts): E2M1 nibble pairs, an E8M0 byte per 32
+//                                            columns (W = E2M1[code] * 2^(byte - 127))
 //
-// (kernels_pallas/quant.py defines the integer formats; its dequantize is the oracle.) A narrower weight is fewer
+// (kernels_pallas/quant.py defines the integer formats and kernels_pallas/mxfp4.py MXFP4; their dequantize is the
+// oracle.) A narrower weight is fewer
 // bytes to stream: int8 is a quarter of float32, int4 about an eighth.
 //
 // The arguments come in tuples, one per product ("item"): x [M, I], the weight's fields, each [E, ...] (each matrix
 // [out, in], the checkpoint layout), ids [M] int32; item i writes result i, out [M, J], with
 // out[m] = w[ids[m]] @ x[m]. Fields per format: F32/BF16 w [E, J, I]; I8 q [E, J, I], scale [E, J, 1]; I4 packed
-// [E, J, I/2], scale [E, J, I/g]; I4Z packed, scale, zero [E, J, I/g]; NF4 packed, absmax [E, J, I/g]. A plain
+// [E, J, I/2], scale [E, J, I/g]; I4Z packed, scale, zero [E, J, I/g]; NF4 packed, absmax [E, J, I/g]; MXFP4
+// packed [E, J, I/2], scale u8[E, J, I/32] (the checkpoint's bytes, decoded in the kernel). A plain
 // weight has E = 1 with ids all zero; an expert stack is read in place at the chosen expert's rows, where XLA:CPU
 // would copy the expert out first (kernels_pallas/matvec/__init__.py). The items of one call may have different
 // shapes and group sizes. Built and registered by kernels_pallas/_native.py.
@@ -33,7 +37,7 @@
 // so neither a bfloat16 pair nor a byte of nibbles needs a shuffle); then the same tree (bfloat16: then the tail
 // i >= I - I % 32 in order; 4-bit groups are a multiple of 32 columns, so no tail).
 // W is decoded exactly as the oracle does (the 16 values of a group's codes, (code - zero) * scale or
-// NF4[code] * absmax in float32, are a 16-entry table looked up per lane), so a 4-bit product differs from the
+// NF4[code] * absmax or E2M1[code] * 2^(byte - 127) in float32, are a 16-entry table looked up per lane), so a 4-bit product differs from the
 // float32 product of the decoded weight only in its summation order. The order depends on neither kRows, the
 // parts nor the threads, nor the instruction set: with AVX-512 the byte widening and the table lookup are one
 // instruction each (intrinsics; GCC 12 widens byte vectors lane by lane), elsewhere they are generic vector code
@@ -277,7 +281,7 @@ struct DenseItem {
 
 // -- 4-bit weights: nibble pairs, a table of 16 values per group -----------------------------------------------
 
-enum class Nibble { kInt4, kInt4Zero, kNF4 };
+enum class Nibble { kInt4, kInt4Zero, kNF4, kMXFP4 };
 
 // The value of each code before its group's scale: two's-complement int4, or the NormalFloat-4 table
 // (kernels_pallas/quant.py NF4_TABLE, bit for bit).
@@ -287,6 +291,8 @@ constexpr float kNF4Values[16] = {
     -0x1.74f0e2p-4f,  0x0p+0f,         0x1.45f5fep-4f,  0x1.4995c6p-3f,  0x1.f809bap-3f,  0x1.5a0674p-2f,
     0x1.c3497p-2f,    0x1.200f56p-1f,  0x1.722766p-1f,  0x1p+0f,
 };
+// E2M1 (kernels_pallas/mxfp4.py E2M1): bit 3 sign, bits 2..1 exponent, bit 0 mantissa; code 8 is -0.
+constexpr float kE2M1Values[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
 static_assert(kLanes == 16, "a 4-bit table is one vector of kLanes values");
 
 // table[idx[l] % 16] per lane.
@@ -318,17 +324,33 @@ inline Words LoadPairs(const uint8_t* p) {
 
 constexpr int64_t kBlock = 2 * kLanes;  // columns per 16 bytes of codes; groups are whole blocks
 
-// A 4-bit weight: codes [E, J, I/2], scale [E, J, G] (and zero [E, J, G]), groups of g = I / G columns.
+// An E8M0 scale byte as float32, as ml_dtypes' float8_e8m0fnu converts it: 2^(b - 127) (b = 0 is 2^-127, a
+// subnormal), and 255 is NaN.
+inline float E8M0(uint8_t b) {
+  if (b == 255) return __builtin_nanf("");
+  const uint32_t bits = b == 0 ? 0x00400000u : uint32_t(b) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+constexpr const float* NibbleValues(Nibble f) {
+  return f == Nibble::kNF4 ? kNF4Values : f == Nibble::kMXFP4 ? kE2M1Values : kInt4Values;
+}
+
+// A 4-bit weight: codes [E, J, I/2], scale [E, J, G] (and zero [E, J, G]), groups of g = I / G columns. MXFP4's
+// scales are E8M0 bytes (e8m0), the others' float32 (scale).
 template <Nibble F>
 struct NibbleItem {
   Rows r;
   const uint8_t* codes;
   const float* scale;
+  const uint8_t* e8m0;
   const int8_t* zero;
   int64_t G, g;
   std::vector<float> xp;  // [M, I]: x, each block of 32 columns reordered even columns first
 
-  int64_t RowBytes() const { return r.I / 2 + G * (F == Nibble::kInt4Zero ? 5 : 4); }
+  int64_t RowBytes() const { return r.I / 2 + G * (F == Nibble::kInt4Zero ? 5 : F == Nibble::kMXFP4 ? 1 : 4); }
 
   void Reorder() {
     xp.resize(r.M * r.I);
@@ -341,11 +363,11 @@ struct NibbleItem {
   }
 
   // The 16 values of group k of weight row `row` (of the whole stack), as the oracle decodes them in float32:
-  // (code - zero) * scale, or NF4[code] * absmax.
+  // (code - zero) * scale, NF4[code] * absmax, or E2M1[code] * 2^(byte - 127).
   Lanes Table(int64_t row, int64_t k) const {
     Lanes values;
-    std::memcpy(&values, F == Nibble::kNF4 ? kNF4Values : kInt4Values, sizeof values);
-    const Lanes s = Splat(scale[row * G + k]);
+    std::memcpy(&values, NibbleValues(F), sizeof values);
+    const Lanes s = Splat(F == Nibble::kMXFP4 ? E8M0(e8m0[row * G + k]) : scale[row * G + k]);
     if constexpr (F == Nibble::kInt4Zero) return (values - Splat(float(zero[row * G + k]))) * s;
     return values * s;
   }
@@ -550,13 +572,15 @@ ffi::Error NibbleGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
       e.failure()) {
     return e;
   }
-  const std::string expected = std::string("x f32[M, I], packed u8[E, J, I/2], scale f32[E, J, I/g]") +
+  constexpr ffi::DataType kScale = F == Nibble::kMXFP4 ? ffi::U8 : ffi::F32;
+  const std::string expected = std::string("x f32[M, I], packed u8[E, J, I/2], scale ") +
+                               (F == Nibble::kMXFP4 ? "u8" : "f32") + "[E, J, I/g]" +
                                (kFields == 3 ? ", zero s8[E, J, I/g]" : "");
   std::vector<NibbleItem<F>> items(rets.size());
   for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
     const ItemArgs<kFields> a{args, kPer * i};
     auto codes = a.template field<Stack<ffi::U8>>(0);
-    auto scale = a.template field<Stack<ffi::F32>>(1);
+    auto scale = a.template field<Stack<kScale>>(1);
     if (!codes || !scale) return Invalid(i, "expected " + expected);
     const auto cd = codes->dimensions(), sd = scale->dimensions();
     const int64_t E = cd[0], J = cd[1], I = 2 * cd[2], G = sd[2];
@@ -566,7 +590,13 @@ ffi::Error NibbleGroup(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
     NibbleItem<F>& it = items[i];
     it.codes = codes->typed_data();
     HugePages(codes->untyped_data(), codes->size_bytes());
-    it.scale = scale->typed_data();
+    it.scale = nullptr;
+    it.e8m0 = nullptr;
+    if constexpr (F == Nibble::kMXFP4) {
+      it.e8m0 = scale->typed_data();
+    } else {
+      it.scale = scale->typed_data();
+    }
     it.zero = nullptr;
     it.G = G;
     it.g = I / G;
@@ -597,3 +627,4 @@ KIMI_MATVEC_HANDLER(KimiMatvecGroupI8, Int8Group);
 KIMI_MATVEC_HANDLER(KimiMatvecGroupI4, NibbleGroup<Nibble::kInt4>);
 KIMI_MATVEC_HANDLER(KimiMatvecGroupI4Z, NibbleGroup<Nibble::kInt4Zero>);
 KIMI_MATVEC_HANDLER(KimiMatvecGroupNF4, NibbleGroup<Nibble::kNF4>);
+KIMI_MATVEC_HANDLER(KimiMatvecGroupMXFP4, NibbleGroup<Nibble::kMXFP4>);
