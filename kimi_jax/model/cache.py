@@ -123,7 +123,8 @@ def _state_dtype(kda_state, dtype=jnp.float32):
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)):
         raise ValueError(f"kda_state={kda_state!r}: choose float32 (None), bfloat16 or (a float64 run) float64")
     if dt == jnp.float64 and not jax.config.read("jax_enable_x64"):
-        raise ValueError("a float64 KDA state needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
+        raise ValueError(f"kda_state={kda_state!r} in a {jnp.dtype(dtype).name} cache: a float64 state needs "
+                         "jax_enable_x64 (jax.config.update('jax_enable_x64', True)); else float32 (None) or bfloat16")
     return dt
 
 
