@@ -1,4 +1,5 @@
-"""Small helpers shared by the Pallas kernels: padding, block sizes, per-backend compiler parameters.
+"""Small helpers shared by the Pallas kernels: padding, block sizes, per-backend compiler parameters; and
+:func:`acc_dtype`, the dtype every plain-XLA form (references, CPU forms) computes in.
 
 Block-shape rules the kernels follow (JAX_NOTES §1.6):
 
@@ -21,6 +22,22 @@ from jax.experimental.pallas import triton as plt
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite for masked rows
+
+
+def acc_dtype(*operands) -> jnp.dtype:
+    """What the plain-XLA forms (the references, the XLA:CPU forms) compute and accumulate in: float32, or float64
+    where an operand is float64 (a float64 run under ``jax_enable_x64``, which then matches a float64 oracle to
+    float64 rounding). bfloat16 and float32 operands get float32, as always. ``operands``: arrays, dtypes or pytrees
+    of them (int8 cache rows, packed weights); leaves that are not floating point are ignored."""
+    out = jnp.dtype(F32)
+    for x in jax.tree.leaves(operands):
+        try:
+            dt = jnp.dtype(getattr(x, "dtype", x))
+        except TypeError:
+            continue
+        if jnp.issubdtype(dt, jnp.floating) and dt.itemsize > out.itemsize:
+            out = jnp.promote_types(out, dt)
+    return out
 
 
 def next_pow2(n: int) -> int:

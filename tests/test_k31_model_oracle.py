@@ -9,13 +9,25 @@ Tolerance: the model runs in float32 and the oracle in float64, so the gap is fl
 layer. The oracle itself evaluated in float32 arithmetic (``dtype=np.float32``) is 2.6e-5 from its float64 self on
 the tiny K3.1 below (logits of size ~5; 3.5e-6, 1.1e-5, 1.7e-5, 2.4e-5 after layers 0-3), and an independent float32
 implementation shows the same: Moonshot's code in torch is 5.2e-5 from float64 on the K3 fixture's logits
-(tests/fixtures/k3-tiny-a/README.md). So 1e-5 is below what float32 reaches on this model; each model check asserts
+(tests/fixtures/k3-tiny-a/README.md). So 1e-5 is below what float32 reaches on this model; each float32 check asserts
 its error is below LOGITS_TOL = 5e-5 and below twice that measured float32 floor. A wrong selection moves logits by
-more than 1e-2 (test_the_selection_is_sparse)."""
+more than 1e-2 (test_the_selection_is_sparse).
+
+The 1e-5 of issue 39 is met in float64: the same checkpoint loaded with ``dtype="float64"`` (under
+``jax_enable_x64``, in a subprocess so the flag stays out of this process) runs every internal in float64 (the run's
+``compute_dtype``: norm statistics, SiTU, AttnRes, router, KDA gates / state / recurrence, the DSA scores, the
+softmaxes, the logits; the kernels' plain-XLA forms follow their operands), and its logits -- prefill, every static
+decode step, the paged chunked prefill and decode steps -- equal the oracle's within F64_TOL = 1e-9 (measured
+~5e-14), far above float64 rounding and far below a single float32 rounding of the logits (~3e-7), so no internal
+left in float32 passes (test_float64_prefill_and_static_decode_equal_the_oracle; the paged cache:
+test_float64_paged_cache_equals_the_oracle, -m slow)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +42,9 @@ from kimi_jax.model.cache import init_cache, paged_cache
 from tests import k31_model_oracle as O
 from tests import k31_oracle
 
-LOGITS_TOL = 5e-5  # float32 model vs float64 oracle (module docstring)
+LOGITS_TOL = 5e-5  # float32 model vs float64 oracle: float32's own floor here (module docstring)
+ISSUE_TOL = 1e-5  # issue 39's bound: out of float32's reach on this model, met by the float64 model
+F64_TOL = 1e-9  # float64 model vs float64 oracle: no internal rounds to float32 (module docstring)
 TOPK = 4
 T_PREFILL, T = 24, 36  # a 24-token prefill, then 12 decode steps: every query past position 3 sees > TOPK keys
 
@@ -226,3 +240,57 @@ def test_serving_engine_with_a_prefix_hit_equals_the_oracle(k31):
         errs.append(float(np.abs(np.asarray(o.logits) - want).max()))
     print(f"max |engine - oracle| per request (the last a prefix hit): {[f'{e:.3g}' for e in errs]}")
     assert max(errs) < min(LOGITS_TOL, 2 * floor), (errs, floor)
+
+
+# -- the tiny K3.1 in float64 against the oracle: issue 39's 1e-5 ------------------------------------------------
+
+
+def _float64_logits(k31, tmp_path, form: str) -> np.ndarray:
+    """The checkpoint loaded with ``dtype="float64"`` in a subprocess with ``jax_enable_x64``
+    (tests/k31_float64_worker.py), run over the ids as ``form`` ("static" or "paged") says: its logits ``[2, T,
+    V]``, after checking they and the cache's KDA states are float64."""
+    path, ids = k31[0], k31[4]
+    np.save(tmp_path / "ids.npy", ids)
+    out = tmp_path / "logits.npz"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "tests.k31_float64_worker", path, str(tmp_path / "ids.npy"),
+                           str(T_PREFILL), str(out), form], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = np.load(out)
+    assert got["logits"].dtype == np.float64 and set(got["state_dtypes"]) == {"float64"}, got["state_dtypes"]
+    return got["logits"]
+
+
+def test_float64_prefill_and_static_decode_equal_the_oracle(k31, tmp_path):
+    """Issue 39's check: the float64 model's cached prefill of 24 tokens (logits at every position) and its 12
+    decode steps over the static cache against the oracle, within 1e-5 and within F64_TOL."""
+    want = k31[5]
+    got = _float64_logits(k31, tmp_path, "static")
+    prefill_err = np.abs(got[:, :T_PREFILL] - want[:, :T_PREFILL]).max()
+    decode_err = np.abs(got[:, T_PREFILL:] - want[:, T_PREFILL:]).max()
+    print(f"float64 model, max |model - oracle|: prefill {prefill_err:.3g}, static decode {decode_err:.3g}")
+    assert max(prefill_err, decode_err) < min(ISSUE_TOL, F64_TOL), (prefill_err, decode_err)
+
+
+@pytest.mark.slow  # ~11 s on one core (two compiles); the static cache's run is the default set's float64 check
+def test_float64_paged_cache_equals_the_oracle(k31, tmp_path):
+    """The float64 model over the paged cache as test_paged_cache_equals_the_oracle runs the float32 one (a chunked
+    prefill of two 12-token chunks, 12 decode steps) against the oracle, within 1e-5 and within F64_TOL."""
+    err = np.abs(_float64_logits(k31, tmp_path, "paged") - k31[5]).max()
+    print(f"float64 model, max |model - oracle|: paged chunked prefill + decode {err:.3g}")
+    assert err < min(ISSUE_TOL, F64_TOL), err
+
+
+def test_float64_needs_x64(k31):
+    """Without ``jax_enable_x64`` (this process) a float64 run is refused, naming the flag, before any weight is read:
+    JAX would make float32 arrays of it."""
+    from kimi_jax.model.run import RunConfig
+
+    assert not jax.config.read("jax_enable_x64")
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        RunConfig(dtype=jnp.float64)
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        from_pretrained(k31[0], dtype="float64", progress=False)

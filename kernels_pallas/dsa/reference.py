@@ -6,7 +6,8 @@ written sit beyond every query); each query keeps its ``X = min(topk, S)`` best 
 and every visible key while it sees at most ``topk``. The result is their positions ``idx [B, T, X]`` int32, ``-1``
 where a query sees fewer than ``X`` keys (vLLM's sentinel).
 
-The attention over the chosen keys is :mod:`kernels_pallas.sparse_mla`.
+The attention over the chosen keys is :mod:`kernels_pallas.sparse_mla`. "float32": float64 where an operand is
+float64 (:func:`kernels_pallas._common.acc_dtype`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._common import acc_dtype
 from kernels_pallas.cache_quant import dense
 from kernels_pallas.paged_attention.reference import gather
 
-_F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -25,7 +26,8 @@ def index_scores(q_BTHK, w_BTH, k_BSK, q_pos_BT):
     """Indexer scores ``[B, T, S]`` float32 (``-inf`` beyond each query's position). ``q``: the indexer queries
     (``H`` indexer heads of dim ``K``); ``w``: the per-head weights, scale included; ``k``: the indexer keys."""
     S = k_BSK.shape[1]
-    k = dense(k_BSK, _F32)
+    dt = acc_dtype(q_BTHK, w_BTH, k_BSK)
+    k = dense(k_BSK, dt)
 
     def head(acc_BTS, qw):  # one head at a time: [B, T, S] live, never [B, T, H, S]
         q_BTK, w_BT = qw
@@ -33,8 +35,8 @@ def index_scores(q_BTHK, w_BTH, k_BSK, q_pos_BT):
         return acc_BTS + w_BT[..., None] * jax.nn.relu(logits), None
 
     B, T = q_pos_BT.shape
-    xs = (jnp.moveaxis(q_BTHK.astype(_F32), 2, 0), jnp.moveaxis(w_BTH.astype(_F32), 2, 0))
-    s, _ = jax.lax.scan(head, jnp.zeros((B, T, S), _F32), xs)
+    xs = (jnp.moveaxis(q_BTHK.astype(dt), 2, 0), jnp.moveaxis(w_BTH.astype(dt), 2, 0))
+    s, _ = jax.lax.scan(head, jnp.zeros((B, T, S), dt), xs)
     return jnp.where(jnp.arange(S)[None, None, :] <= q_pos_BT[:, :, None], s, -jnp.inf)
 
 

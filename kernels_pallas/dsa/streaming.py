@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._common import acc_dtype
 from kernels_pallas.dsa.reference import index_scores
 
 KEY_BLOCK = 2048  # keys per step: [B, T, KEY_BLOCK + X] float32 live
@@ -43,7 +44,7 @@ def _stream(q_BTHK, w_BTH, keys_at, n_blocks: int, block: int, S: int, q_pos_BT,
         vals, i = jax.lax.top_k(cand_v, X)
         return vals, jnp.take_along_axis(cand_p, i, axis=-1)
 
-    kept = (jnp.full((B, T, X), -jnp.inf, jnp.float32), jnp.full((B, T, X), -1, jnp.int32))
+    kept = (jnp.full((B, T, X), -jnp.inf, acc_dtype(q_BTHK, w_BTH)), jnp.full((B, T, X), -1, jnp.int32))
     vals, pos = jax.lax.fori_loop(0, n_blocks, step, kept)
     return jnp.where(vals > -jnp.inf, pos, -1).astype(jnp.int32)
 

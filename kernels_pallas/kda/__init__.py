@@ -34,7 +34,7 @@ RULE = Rule(args=("BTHK", "BTHK", "BTHU", "BTHK", "BTH", "BHKU"), out=("BTHU", "
 
 def _native_kernel(automatic):
     fn = lambda q, k, v, g, beta, state, *, scale, **_: native.kda_recurrent(q, k, v, g, beta, state, scale=scale)
-    return CpuImpl(NATIVE, fn, ready=native.KERNEL.ready, automatic=automatic)
+    return CpuImpl(NATIVE, fn, unsupported=native.unsupported, ready=native.KERNEL.ready, automatic=automatic)
 
 
 def _chunked(q, k, v, g, beta, state, *, scale, chunk_size):

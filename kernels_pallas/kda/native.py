@@ -11,11 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import _native
+from kernels_pallas._common import acc_dtype
 from kernels_pallas.kda.reference import _zeros_state
 
 KERNEL = _native.Kernel(Path(__file__).with_name("native.cc"))
 SYMBOL = "KimiKdaRecurrentF32"
 _F32 = jnp.float32
+
+
+def unsupported(q, k, v, g, beta, state, **_) -> str | None:
+    """Why the kernel cannot take these operands (float64 ones: it computes in float32), or None."""
+    if acc_dtype(q, k, v, g, beta, state) != _F32:
+        return "float64 operands (the native kernel computes in float32; the reference follows float64)"
+    return None
 
 
 def kda_recurrent(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU=None, *, scale):

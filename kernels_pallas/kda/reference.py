@@ -1,6 +1,7 @@
 """Kimi Delta Attention in plain jnp: the oracle for every KDA kernel and the CPU path.
 
-Per head, with state ``S`` of shape ``[K, U]`` (float32), decay ``g_t`` (log space, per key channel) and write
+Per head, with state ``S`` of shape ``[K, U]`` (float32; float64 where an operand is float64, as everywhere
+below: :func:`kernels_pallas._common.acc_dtype`), decay ``g_t`` (log space, per key channel) and write
 strength ``beta_t``::
 
     S <- Diag(exp(g_t)) S                       # decay along the key dimension
@@ -17,13 +18,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._common import acc_dtype
+
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _zeros_state(q, v):
+def _zeros_state(q, v, dtype=_F32):
     B, _, H, K = q.shape
-    return jnp.zeros((B, H, K, v.shape[-1]), _F32)
+    return jnp.zeros((B, H, K, v.shape[-1]), dtype)
 
 
 def kda_step(q_BHK, k_BHK, v_BHU, g_BHK, beta_BH, state_BHKU, *, scale):
@@ -44,9 +47,10 @@ def kda_step(q_BHK, k_BHK, v_BHU, g_BHK, beta_BH, state_BHKU, *, scale):
 
 def kda_recurrent(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU=None, *, scale):
     """Token-by-token KDA. Returns (o_BTHU float32, final state_BHKU float32)."""
-    f = lambda x: x.astype(_F32)
+    dt = acc_dtype(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU)
+    f = lambda x: x.astype(dt)
     q, k, v, g, beta = map(f, (q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH))
-    s0 = _zeros_state(q, v) if state_BHKU is None else state_BHKU.astype(_F32)
+    s0 = _zeros_state(q, v, dt) if state_BHKU is None else state_BHKU.astype(dt)
 
     def body(s, xs):
         o, s = kda_step(*xs, s, scale=scale)
@@ -71,7 +75,7 @@ def _chunk(q, k, v, g, beta, s, *, scale):
     lower = jnp.where(strict, a_kk * beta[..., :, None], 0.0)  # L[i,j] = beta_i <k_i, k_j>_decay, j < i
     gamma = jnp.exp(G)
     rhs = jnp.concatenate([v, gamma * k], axis=-1) * beta[..., None]  # diag(beta) [V | Gamma*K]
-    eye = jnp.eye(C, dtype=_F32)
+    eye = jnp.eye(C, dtype=q.dtype)
     sol = jax.lax.linalg.triangular_solve(eye + lower, rhs, left_side=True, lower=True, unit_diagonal=True)
     u, w = sol[..., : v.shape[-1]], sol[..., v.shape[-1] :]  # U = T V, W = T (Gamma*K)
     v_new = u - jnp.einsum("bhck,bhku->bhcu", w, s, precision=_HI)
@@ -98,14 +102,15 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU=None, *, sc
     U = v_BTHU.shape[-1]
     C = min(chunk_size, T) if T > 0 else chunk_size
     pad = (-T) % C
-    f = lambda x: jnp.pad(x.astype(_F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    dt = acc_dtype(q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH, state_BHKU)
+    f = lambda x: jnp.pad(x.astype(dt), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g, beta = map(f, (q_BTHK, k_BTHK, v_BTHU, g_BTHK, beta_BTH))
     n = (T + pad) // C
     # [B, T, H, X] -> [n, B, H, C, X]
     to_chunks = lambda x: jnp.moveaxis(x.reshape(B, n, C, H, -1), (1, 3), (0, 2))
     q, k, v, g = map(to_chunks, (q, k, v, g))
     beta = to_chunks(beta[..., None])[..., 0]
-    s0 = _zeros_state(q_BTHK, v_BTHU) if state_BHKU is None else state_BHKU.astype(_F32)
+    s0 = _zeros_state(q_BTHK, v_BTHU, dt) if state_BHKU is None else state_BHKU.astype(dt)
 
     def body(s, xs):
         o, s = _chunk(*xs, s, scale=scale)

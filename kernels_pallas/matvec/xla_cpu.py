@@ -17,9 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._common import acc_dtype
 from kernels_pallas.matvec import reference
-
-_F32 = jnp.float32
 SKINNY_ROWS = 32  # up to this many rows the weight-first form wins
 
 
@@ -29,7 +28,7 @@ def skinny(rows: int) -> bool:
 
 def w_xT(w_JI, x_MI, precision=None):
     """``w @ x.T`` -> ``[J, M]`` float32, kept in that orientation."""
-    y = jnp.einsum("ji,mi->jm", w_JI, x_MI, preferred_element_type=_F32, precision=precision)
+    y = jnp.einsum("ji,mi->jm", w_JI, x_MI, preferred_element_type=acc_dtype(w_JI, x_MI), precision=precision)
     return jax.lax.optimization_barrier(y)
 
 
@@ -40,15 +39,16 @@ def group(items, *, precision=None):
 
 def per_head(x_BTHI, w, *, transpose_w, precision=None):
     B, T, H, _ = x_BTHI.shape
-    x_BTHI, w = x_BTHI.astype(_F32), w.astype(_F32)
+    dt = acc_dtype(x_BTHI, w)  # float32 (float64 operands: float64)
+    x_BTHI, w = x_BTHI.astype(dt), w.astype(dt)
     if not skinny(B * T):
         return reference.per_head(x_BTHI, w, transpose_w=transpose_w, precision=precision)
     x_NHI = x_BTHI.reshape(B * T, H, -1)
     if transpose_w:  # w [H, J, I]: the weight as the left operand
         y_HJN = jnp.einsum("hji,hin->hjn", w, jnp.transpose(x_NHI, (1, 2, 0)), precision=precision,
-                           preferred_element_type=_F32)
+                           preferred_element_type=dt)
         y_HNJ = jnp.swapaxes(jax.lax.optimization_barrier(y_HJN), 1, 2)
     else:
         y_HNJ = jnp.einsum("hni,hij->hnj", jnp.moveaxis(x_NHI, 1, 0), w, precision=precision,
-                           preferred_element_type=_F32)
+                           preferred_element_type=dt)
     return jnp.moveaxis(y_HNJ, 0, 1).reshape(B, T, H, -1)

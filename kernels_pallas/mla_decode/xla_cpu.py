@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from kernels_pallas.cache_quant import dense
 from kernels_pallas.mla_decode.reference import probabilities
 
-_F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -22,6 +21,6 @@ def mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, q_pos_BT, *, scale, wit
     p, lse = p if with_lse else (p, None)
     B, H, T, S = p.shape
     u = jax.lax.optimization_barrier(
-        jnp.einsum("bms,bsr->bmr", p.reshape(B, H * T, S), dense(c_BSR, _F32), precision=_HI))
+        jnp.einsum("bms,bsr->bmr", p.reshape(B, H * T, S), dense(c_BSR, p.dtype), precision=_HI))
     u = jnp.swapaxes(u.reshape(B, H, T, -1), 1, 2)
     return (u, jnp.swapaxes(lse, 1, 2)) if with_lse else u

@@ -4,6 +4,7 @@
 
 Weights are ``[E, J, I]`` (checkpoint layout ``[out, in]`` per expert), either a float array or a packed weight
 (:mod:`kernels_pallas.packed`: MXFP4, int8, int4, NF4) that is decoded here (the kernels decode per tile instead).
+"float32" results: float64 with a float64 compute dtype (:func:`kernels_pallas._common.acc_dtype`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import packed
-
-_F32 = jnp.float32
+from kernels_pallas._common import acc_dtype
 
 
 def expert(w_EJI, e, dt):
@@ -35,7 +35,8 @@ def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None):
     """
     dt = compute_dtype or x_MI.dtype
     w_EIJ = jnp.swapaxes(packed.as_dense(w_EJI, dt), 1, 2)
-    y = jax.lax.ragged_dot(x_MI.astype(dt), w_EIJ, group_sizes_E.astype(jnp.int32), preferred_element_type=_F32)
+    y = jax.lax.ragged_dot(x_MI.astype(dt), w_EIJ, group_sizes_E.astype(jnp.int32),
+                           preferred_element_type=acc_dtype(dt))
     # the contract, whatever a backend's ragged_dot leaves in rows that belong to no group
     used = jnp.arange(x_MI.shape[0]) < jnp.sum(group_sizes_E)
     return jnp.where(used[:, None], y, 0.0)
@@ -55,11 +56,11 @@ def gather_matmul(x_NXI, w_EJI, idx_NX, *, compute_dtype=None, unroll_slots=16):
     N, X, I = x_NXI.shape
     xs = x_NXI.reshape(N * X, I).astype(dt)
     ids = idx_NX.reshape(N * X)
-    product = lambda m: jnp.dot(expert(w_EJI, ids[m], dt), xs[m], preferred_element_type=_F32)
+    product = lambda m: jnp.dot(expert(w_EJI, ids[m], dt), xs[m], preferred_element_type=acc_dtype(dt))
     if N * X <= unroll_slots:
         return jnp.stack([product(m) for m in range(N * X)]).reshape(N, X, -1)
     out = jax.lax.fori_loop(0, N * X, lambda m, out: out.at[m].set(product(m)),
-                            jnp.zeros((N * X, w_EJI.shape[1]), _F32))
+                            jnp.zeros((N * X, w_EJI.shape[1]), acc_dtype(dt)))
     return out.reshape(N, X, -1)
 
 
@@ -68,7 +69,7 @@ def dense_experts(z_NL, w1_EFL, w3_EFL, w2_ELF, *, act, compute_dtype=None, prec
 
     ``act(a, b)`` is the GLU on the two up projections (float32 in, compute dtype out)."""
     dt = compute_dtype or z_NL.dtype
-    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(dt), b.astype(dt), preferred_element_type=_F32,
+    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(dt), b.astype(dt), preferred_element_type=acc_dtype(dt),
                                        precision=precision)
     h = act(mm("nl,efl->enf", z_NL, w1_EFL), mm("nl,efl->enf", z_NL, w3_EFL))  # [E, N, F]
     return mm("enf,elf->enl", h, w2_ELF)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import packed
+from kernels_pallas._common import acc_dtype
 from kernels_pallas.matvec.xla_cpu import skinny, w_xT
 from kernels_pallas.moe_gmm import reference
 
@@ -35,7 +36,7 @@ def _tile_loop(out, xp, w_EJI, starts_E, counts_E, tile, dt):
         e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1)
         r0 = starts_E[e] + (t - (tile_end[e] - tiles[e])) * tile
         y = jnp.einsum("mi,ji->mj", jax.lax.dynamic_slice_in_dim(xp, r0, tile), reference.expert(w_EJI, e, dt),
-                       preferred_element_type=_F32)
+                       preferred_element_type=acc_dtype(dt))
         keep = (r0 + jnp.arange(tile) < ends[e])[:, None]  # rows past the group belong to the next one
         cur = jax.lax.dynamic_slice_in_dim(out, r0, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, cur), r0, 0)
@@ -54,7 +55,7 @@ def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None, tile=32, capacity=Non
     sizes = group_sizes_E.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
     xp = jnp.concatenate([x_MI.astype(dt), jnp.zeros((tile, I), dt)])  # a tile may run past row M
-    out = jnp.zeros((M + tile, J), _F32)
+    out = jnp.zeros((M + tile, J), acc_dtype(dt))
     cap = capacity or -(-(5 * M) // (4 * E) // 8) * 8 or 8
     take = jnp.zeros_like(sizes)
     if not packed.is_packed(w_EJI) and E * cap <= 2 * M:
@@ -62,7 +63,7 @@ def gmm(x_MI, w_EJI, group_sizes_E, *, compute_dtype=None, tile=32, capacity=Non
         rows = starts[:, None] + jnp.arange(cap)[None]  # [E, cap]
         valid = jnp.arange(cap)[None] < take[:, None]
         xe = jnp.where(valid[..., None], xp[jnp.where(valid, rows, M)], 0)
-        ye = jnp.einsum("emi,eji->emj", xe, w_EJI.astype(dt), preferred_element_type=_F32)
+        ye = jnp.einsum("emi,eji->emj", xe, w_EJI.astype(dt), preferred_element_type=acc_dtype(dt))
         out = out.at[jnp.where(valid, rows, M + tile)].set(ye, mode="drop")
     return _tile_loop(out, xp, w_EJI, starts + take, sizes - take, tile, dt)[:M]
 

@@ -16,6 +16,8 @@ entries are cache positions as for the static cache; :func:`pool_rows` translate
 
 ``with_lse=True`` (a cache split by sequence over devices, ``kernels_pallas._dispatch.Rule.merge``): also the
 log-sum-exp of the chosen scores ``[B, T, H]``; a row with no entry gets zeros and ``-inf``.
+
+"float32": float64 where an operand is float64 (:func:`kernels_pallas._common.acc_dtype`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._common import acc_dtype
 from kernels_pallas.cache_quant import dense
 
 _F32 = jnp.float32
@@ -34,11 +37,11 @@ def valid(idx_BTX, S):
     return (idx_BTX >= 0) & (idx_BTX < S)
 
 
-def gather_rows(x_BSI, idx_BTX):
-    """Rows ``x[b, idx[b, t, x]]`` -> ``[B, T, X, I]`` float32 (indices clipped into the cache; an int8 cache read
-    dequantized)."""
+def gather_rows(x_BSI, idx_BTX, dtype=_F32):
+    """Rows ``x[b, idx[b, t, x]]`` -> ``[B, T, X, I]`` float32 (``dtype``; indices clipped into the cache; an int8
+    cache read dequantized)."""
     safe = jnp.clip(idx_BTX, 0, jax.tree.leaves(x_BSI)[0].shape[1] - 1)
-    return dense(jax.tree.map(lambda x: jax.vmap(lambda rows, i: rows[i])(x, safe), x_BSI), _F32)  # int8: codes first
+    return dense(jax.tree.map(lambda x: jax.vmap(lambda rows, i: rows[i])(x, safe), x_BSI), dtype)  # int8: codes first
 
 
 def _softmax(s, keep, with_lse):
@@ -54,8 +57,8 @@ def _softmax(s, keep, with_lse):
 
 def _attend(q_lat_BTHR, q_pe_BTHO, c_BTXR, kpe_BTXO, ok_BTX, *, scale, with_lse):
     """Softmax attention of each query row over its gathered rows (those where ``ok``)."""
-    s = jnp.einsum("bthr,btxr->bthx", q_lat_BTHR.astype(_F32), c_BTXR, precision=_HI)
-    s = s + jnp.einsum("btho,btxo->bthx", q_pe_BTHO.astype(_F32), kpe_BTXO, precision=_HI)
+    s = jnp.einsum("bthr,btxr->bthx", q_lat_BTHR.astype(c_BTXR.dtype), c_BTXR, precision=_HI)
+    s = s + jnp.einsum("btho,btxo->bthx", q_pe_BTHO.astype(c_BTXR.dtype), kpe_BTXO, precision=_HI)
     p, lse = _softmax(s * scale, ok_BTX[:, :, None, :], with_lse)
     u = jnp.einsum("bthx,btxr->bthr", p, c_BTXR, precision=_HI)
     return (u, lse) if with_lse else u
@@ -63,7 +66,8 @@ def _attend(q_lat_BTHR, q_pe_BTHO, c_BTXR, kpe_BTXO, ok_BTX, *, scale, with_lse)
 
 def sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scale, with_lse=False):
     """Returns u ``[B, T, H, R]`` float32 (and with ``with_lse`` its log-sum-exp ``[B, T, H]``)."""
-    return _attend(q_lat_BTHR, q_pe_BTHO, gather_rows(c_BSR, idx_BTX), gather_rows(kpe_BSO, idx_BTX),
+    dt = acc_dtype(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO)
+    return _attend(q_lat_BTHR, q_pe_BTHO, gather_rows(c_BSR, idx_BTX, dt), gather_rows(kpe_BSO, idx_BTX, dt),
                    valid(idx_BTX, c_BSR.shape[1]), scale=scale, with_lse=with_lse)
 
 
@@ -80,9 +84,10 @@ def selection_mask(idx_BTX, S):
 def masked_attention(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO, idx_BTX, *, scale):
     """The mask form: dense scores over all ``S`` positions, the unchosen ones at ``-inf``. Returns u ``[B, T, H,
     R]`` float32."""
-    c = dense(c_BSR, _F32)
-    s = jnp.einsum("bthr,bsr->bths", q_lat_BTHR.astype(_F32), c, precision=_HI)
-    s = s + jnp.einsum("btho,bso->bths", q_pe_BTHO.astype(_F32), dense(kpe_BSO, _F32), precision=_HI)
+    dt = acc_dtype(q_lat_BTHR, q_pe_BTHO, c_BSR, kpe_BSO)
+    c = dense(c_BSR, dt)
+    s = jnp.einsum("bthr,bsr->bths", q_lat_BTHR.astype(dt), c, precision=_HI)
+    s = s + jnp.einsum("btho,bso->bths", q_pe_BTHO.astype(dt), dense(kpe_BSO, dt), precision=_HI)
     p, _ = _softmax(s * scale, selection_mask(idx_BTX, c.shape[1])[:, :, None, :], False)
     return jnp.einsum("bths,bsr->bthr", p, c, precision=_HI)
 
@@ -103,5 +108,6 @@ def paged_sparse_mla_attention(q_lat_BTHR, q_pe_BTHO, c_pages, kpe_pages, page_t
     n, ps = jax.tree.leaves(c_pages)[0].shape[:2]
     rows = pool_rows(idx_BTX, page_table, ps, n)
     flat = lambda a: a.reshape(n * ps, a.shape[-1])[jnp.maximum(rows, 0)]  # [B, T, X, I]
-    take = lambda pages: dense(jax.tree.map(flat, pages), _F32)  # int8: the chosen codes and scales, then dequantized
+    dt = acc_dtype(q_lat_BTHR, q_pe_BTHO, c_pages, kpe_pages)
+    take = lambda pages: dense(jax.tree.map(flat, pages), dt)  # int8: the chosen codes and scales, then dequantized
     return _attend(q_lat_BTHR, q_pe_BTHO, take(c_pages), take(kpe_pages), rows >= 0, scale=scale, with_lse=False)

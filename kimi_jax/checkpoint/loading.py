@@ -50,8 +50,9 @@ def from_pretrained(path, *, dtype=None, implementation: str | None = None, stri
                     quantize_include=None, quantize_calibration=None) -> KimiModel:
     """Load a model from a directory, or the shipped demo model by its name ``"demo"``. ``dtype`` is the activation and parameter dtype (float32 tensors of the release -- conv
     kernels, decay parameters, ``o_norm``, router bias -- stay float32; MXFP4 experts stay packed); None (or
-    ``"auto"``): bfloat16, on the CPU too (:func:`auto_dtype`); ``"float32"`` for oracle-grade numerics. ``run``,
-    when given, carries its own dtype.
+    ``"auto"``): bfloat16, on the CPU too (:func:`auto_dtype`); ``"float32"`` for oracle-grade numerics;
+    ``"float64"`` (needs ``jax_enable_x64``; refused without) runs every internal in float64 too
+    (:attr:`RunConfig.compute_dtype`), to compare with a float64 oracle. ``run``, when given, carries its own dtype.
 
     ``mesh`` (from :func:`kimi_jax.parallel.sharding.make_mesh`): read every parameter straight into its shards under
     ``layout`` (a :mod:`kimi_jax.parallel.sharding` table name); each process reads only its devices' slices.

@@ -17,6 +17,8 @@ A cache entry's fields may be int8 rows (:class:`kernels_pallas.cache_quant.Int8
 :mod:`kimi_jax.model.cache`; ``"int8-index"``: the indexer keys alone, so one entry mixes int8 and plain fields): rows
 are quantized as they are stored (per field) and the kernels read the codes. A bfloat16 KDA
 state is widened to float32 for the update and rounded back when stored.
+
+"float32" below is the run's ``compute_dtype`` (float64 in a float64 run, float32 otherwise).
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _short_conv(x_BTP, tail_BWP, w_PW, lengths_B):
-    """Depthwise causal conv (no bias) + SiLU over [tail, x]; returns (out_BTP f32, new tail).
+def _short_conv(x_BTP, tail_BWP, w_PW, lengths_B, dtype=F32):
+    """Depthwise causal conv (no bias) + SiLU over [tail, x] in ``dtype`` (the compute dtype); returns (out_BTP,
+    new tail).
 
     ``w[:, W-1]`` multiplies the current token. The new tail holds the last W-1 *valid* pre-conv rows of
     each sequence, so right padding never leaks into the next call.
@@ -94,8 +97,8 @@ def _short_conv(x_BTP, tail_BWP, w_PW, lengths_B):
     W = w_PW.shape[-1]
     T = x_BTP.shape[1]
     xx = jnp.concatenate([tail_BWP.astype(x_BTP.dtype), x_BTP], axis=1)  # [B, W-1+T, P]
-    xf = xx.astype(F32)
-    w = w_PW.astype(F32)
+    xf = xx.astype(dtype)
+    w = w_PW.astype(dtype)
     u = sum(xf[:, j : j + T] * w[:, j] for j in range(W))
     idx = lengths_B[:, None] + jnp.arange(W - 1)[None]  # rows len..len+W-2 of xx = inputs len-W+1..len-1
     new_tail = jnp.take_along_axis(xx, idx[:, :, None], axis=1)
@@ -131,7 +134,7 @@ class KDA(nnx.Module):
         """With a :class:`KDAVerify` record in ``cache`` (a verify call, :func:`kimi_jax.model.cache.for_verify`) the
         state and conv tails are returned as they came and the record holds this call's recurrence inputs instead;
         :func:`commit_verified` advances them over the accepted positions."""
-        c = self.cfg
+        c, cd = self.cfg, run.compute_dtype
         B, T, _ = x_BTD.shape
         verify = cache is not None and cache.verify is not None
         if verify and not step.prefix:
@@ -150,30 +153,30 @@ class KDA(nnx.Module):
             f, gate = linear_group([(f_a, self.f_b_proj[...]), (gate, self.g_b_proj[...])], run)
         qkv, new_tails = [], []
         for out, conv, tail in zip((xq, xk, xv), (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
-            out, new_tail = _short_conv(out, tail, conv[...], step.lengths)
+            out, new_tail = _short_conv(out, tail, conv[...], step.lengths, cd)
             qkv.append(heads(out.astype(run.dtype)))
             new_tails.append(new_tail)
         q, k, v = qkv
 
         # Per-channel log decay g <= 0 (float32), two forms selected by the config.
-        z = heads(f).astype(F32)
-        z = z + self.dt_bias[...].astype(F32).reshape(H, K)
-        a = jnp.exp(self.A_log[...].astype(F32))[:, None]  # [H, 1]
+        z = heads(f).astype(cd)
+        z = z + self.dt_bias[...].astype(cd).reshape(H, K)
+        a = jnp.exp(self.A_log[...].astype(cd))[:, None]  # [H, 1]
         if c.gate_lower_bound is not None:
             g = c.gate_lower_bound * jax.nn.sigmoid(a * z)  # K3: bounded in (lb, 0)
         else:
             g = -a * jax.nn.softplus(z)  # Kimi Linear
-        beta = jax.nn.sigmoid(b.astype(F32))
+        beta = jax.nn.sigmoid(b.astype(cd))
         g = jnp.where(step.valid[..., None, None], g, 0.0)
         beta = jnp.where(step.valid[..., None], beta, 0.0)
 
-        q, k = _l2norm(q.astype(F32)), _l2norm(k.astype(F32))
+        q, k = _l2norm(q.astype(cd)), _l2norm(k.astype(cd))
         # a verify call runs the decode kernel over its few positions, so that replaying them repeats decode steps
         decode = cache is not None and step.prefix and (T == 1 or verify)
         if not decode:
             # The reference's chunked path stores normalised q/k in the activation dtype (no-op in float32).
-            q, k = q.astype(run.dtype).astype(F32), k.astype(run.dtype).astype(F32)
-        state = cache.state.astype(F32) if (cache is not None and step.prefix) else None
+            q, k = q.astype(run.dtype).astype(cd), k.astype(run.dtype).astype(cd)
+        state = cache.state.astype(cd) if (cache is not None and step.prefix) else None
         impl = dict(implementation=run.implementation, placement=run.placement)
         if decode:
             o, state = kda_kernels.kda_decode(q, k, v, g, beta, state, scale=K**-0.5, **impl)
@@ -183,9 +186,9 @@ class KDA(nnx.Module):
         o = o.astype(run.dtype)
 
         # FusedRMSNormGated(activation="sigmoid"): per-head RMSNorm x f32 weight x sigmoid(gate), f32 math.
-        o32 = o.astype(F32)
+        o32 = o.astype(cd)
         o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)
-        o32 = o32 * self.o_norm[...].astype(F32) * jax.nn.sigmoid(heads(gate).astype(F32))
+        o32 = o32 * self.o_norm[...].astype(cd) * jax.nn.sigmoid(heads(gate).astype(cd))
         y = linear(o32.astype(run.dtype).reshape(B, T, c.proj), self.o_proj[...], run)
         new_cache = None if cache is None else KDACache(*new_tails, state.astype(cache.state.dtype))
         if verify:
@@ -202,7 +205,7 @@ def _commit_kda(entry: KDACache, keep_B, run: RunConfig) -> KDACache:
     keep = jnp.arange(T)[None] < keep_B[:, None]  # [B, T]
     g = jnp.where(keep[..., None, None], r.g, 0.0)
     beta = jnp.where(keep[..., None], r.beta, 0.0)
-    _, state = kda_kernels.kda_decode(r.q, r.k, r.v, g, beta, entry.state.astype(F32), scale=K**-0.5,
+    _, state = kda_kernels.kda_decode(r.q, r.k, r.v, g, beta, entry.state.astype(run.compute_dtype), scale=K**-0.5,
                                       implementation=run.implementation, placement=run.placement)
     tails = []
     for tail, rows in ((entry.conv_q, r.rows_q), (entry.conv_k, r.rows_k), (entry.conv_v, r.rows_v)):
@@ -237,7 +240,7 @@ class Index(NamedTuple):
     """One call's indexer projections (K3.1)."""
 
     q: jax.Array  # [B, T, HI, DI] indexer queries, from the q-LoRA latent
-    w: jax.Array  # [B, T, HI] float32 head weights, score scale included
+    w: jax.Array  # [B, T, HI] float32 (the compute dtype) head weights, score scale included
     k: jax.Array  # [B, T, DI] indexer keys after k_norm (cached)
 
 
@@ -257,13 +260,13 @@ class Indexer(nnx.Module):
     def project(self, q_BTJ, k_BTK, w_BTH, run: RunConfig) -> Index:
         """From ``wq_b(qr)``, ``wk(x)`` and ``weights_proj(x)``: the queries by head, the LayerNorm-ed keys (float32
         statistics), the float32 weights."""
-        c = self.cfg
+        c, cd = self.cfg, run.compute_dtype
         B, T = q_BTJ.shape[:2]
-        k = k_BTK.astype(F32)
+        k = k_BTK.astype(cd)
         k = k - jnp.mean(k, axis=-1, keepdims=True)
         k = k * jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + c.norm_eps)
-        k = k * self.k_norm[...].astype(F32) + self.k_norm_bias[...].astype(F32)
-        w = w_BTH.astype(F32) * c.score_scale
+        k = k * self.k_norm[...].astype(cd) + self.k_norm_bias[...].astype(cd)
+        w = w_BTH.astype(cd) * c.score_scale
         return Index(q_BTJ.reshape(B, T, c.num_heads, c.head_dim), w, k.astype(run.dtype))
 
 
@@ -346,7 +349,7 @@ class MLA(nnx.Module):
             q_lat = matvec.per_head(q_pad, w_kvb.astype(run.dtype), transpose_w=False, **heads)
             keys = (new_cache.c, new_cache.kpe, new_cache.ik) if cached else (lat, kpe, None)
             u = self._latent_attention(q_lat, q_pe, keys, index, step if cached else step._replace(pages=None), run)
-            o = matvec.per_head(u, w_kvb.astype(F32), transpose_w=True, **heads)[..., K:]
+            o = matvec.per_head(u, w_kvb.astype(run.compute_dtype), transpose_w=True, **heads)[..., K:]
         else:
             kv = linear(lat, self.kv_b_proj[...], run).reshape(B, T, H, K + U)
             # nope and rope parts scored separately (192 = 128 + 64 is not a power of two for Triton); the

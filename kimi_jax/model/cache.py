@@ -1,7 +1,8 @@
 """Static decode cache: one pytree of fixed-shape arrays per layer, plus per-sequence lengths.
 
 * KDA layer: the last ``W-1`` *pre-conv* q/k/v projection rows (short-conv tails) and the recurrent state
-  ``[B, H, K, U]`` in float32. Independent of context length.
+  ``[B, H, K, U]`` in float32 (float64 in a float64 cache: the compute dtype of its run). Independent of context
+  length.
 * MLA layer: the compressed latent ``c [B, S, R]`` (after kv_a_layernorm) and the shared unrotated key part
   ``kpe [B, S, O]``: 576 values per token for K3, the whole cost of a full-attention layer. K3.1 adds the DSA
   indexer keys ``ik [B, S, DI]`` (128 values per token), written and paged like the latent.
@@ -112,13 +113,18 @@ class Cache:
         return self.lengths.shape[0]
 
 
-def _state_dtype(kda_state):
+def _state_dtype(kda_state, dtype=jnp.float32):
+    """The KDA state's dtype in a cache of ``dtype``: ``kda_state``, or (None) the run's compute dtype, float32 but
+    in a float64 cache."""
     try:
-        dt = jnp.dtype(jnp.float32 if kda_state is None else kda_state)
+        dt = jnp.dtype(jnp.promote_types(dtype, jnp.float32) if kda_state is None else kda_state)
     except TypeError:
         dt = None
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"kda_state={kda_state!r}: choose float32 (None) or bfloat16")
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)):
+        raise ValueError(f"kda_state={kda_state!r}: choose float32 (None), bfloat16 or (a float64 run) float64")
+    if dt == jnp.float64 and not jax.config.read("jax_enable_x64"):
+        raise ValueError(f"kda_state={kda_state!r} in a {jnp.dtype(dtype).name} cache: a float64 state needs "
+                         "jax_enable_x64 (jax.config.update('jax_enable_x64', True)); else float32 (None) or bfloat16")
     return dt
 
 
@@ -131,7 +137,7 @@ def _layer_shapes(cfg: ModelConfig, kind: str, batch: int, max_len: int, dtype, 
     if kind == "kda":
         k = cfg.kda
         tail = jax.ShapeDtypeStruct((batch, k.conv_size - 1, k.proj), dtype)
-        state = jax.ShapeDtypeStruct((batch, k.num_heads, k.head_dim, k.head_dim), _state_dtype(kda_state))
+        state = jax.ShapeDtypeStruct((batch, k.num_heads, k.head_dim, k.head_dim), _state_dtype(kda_state, dtype))
         return KDACache(tail, tail, tail, state)
     if kind == "mla":
         m = cfg.mla
@@ -153,8 +159,8 @@ def _options(cfg: ModelConfig, kv_cache, kda_state):
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, scan: bool = False,
                  kv_cache: str | None = None, kda_state=None) -> Cache:
     """The cache as ``ShapeDtypeStruct`` leaves: no memory. ``scan``: laid out for a model with scanned layers.
-    ``kv_cache`` (None, ``"int8"`` or ``"int8-index"``) and ``kda_state`` (None = float32, or bfloat16): the storage
-    options of the module docstring."""
+    ``kv_cache`` (None, ``"int8"`` or ``"int8-index"``) and ``kda_state`` (None = float32, float64 in a float64
+    cache; or bfloat16): the storage options of the module docstring."""
     opts = _options(cfg, kv_cache, kda_state)
     plan = layer_plan(cfg, scan)
     dt = jnp.dtype(dtype)
@@ -212,9 +218,10 @@ def _verify_record(entry: KDACache, T: int) -> KDAVerify:
     lead, (P,) = entry.conv_q.shape[:-2], entry.conv_q.shape[-1:]
     H, K, U = entry.state.shape[-3:]
     rows = jnp.zeros((*lead, T, P), entry.conv_q.dtype)
-    return KDAVerify(rows, rows, rows, jnp.zeros((*lead, T, H, K), jnp.float32), jnp.zeros((*lead, T, H, K), jnp.float32),
-                     jnp.zeros((*lead, T, H, U), entry.conv_v.dtype), jnp.zeros((*lead, T, H, K), jnp.float32),
-                     jnp.zeros((*lead, T, H), jnp.float32))
+    cd = jnp.promote_types(entry.conv_q.dtype, jnp.float32)  # the run's compute dtype
+    return KDAVerify(rows, rows, rows, jnp.zeros((*lead, T, H, K), cd), jnp.zeros((*lead, T, H, K), cd),
+                     jnp.zeros((*lead, T, H, U), entry.conv_v.dtype), jnp.zeros((*lead, T, H, K), cd),
+                     jnp.zeros((*lead, T, H), cd))
 
 
 def map_kda(cache: Cache, fn) -> Cache:

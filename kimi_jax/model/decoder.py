@@ -28,7 +28,7 @@ from kimi_jax.model.run import RunConfig
 
 @struct.dataclass
 class ModelOutput:
-    logits: jax.Array  # [B, T, V] float32 (or [B, 1, V] with last_only)
+    logits: jax.Array  # [B, T, V] float32, float64 in a float64 run (or [B, 1, V] with last_only)
     cache: Cache | None = None
     hidden: tuple | None = None  # per layer [B, T, D]: the layer's output (P under AttnRes)
     router: tuple | None = None  # per MoE layer: (idx [B, T, X] int32, weights [B, T, X] float32)
@@ -155,10 +155,10 @@ class _Outputs(NamedTuple):
 class KimiModel(nnx.Module):
     """One Flax NNX model for Kimi K3, Kimi Linear and dense GQA checkpoints.
 
-    ``model(ids_BT)`` -> :class:`ModelOutput` with float32 logits ``[B, T, V]``. With a :class:`Cache`, the call
-    also reads and writes the static cache (prefill with ``prefix=False``; decode or continued prefill with
-    ``prefix=True``, positions starting at ``cache.lengths``). With ``page_table [B, pages_per_seq]`` the cache's
-    attention entries are page pools (:func:`kimi_jax.model.cache.paged_cache`, the serving engine's).
+    ``model(ids_BT)`` -> :class:`ModelOutput` with float32 logits ``[B, T, V]`` (float64 in a float64 run). With a
+    :class:`Cache`, the call also reads and writes the static cache (prefill with ``prefix=False``; decode or continued
+    prefill with ``prefix=True``, positions starting at ``cache.lengths``). With ``page_table [B, pages_per_seq]`` the
+    cache's attention entries are page pools (:func:`kimi_jax.model.cache.paged_cache`, the serving engine's).
 
     Layers live in ``layers`` (one module per layer). With ``RunConfig(scan_layers=True)`` the longest repeating run
     of layers (``self.plan``) lives in ``stack`` instead, one :class:`LayerGroup` whose parameters carry a leading
@@ -241,7 +241,7 @@ class KimiModel(nnx.Module):
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
         h = rms_norm(h, self.norm[...], cfg.norm_eps, run)
         head = self.embed_tokens[...] if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = linear(h, head, run).astype(jnp.float32)
+        logits = linear(h, head, run).astype(run.compute_dtype)
         new_cache = None
         if cache is not None:
             new_cache = Cache(tuple(new_layers), start + lengths, new_stack)

@@ -3,7 +3,9 @@
 Numerics follow the reference implementation's rounding points (K3_SPEC §4.9): matmuls accumulate in
 float32 and round their output to the activation dtype; norms compute statistics in float32 and round the
 normalised value to the activation dtype *before* the weight multiply; SiTU, AttnRes mixing, router and KDA
-gating run in float32. In a float32 model every rounding point is a no-op.
+gating run in float32. In a float32 model every rounding point is a no-op. "float32" here is the run's
+``compute_dtype`` (:class:`~kimi_jax.model.run.RunConfig`): float32 for bfloat16 and float32 runs, float64 for a
+float64 run, whose every internal is then float64.
 """
 
 from __future__ import annotations
@@ -80,14 +82,15 @@ def embed(table, ids, run: RunConfig):
 
 def rms_norm(x, w, eps, run: RunConfig):
     """KimiRMSNorm / LlamaRMSNorm: float32 statistics, normalised value rounded, then times the weight."""
-    x32 = x.astype(F32)
+    x32 = x.astype(run.compute_dtype)
     n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (w.astype(run.dtype) * n.astype(run.dtype)).astype(run.dtype)
 
 
-def situ(a, b, beta, linear_beta):
-    """SiTU-GLU in float32: [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(b/b2)] (|.| <= b1*b2)."""
-    a, b = a.astype(F32), b.astype(F32)
+def situ(a, b, beta, linear_beta, dtype=F32):
+    """SiTU-GLU in float32 (``dtype``: a run's compute dtype): [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(b/b2)]
+    (|.| <= b1*b2)."""
+    a, b = a.astype(dtype), b.astype(dtype)
     gate = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
     up = b if linear_beta is None else linear_beta * jnp.tanh(b / linear_beta)
     return gate * up
@@ -95,8 +98,9 @@ def situ(a, b, beta, linear_beta):
 
 def glu(a, b, cfg_act: str, beta: float, linear_beta: float | None, run: RunConfig):
     if cfg_act == "situ":
-        return situ(a, b, beta, linear_beta).astype(run.dtype)
-    return (jax.nn.silu(a.astype(F32)) * b.astype(F32)).astype(run.dtype)
+        return situ(a, b, beta, linear_beta, run.compute_dtype).astype(run.dtype)
+    cd = run.compute_dtype
+    return (jax.nn.silu(a.astype(cd)) * b.astype(cd)).astype(run.dtype)
 
 
 # -- modules ---------------------------------------------------------------------------------------------
@@ -137,9 +141,10 @@ class AttnRes(nnx.Module):
 
     def __call__(self, sources: list, run: RunConfig, return_weights=False, valid: list | None = None):
         """``sources``: ``[..., D]`` arrays; ``valid``: per source None (valid) or a traced bool. Returns the mix in
-        the run dtype (and the weights ``[n_sources, ...]`` float32)."""
-        w_eff = self.norm[...].astype(F32) * self.proj[...].astype(F32)
-        vs = [s.astype(F32) for s in sources]
+        the run dtype (and the weights ``[n_sources, ...]`` in the compute dtype: float32 but in a float64 run)."""
+        cd = run.compute_dtype
+        w_eff = self.norm[...].astype(cd) * self.proj[...].astype(cd)
+        vs = [s.astype(cd) for s in sources]
         scores = []
         for i, v in enumerate(vs):
             r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + self.eps)

@@ -3,7 +3,7 @@ latent projection, optionally MXFP4-packed), and shared experts.
 
 Router (float32 end to end): ``s = sigmoid(x @ W_r^T)``; the correction bias only affects *which* experts are
 chosen; their weights are the unbiased scores, renormalised and scaled. Expert outputs are combined in float32
-with one rounding (the reference's ``moe_infer``).
+with one rounding (the reference's ``moe_infer``). "float32": the run's compute dtype (float64 in a float64 run).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from kimi_jax.model.layers import F32, MLP, glu, linear, param, rms_norm
 from kimi_jax.model.run import RunConfig
 
 
-def route(x_ND, w_ED, bias_E, cfg: MoEConfig):
-    """Returns (idx [N, X] int32, weights [N, X] float32)."""
-    logits = jnp.einsum("nd,ed->ne", x_ND.astype(F32), w_ED.astype(F32), precision=jax.lax.Precision.HIGHEST)
+def route(x_ND, w_ED, bias_E, cfg: MoEConfig, dtype=F32):
+    """Returns (idx [N, X] int32, weights [N, X] float32); ``dtype``: the compute dtype (a run's)."""
+    logits = jnp.einsum("nd,ed->ne", x_ND.astype(dtype), w_ED.astype(dtype), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    choice = scores + bias_E.astype(F32)
+    choice = scores + bias_E.astype(dtype)
     if cfg.n_group > 1:
         # DeepSeek-style group limiting: keep the topk_group groups with the best top-2 sums.
         grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)
@@ -139,7 +139,7 @@ class MoE(nnx.Module):
         c = self.cfg
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D)
-        idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c)
+        idx, w = route(x, self.gate[...], self.e_score_correction_bias[...], c, run.compute_dtype)
         shared = None
         if c.num_shared:
             sh = self.shared_experts
@@ -149,7 +149,7 @@ class MoE(nnx.Module):
         # projection and the shared experts need none of them and run while they move.
         out, shared_out = self.experts.with_shared(self._latent(x, run), idx, run, shared=shared,
                                                    after=x if after is None else after)
-        u = jnp.einsum("nxl,nx->nl", out.astype(F32), w).astype(run.dtype)
+        u = jnp.einsum("nxl,nx->nl", out.astype(run.compute_dtype), w).astype(run.dtype)
         if c.latent is not None:
             if c.latent_norm:
                 u = rms_norm(u, self.routed_expert_norm[...], c.norm_eps, run)

@@ -29,6 +29,9 @@ def check_offload(kinds) -> tuple[str, ...]:
 class RunConfig:
     """How to run a model (not what it is): activation dtype and kernel choices. Hashable, static under jit.
 
+    ``dtype``: the activation (and by default parameter) dtype; its :attr:`compute_dtype` (float32, or float64 for a
+    float64 run, which needs ``jax_enable_x64``) is what norm statistics, gates, softmaxes and sums run in.
+
     ``implementation`` applies to every op of ``kernels_pallas`` (attention, mla, kda, moe, the products); ``None``
     = automatic (Pallas on TPU/GPU; on CPU the native and XLA:CPU-tuned forms where they apply, else the
     reference), or one of the names the ops offer (``"reference"`` runs every op's plain-jnp oracle, ``"pallas"``,
@@ -65,6 +68,9 @@ class RunConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "offload", check_offload(self.offload))
+        if jnp.dtype(self.dtype) == jnp.float64 and not jax.config.read("jax_enable_x64"):
+            raise ValueError("dtype float64 needs jax_enable_x64 (JAX_ENABLE_X64=1, or jax.config.update("
+                             "'jax_enable_x64', True) before any array is made): without it JAX makes float32 arrays")
 
     @property
     def placement(self):
@@ -78,6 +84,13 @@ class RunConfig:
         return compiler_options(self.placement, scanned=self.scan_layers)
 
     @property
+    def compute_dtype(self) -> jnp.dtype:
+        """What the float32 internals (norm statistics, SiTU, AttnRes, router, KDA gates and state, attention
+        softmax, logits) compute in: float32 for bfloat16 and float32 runs, float64 for a float64 run (under
+        ``jax_enable_x64``: the model then matches a float64 oracle to float64 rounding)."""
+        return jnp.promote_types(self.dtype, jnp.float32)
+
+    @property
     def precision(self):
-        # float32 models are oracles: ask TPUs for true f32 matmuls instead of bf16 passes.
-        return jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
+        # float32 (and float64) models are oracles: ask TPUs for true f32 matmuls instead of bf16 passes.
+        return jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) in (jnp.float32, jnp.float64) else None
