@@ -165,6 +165,10 @@ def test_refusals(model, capsys):
     assert "no draft model at '/nowhere'" in capsys.readouterr().err
     assert main(["serve", "--speculative", "dspark:/nowhere"]) == 2  # its config.json read before the model loads
     assert "/nowhere" in capsys.readouterr().err
+    speculative.check("draft:demo,k=2")  # the shipped model's name resolves as from_pretrained resolves it
+    for bad, why in (("draft:demo,k=x", "'k=x' is not k=N"), ("draft:,k=2", "give the drafter's directory")):
+        with pytest.raises(speculative.SpeculativeError, match=why):
+            speculative.check(bad)
 
 
 # -m slow for CI time (the 30-minute budget): the drafter's math against the oracle runs in the default set through

@@ -498,15 +498,15 @@ def jitted(model):
     return lambda ids, cache=None, prefix=False: call(state, ids, cache, prefix)
 
 path = sys.argv[1]
-ids = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (4, 24)), jnp.int32)
+ids = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (8, 24)), jnp.int32)
 ref = jitted(from_pretrained(path, dtype="float32", progress=False))(ids)[0]
 errs = {}
-for shape in ((1, 1, 4), (2, 2, 1)):
+for shape in ((1, 1, 8), (1, 8, 1), (2, 2, 2)):
     mesh = sharding.make_mesh(*shape)
     m = from_pretrained(path, dtype="float32", progress=False, mesh=mesh)
     f = jitted(m)
-    shapes = init_cache(m.cfg, 4, 32, jnp.float32)
-    lg, cache = f(ids[:, :20], init_cache(m.cfg, 4, 32, jnp.float32,
+    shapes = init_cache(m.cfg, 8, 32, jnp.float32)
+    lg, cache = f(ids[:, :20], init_cache(m.cfg, 8, 32, jnp.float32,
                                           sharding=sharding.cache_shardings(m.cfg, shapes, mesh)))
     out = [lg]
     for t in range(20, 24):
@@ -519,9 +519,10 @@ print(json.dumps(errs))
 
 @pytest.mark.slow
 def test_sharded_k31_equals_one_device(k31_dir):
-    """On 4 simulated CPU devices, K3.1 (top-16 over 24 tokens) sharded 1x1x4 (the latent and indexer keys split
-    by position over the model axis) and 2x2x1: a cached prefill and decode steps equal one device's prefill."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    """On 8 simulated CPU devices, K3.1 (top-16 over 24 tokens) sharded data x expert x model = 1x1x8 (tensor
+    parallel: the latent and indexer keys split by position over the model axis), 1x8x1 (expert parallel) and 2x2x2:
+    a cached prefill and decode steps equal one device's prefill."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", MESH_SCRIPT, k31_dir], env=env, capture_output=True, text=True, check=False,

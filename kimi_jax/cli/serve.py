@@ -102,12 +102,7 @@ def run_serve(args):
     if not args.peer_timeout > 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     if args.speculative:
-        name, _, rest = args.speculative.partition(":")
-        path = rest.partition(",")[0]
-        if name == "draft" and path and path != "demo" and not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"--speculative {args.speculative}: no draft model at {path!r} (no config.json there)")
-        if name != "draft":
-            speculative.parse(args.speculative, weights=False)  # a wrong spec is named before anything loads
+        speculative.check(args.speculative)  # a wrong spec is named before anything loads
         if args.batch_invariant:
             raise ValueError("--speculative: not with --batch-invariant yet")
     common.setup_compile_cache(args)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 
 import jax
@@ -46,6 +47,7 @@ from flax import nnx, struct
 from kimi_jax.checkpoint.drafter import abstract_drafter, load_drafter
 from kimi_jax.checkpoint.loading import from_pretrained
 from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
+from kimi_jax.model import config as config_lib
 from kimi_jax.model import dspark
 from kimi_jax.model.attention import commit_verified
 from kimi_jax.model.cache import for_verify
@@ -138,17 +140,36 @@ def parse(spec, *, dtype=None, weights: bool = True) -> NGram | DSpark | DraftMo
     return NGram(**kw)
 
 
-def _parse_model(spec: str, name: str, rest: str, dtype, weights: bool = True) -> DSpark | DraftModel:
+def check(spec: str) -> None:
+    """A ``speculative=`` string checked without loading weights (a command's flag, before anything starts): its
+    form; a DSpark drafter's config (as :func:`parse` with ``weights=False``); a draft model's directory holding a
+    ``config.json`` (``"demo"``: the shipped model). Raises :class:`SpeculativeError`."""
+    name, _, rest = spec.partition(":")
+    if name != "draft":
+        parse(spec, weights=False)
+        return
+    path, _ = _model_spec(spec, name, rest)
+    if not os.path.isfile(os.path.join(config_lib.model_dir(path), "config.json")):
+        raise SpeculativeError(f"speculative={spec!r}: no draft model at {path!r} (no config.json there)")
+
+
+def _model_spec(spec: str, name: str, rest: str) -> tuple[str, int | None]:
+    """(the drafter's directory, ``k`` or None) of ``'{name}:PATH[,k=N]'``."""
     path, _, opts = rest.partition(",")
     if not path:
         raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, '{name}:PATH[,k=N]'")
     m = re.fullmatch(r"k=(\d+)", opts.strip()) if opts else None
     if opts and not m:
         raise SpeculativeError(f"speculative={spec!r}: {opts!r} is not k=N")
+    return path, int(m.group(1)) if m else None
+
+
+def _parse_model(spec: str, name: str, rest: str, dtype, weights: bool = True) -> DSpark | DraftModel:
+    path, k = _model_spec(spec, name, rest)
     if name == "draft":
-        return DraftModel(from_pretrained(path, dtype=dtype, progress=False), int(m.group(1)) if m else 4)
+        return DraftModel(from_pretrained(path, dtype=dtype, progress=False), 4 if k is None else k)
     model = load_drafter(path, dtype=dtype) if weights else abstract_drafter(path, dtype)
-    return DSpark(model, int(m.group(1)) if m else model.cfg.block_size)
+    return DSpark(model, model.cfg.block_size if k is None else k)
 
 
 @struct.dataclass

@@ -177,13 +177,12 @@ class Executor:
             self.cache = jax.device_put(paged_cache(self.cfg, sh.slots, sh.n_pages, sh.page_size, self.dtype,
                                                     scan=self.scan, kv_cache=self.kv_cache), device)
         else:
-            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.cache_shapes)  # noqa: E731
-            self.cache = jax.jit(zeros, out_shardings=self.shardings)()
+            self.cache = _zeros(self.cache_shapes, self.shardings)
         self.pools = self.dcache = None
         if self.pool_shapes is not None:
-            self.pools = self._zeros(self.pool_shapes)
+            self.pools = _zeros(self.pool_shapes, self._drafter_place())
         if self.dcache_shapes is not None:
-            self.dcache = self._zeros(self.dcache_shapes)
+            self.dcache = _zeros(self.dcache_shapes, self._drafter_place())
         self.covered = np.zeros((sh.slots,), np.int64)  # pages each slot's table row holds
         self.table = np.zeros((sh.slots, sh.pages_per_seq), np.int32)
         self.temperature = np.zeros((sh.slots,), np.float32)
@@ -195,12 +194,11 @@ class Executor:
         self.host_pages: dict[int, object] = {}  # host copy id -> HostArray leaves of its pages
         self.mask: Mask | None = None  # the next compute op's bitmasks (structured outputs)
 
-    def _zeros(self, shapes):
-        """Zeros of ``shapes`` beside the drafter's weights (replicated on a mesh)."""
-        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    def _drafter_place(self):
+        """Where the drafter's arrays live: beside its weights (replicated on a mesh, else their device)."""
         if self.replicated is not None:
-            return jax.jit(zeros, out_shardings=self.replicated)()
-        return jax.device_put(zeros(), next(iter(jax.tree.leaves(self.dparams)[0].devices())))
+            return self.replicated
+        return next(iter(jax.tree.leaves(self.dparams)[0].devices()))
 
     # -- plans ----------------------------------------------------------------------------------------------------
 
@@ -363,8 +361,7 @@ class Executor:
     def _dstep(self, *args):
         """The draft model's step on ``args`` (numpy or device arrays alike: each is placed beside the drafter's
         weights first, so the warm-up's program is the one every step runs)."""
-        where = self.replicated if self.replicated is not None else \
-            next(iter(jax.tree.leaves(self.dparams)[0].devices()))
+        where = self._drafter_place()
         self.dcache, drafts = self.dstep(self.dparams, self.dcache, *jax.device_put(args, where))
         return drafts
 
@@ -504,3 +501,12 @@ class Executor:
                 out.append((f"draft model: follow and draft, {b} rows x {width} pages",
                             lambda b=b, width=width: step(b, width)))
         return out
+
+
+def _zeros(shapes, where):
+    """Zeros of ``shapes`` (``ShapeDtypeStruct`` leaves) made where they live: on a device, or by one program under
+    ``where``'s sharding(s) (no unsharded copy first)."""
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    if isinstance(where, jax.Device):
+        return jax.device_put(zeros(), where)
+    return jax.jit(zeros, out_shardings=where)()

@@ -193,19 +193,38 @@ def model_draft_step(dgraph, dparams, dcache: Cache, page_table, rows_B, tokens_
     return constrain(_rows_merge(dcache, part, rows_B)), replicate(drafts)
 
 
+DRAFT_PAGE_AXIS = 1  # a drafter's pools: [layers, pages, page_size, ...]
+
+
 def copy_draft_page(pools: DraftCache, src, dst, *, constrain=lambda c: c):
     """:func:`copy_page` for a drafter's page pools."""
-    return constrain(jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pools))
+    return constrain(jax.tree.map(lambda a: _copy_page_of(a, DRAFT_PAGE_AXIS, src, dst), pools))
 
 
 def take_draft_page(pools: DraftCache, page):
     """:func:`take_page` for a drafter's page pools."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, page, 1, 1), pools)
+    return jax.tree.map(lambda a: _take_page_of(a, DRAFT_PAGE_AXIS, page), pools)
 
 
 def put_draft_page(pools: DraftCache, page, data, *, constrain=lambda c: c):
     """:func:`put_page` for a drafter's page pools."""
-    return constrain(jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, page, 1), pools, data))
+    return constrain(jax.tree.map(lambda f, p: _put_page_of(f, DRAFT_PAGE_AXIS, page, p), pools, data))
+
+
+# one pool array's page operations, shared by the cache's pools and a drafter's (``axis``: the pool's page axis)
+
+
+def _copy_page_of(a, axis, src, dst):
+    m = jnp.moveaxis(a, axis, 0)
+    return jnp.moveaxis(m.at[dst].set(m[src]), 0, axis)
+
+
+def _take_page_of(a, axis, page):
+    return jax.lax.dynamic_slice_in_dim(a, page, 1, axis)
+
+
+def _put_page_of(a, axis, page, data):
+    return jax.lax.dynamic_update_slice_in_dim(a, data, page, axis)
 
 
 def _rows_view(cache: Cache, rows):
@@ -253,15 +272,14 @@ def copy_page(cache: Cache, src, dst, *, constrain=lambda c: c):
     def copy(e, axis):
         if isinstance(e, KDACache):
             return e
-        return jax.tree.map(lambda a: jnp.moveaxis(jnp.moveaxis(a, axis, 0).at[dst].set(jnp.moveaxis(a, axis, 0)[src]),
-                                                   0, axis), e)
+        return jax.tree.map(lambda a: _copy_page_of(a, axis, src, dst), e)
     return constrain(_rebuild(cache, copy))
 
 
 def take_page(cache: Cache, page):
     """Page ``page`` of every attention layer's pool, each ``[1, ...]`` on the page axis (a prefix entry's cache,
     kept in host memory while its pages serve others)."""
-    return tuple(jax.tree.map(lambda a, ax=axis: jax.lax.dynamic_slice_in_dim(a, page, 1, ax), e)
+    return tuple(jax.tree.map(lambda a, ax=axis: _take_page_of(a, ax, page), e)
                  for e, axis in _entries(cache) if not isinstance(e, KDACache))
 
 
@@ -272,7 +290,7 @@ def put_page(cache: Cache, page, data, *, constrain=lambda c: c):
     def put(e, axis):
         if isinstance(e, KDACache):
             return e
-        return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, page, axis), e, next(it))
+        return jax.tree.map(lambda f, p: _put_page_of(f, axis, page, p), e, next(it))
 
     return constrain(_rebuild(cache, put))
 
