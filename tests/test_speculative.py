@@ -85,13 +85,17 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
     prompts = [rng.integers(3, model.cfg.vocab_size, int(n)).tolist() for n in rng.integers(3, 40, batch)]
     budgets = [int(n) for n in rng.integers(8, 24, batch)]
     gen = Generator(model, None, max_len=96)
-    plain = gen.generate(prompts, budgets, stop=())
+    plain = gen.generate(prompts, budgets, stop=(), record_logits=True)
     B = plain.timings["batch_bucket"]
     plain_cache = gen._caches[B]
     k = 3 if batch == 1 else 4  # a drafter setting of its own per case: the patched drafter is traced afresh
     _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], B, k)
-    spec = gen.generate(prompts, budgets, stop=(), speculative=speculative.NGram(k=k, max_n=2 + batch % 3))
+    spec = gen.generate(prompts, budgets, stop=(), speculative=speculative.NGram(k=k, max_n=2 + batch % 3),
+                        record_logits=True)
     assert spec.tokens == plain.tokens
+    for got, want in zip(spec.logits, plain.logits):  # what each token was drawn from: verify rows vs plain steps
+        assert got.shape == want.shape == (len(want), model.cfg.vocab_size)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())))
     s = spec.timings["speculative"]
     assert s["accepted"] > 0 and s["tokens_per_step"] > 1.5, s  # the oracle's drafts were used
     spec_cache = gen._caches[B]

@@ -441,7 +441,7 @@ class Generator:
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, 0.0, 0, 1.0)
         stop = self._check_request(ids, budget, stop, 0, 1)
         drafter = speculative_mod.parse(speculative, dtype=self.dtype, weights=False)
-        self._check_drafter(drafter, record_logits)
+        self._check_drafter(drafter)
         B, T, _, _, samp = self._batch(ids, budget, temp, topk, topp, stop, 0)
         return self._plan(B, T, max(len(p) for p in ids), samp, record_logits, drafter)
 
@@ -481,12 +481,10 @@ class Generator:
             fit = chunk * max(limit - cache_bytes - extra, 0) / working
             chunk = max(floor, min(chunk // 2, 1 << max(int(fit), 1).bit_length() - 1))
 
-    def _check_drafter(self, drafter, record_logits: bool) -> None:
+    def _check_drafter(self, drafter) -> None:
         """Refuse a drafter this model cannot use (before anything is compiled or allocated)."""
         if drafter is None:
             return
-        if record_logits:
-            raise GenerationError("speculative decoding: no record_logits=True yet")
         if isinstance(drafter, speculative_mod.DSpark):
             drafter.model.cfg.check_target(self.cfg)
         if isinstance(drafter, speculative_mod.DraftModel) and drafter.model.cfg.vocab_size != self.cfg.vocab_size:
@@ -574,7 +572,7 @@ class Generator:
         return start(last, samp).replace(cache=cache)
 
     def _prefill_drafted(self, plan: PrefillPlan, cache: Cache, tokens, lengths, samp: Sampling,
-                         drafter: _Drafter) -> tuple[DecodeState, object]:
+                         drafter: _Drafter, record_logits: bool = False) -> tuple[DecodeState, object]:
         """:meth:`_prefill` for a DSpark ``drafter`` or a draft model (:meth:`_drafter`): the prompts' chunks (one
         when the plan has one call) also bring the drafter's cache along. Returns (decode state, its cache)."""
         B = tokens.shape[0]
@@ -593,7 +591,7 @@ class Generator:
             cache, last, dcache = prefill_chunk_drafted(self.graphdef, self.params, cache,
                                                         tokens[:, i * C:(i + 1) * C], n, last, drafter.kind,
                                                         drafter.graph, drafter.params, dcache)
-        return first_token(last, samp, out_len=self.max_len).replace(cache=cache), dcache
+        return first_token(last, samp, out_len=self.max_len, record_logits=record_logits).replace(cache=cache), dcache
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 32, *, temperature=0.0, top_k=0, top_p=1.0,
                  stop: Sequence[int] | None = None, seed: int = 0,
@@ -613,7 +611,7 @@ class Generator:
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
         drafter = speculative_mod.parse(speculative, dtype=self.dtype)
-        self._check_drafter(drafter, record_logits)
+        self._check_drafter(drafter)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         # refuses what cannot fit, a drafter's cache and weights counted
         plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits, drafter)
@@ -622,7 +620,7 @@ class Generator:
         t0 = time.perf_counter()
         dcache = None
         if drafter is not None and drafter.model is not None:
-            st, dcache = self._prefill_drafted(plan, self._cache(B), tokens, lengths, samp, drafter)
+            st, dcache = self._prefill_drafted(plan, self._cache(B), tokens, lengths, samp, drafter, record_logits)
         else:
             st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
         st.count.block_until_ready()

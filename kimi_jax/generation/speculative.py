@@ -364,20 +364,29 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
         x = jnp.concatenate([d.token[:, None], drafts], axis=1)  # [B, k + 1]
         res = model(x, cache=for_verify(d.cache, k + 1), lengths=jnp.where(active, dlen + 1, 0), prefix=True,
                     return_hidden=isinstance(drafter, BlockDraft))
-        t, a = accept_drafts(res.logits.astype(jnp.float32), drafts, dlen, samp, d.count)
+        logits = res.logits.astype(jnp.float32)
+        t, a = accept_drafts(logits, drafts, dlen, samp, d.count)
         keep = _kept(d, t, a, active, samp)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
-        return commit_verified(res.cache, d.cache.lengths, n_new, model.run), t, a, keep, taps(res, k + 1)
+        return (commit_verified(res.cache, d.cache.lengths, n_new, model.run), t, a, keep, taps(res, k + 1),
+                recorded(logits))
 
     def plain(d: DecodeState, drafts, dlen, active):
         """No row drafted: the plain loop's one-position step (the same program as :func:`generate.decode`'s)."""
         B = drafts.shape[0]
         res = model(d.token[:, None], cache=d.cache, lengths=active.astype(jnp.int32), prefix=True, last_only=True,
                     return_hidden=isinstance(drafter, BlockDraft))
-        first = draw(res.logits[:, 0].astype(jnp.float32), samp, d.count)
+        logits = res.logits.astype(jnp.float32)
+        first = draw(logits[:, 0], samp, d.count)
         t = jnp.concatenate([first[:, None], jnp.full((B, k), -1, jnp.int32)], axis=1)
         a = jnp.zeros((B,), jnp.int32)
-        return res.cache, t, a, _kept(d, t, a, active, samp), taps(res, 1)
+        return res.cache, t, a, _kept(d, t, a, active, samp), taps(res, 1), recorded(logits)
+
+    def recorded(logits_BTV):
+        """The step's logits for ``record_logits`` (``[B, k + 1, V]``: position j's drew t_j), else None."""
+        if state.dec.logits is None:
+            return None
+        return jnp.pad(logits_BTV, [(0, 0), (0, k + 1 - logits_BTV.shape[1]), (0, 0)])
 
     def draft(st: SpecState, want_B):
         """(drafts ``[B, k]``, lengths ``[B]``): at most ``want`` tokens per row."""
@@ -404,7 +413,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
         # step where no row drafts is the plain one-position step: a bad drafter costs little
         hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
         drafts, dlen = draft(st, jnp.where(active & hopeful, room, 0))
-        cache, t, a, keep, x = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
+        cache, t, a, keep, x, logits = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
         if isinstance(drafter, BlockDraft):
             dcache = dmodel.write_context(st.dcache, x, d.cache.lengths, n_new)
@@ -412,7 +421,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
             dcache = _follow(dmodel, st.dcache, jnp.concatenate([d.token[:, None], drafts], axis=1), n_new)
         else:
             dcache = None
-        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp)
+        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp, logits)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
@@ -435,15 +444,18 @@ def _kept(d: DecodeState, t, a, active, samp: Sampling):
     return keep & active[:, None]
 
 
-def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling) -> SpecState:
-    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given)."""
+def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, logits=None) -> SpecState:
+    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given; ``logits``
+    ``[B, k + 1, V]``: what each ``t`` was drawn from, recorded beside the kept tokens when the state records)."""
     d = st.dec
     B, out_len = d.out.shape
     active = ~d.done
     n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
     rows = jnp.arange(B)[:, None]
     j = jnp.arange(t.shape[1])[None]
-    out = d.out.at[rows, jnp.where(keep, d.count[:, None] + j, out_len)].set(t, mode="drop")
+    slots = jnp.where(keep, d.count[:, None] + j, out_len)  # out_len: out of range, dropped
+    out = d.out.at[rows, slots].set(t, mode="drop")
+    recorded = d.logits if logits is None else d.logits.at[rows, slots].set(logits, mode="drop")
     hist = st.hist.at[rows, jnp.where(keep, st.hlen[:, None] + j, st.hist.shape[1])].set(t, mode="drop")
     last = jnp.take_along_axis(t, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
     token = jnp.where(n_new > 0, last, d.token)
@@ -451,6 +463,6 @@ def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling) -> 
     is_stop = jnp.any(t[..., None] == samp.stop[None, None, :], axis=-1)
     done = d.done | (active & (jnp.any(keep & is_stop, axis=1) | (count >= samp.budget)))
     rate = jnp.where(dlen > 0, (1 - EMA) * st.rate + EMA * a / jnp.maximum(dlen, 1), st.rate)
-    return SpecState(DecodeState(cache, token, out, count, done, d.logits), hist, st.hlen + n_new,
+    return SpecState(DecodeState(cache, token, out, count, done, recorded), hist, st.hlen + n_new,
                      st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
                      rate, dcache)
