@@ -31,7 +31,7 @@ def models(k3_tiny_a, tmp_path_factory):
             path = k3_tiny_a if family == "k3" else write_checkpoint(str(tmp_path_factory.mktemp(family)), family,
                                                                      dtype="float32")
             model = kimi_jax.from_pretrained(path, dtype="float32", progress=False)
-            made[family] = model, Engine(model, **SHAPES, prefix_cache_bytes=0)
+            made[family] = model, Engine(model, **SHAPES, prefix_cache_bytes=0, record_logits=True)
         return made[family]
 
     return get
@@ -151,8 +151,8 @@ def test_speculative_engine_equals_the_plain_engine(family, models, k3_golden, m
 
 
 def test_refusals(model, capsys):
-    with pytest.raises(EngineError, match="record_logits"):
-        Engine(model, **SHAPES, record_logits=True, speculative="ngram")
+    with pytest.raises(EngineError, match="batch_invariant"):
+        Engine(model, **SHAPES, batch_invariant=True, speculative="ngram")
     with pytest.raises(speculative.SpeculativeError, match="k=0"):
         Engine(model, **SHAPES, speculative="ngram:k=0")
     from kimi_jax.cli import main
@@ -299,6 +299,11 @@ def _draft_engine_run(eng, plain, prompts, V):
     want = plain.generate(prompts, max_tokens=16, stop_ids=())
     got = eng.generate(prompts, max_tokens=16, stop_ids=())
     assert [g.tokens for g in got] == [w.tokens for w in want]
+    if got[0].logits is not None:  # recorded (record_logits=True): each kept token's verify row against the plain step's
+        for g, w in zip(got, want):
+            want_logits = np.asarray(w.logits)
+            np.testing.assert_allclose(np.asarray(g.logits), want_logits, rtol=0,
+                                       atol=1e-4 * max(1.0, float(np.abs(want_logits).max())))
 
     a = prompts[2]  # its prompt's snapshot at 32 tokens is a prefix hit for this one
     tail = _prompts(V, (9,), seed=2)[0]
@@ -326,7 +331,7 @@ def test_draft_model_in_the_engine_follows_the_target_exactly(family, models, k3
     V = model.cfg.vocab_size
     first = k3_golden["input_ids"].tolist() if family == "k3" else _prompts(V, (23, 11), seed=0)
     prompts = first + _prompts(V, (70, 5), seed=1)
-    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(model, k=K))
+    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(model, k=K), record_logits=True)
     eng.warmup()
     if family == "k3":
         got = eng.generate(prompts[:2], max_tokens=k3_golden["greedy_tokens"].shape[1], stop_ids=())

@@ -105,8 +105,8 @@ class Engine:
                  compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
                  peer_timeout: float = 20.0, speculative=None, structured: bool = False, kv_cache: str | None = None):
         drafter = _drafter(speculative, model)
-        if drafter is not None and (batch_invariant or record_logits):
-            raise EngineError("speculative decoding: not with batch_invariant or record_logits yet")
+        if drafter is not None and batch_invariant:
+            raise EngineError("speculative decoding: not with batch_invariant yet")
         self.shapes = engine_shapes(slots=slots, max_len=max_len, page_size=page_size, pages=pages,
                                     prefill_chunk=prefill_chunk, min_chunk=min_chunk, snapshot_every=snapshot_every,
                                     compact_decode=compact_decode, batch_invariant=batch_invariant,

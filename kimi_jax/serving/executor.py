@@ -205,7 +205,7 @@ class Executor:
     def run(self, plan: StepPlan):
         """Apply ``plan``'s ops in order. Returns its compute op's (tokens, log-probabilities, logits or None, drafts
         or None) as device arrays (replicated) -- a verify step's (tokens, kept, accepted, log-probabilities, drafts
-        or None) -- or None. Drafts ``[B, k]``: a DSpark drafter's next block for each row after the step."""
+        or None, logits or None) -- or None. Drafts ``[B, k]``: a DSpark drafter's next block for each row after the step."""
         out = None
         for op in plan.ops:
             got = self._apply[type(op)](self, op)
@@ -387,10 +387,10 @@ class Executor:
         table = np.zeros((len(rows), op.width), np.int32)
         table[live] = self.table[rows[live], : op.width]
         samp = self._sampling([int(r) if ok else None for r, ok in zip(rows, live)], counts)
-        self.cache, tok, kept, accepted, logp, taps = self.programs.verify_step(
+        self.cache, tok, kept, accepted, logp, logits, taps = self.programs.verify_step(
             self.params, self.cache, table, tokens, dlen, live, samp, None if op.all_rows else rows,
-            self._take_mask(len(live), tokens.shape[1]), tap=self.tap)
-        return tok, kept, accepted, logp, self._verify_drafts(taps, table, rows, tokens, kept, tok)
+            self._take_mask(len(live), tokens.shape[1]), record=self.record, tap=self.tap)
+        return tok, kept, accepted, logp, self._verify_drafts(taps, table, rows, tokens, kept, tok), logits
 
     def _verify_drafts(self, taps, table, rows, tokens, kept, tok):
         """The drafter after a verify step that fed ``tokens`` and kept ``tok[b, :kept[b]]`` (None without one)."""
@@ -453,9 +453,10 @@ class Executor:
             k1 = sh.spec_k + 1
             rows = None if b == sh.slots else np.full((b,), sh.slots, np.int32)
             table = np.zeros((b, width), np.int32)
-            self.cache, tok, kept, _, _, taps = self.programs.verify_step(
+            self.cache, tok, kept, _, _, _, taps = self.programs.verify_step(
                 self.params, self.cache, table, np.zeros((b, k1), np.int32), np.zeros((b,), np.int32),
-                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b, k1), tap=self.tap)
+                np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b, k1), record=self.record,
+                tap=self.tap)
             rows = np.arange(b, dtype=np.int32) if rows is None else rows
             self._verify_drafts(taps, table, rows, np.zeros((b, k1), np.int32), kept, tok)  # kept: all 0
 

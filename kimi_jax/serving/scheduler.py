@@ -370,7 +370,8 @@ class Scheduler:
 
     def decoded(self, plan: StepPlan, *out) -> None:
         """``plan``'s decode step drew ``tok [B]`` for its rows (``out``: tokens, log-probabilities, logits, drafts), or
-        its verify step kept ``tokens[b, :kept[b]]`` (``out``: tokens, kept, accepted, log-probabilities, drafts);
+        its verify step kept ``tokens[b, :kept[b]]`` (``out``: tokens, kept, accepted, log-probabilities, drafts,
+        logits ``[B, k + 1, V]`` or None);
         ``drafts [B, k]``: a DSpark drafter's next block of each row, or None."""
         if isinstance(plan.compute, Verify):
             return self._verified(plan, *out)
@@ -383,7 +384,7 @@ class Scheduler:
             self._drafted(self.running[i], drafts, k)
             self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
 
-    def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts) -> None:
+    def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts, logits=None) -> None:
         rows, _, dlen, _, live = plan.compute.columns()
         for r in np.flatnonzero(live):
             i = int(rows[r])
@@ -396,7 +397,7 @@ class Scheduler:
             for j in range(n):
                 s.pos += 1
                 s.extra = n - 1 - j
-                self._accept(i, int(tok[r, j]), float(logp[r, j]), None)
+                self._accept(i, int(tok[r, j]), float(logp[r, j]), None if logits is None else logits[r, j])
                 if self.running[i] is not s:  # finished (a stop, the budget): the rest is dropped
                     break
 

@@ -110,7 +110,8 @@ def decode_step(graphdef, params, cache: Cache, page_table, tokens_B, active_B, 
 
 
 def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, active_B, samp: SlotSampling,
-                rows_B=None, mask_BKW=None, *, tap=None, constrain=lambda c: c, replicate=lambda x: x):
+                rows_B=None, mask_BKW=None, *, record: bool = False, tap=None, constrain=lambda c: c,
+                replicate=lambda x: x):
     """One speculative step over every slot (``rows`` None) or over ``rows`` (as :func:`decode_step`'s): ``tokens
     [B, k + 1]`` is each row's last token then up to ``k`` drafted ones (``dlen [B]`` of them real), checked by one
     forward over the ``k + 1`` positions, written through the page table (the scheduler allocates pages for all of
@@ -119,7 +120,8 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     :func:`choose` is) and the cache committed over exactly those positions
     (:func:`kimi_jax.model.attention.commit_verified`). Inactive rows feed nothing and keep everything. Returns
     (cache, tokens [B, k + 1], kept [B]: the row gains ``tokens[b, :kept[b]]``, accepted [B], the tokens'
-    log-probabilities [B, k + 1], taps [B, k + 1, X] or None) -- stop ids and budgets are the scheduler's to apply.
+    log-probabilities [B, k + 1], logits [B, k + 1, V] (``record``; position j's drew token j) or None, taps
+    [B, k + 1, X] or None) -- stop ids and budgets are the scheduler's to apply.
     ``mask [B, k + 1, W]``: the ids each position may be (structured outputs): the target distribution is the
     masked one, so a draft the constraint refuses is rejected and the kept tokens obey it."""
     model = nnx.merge(graphdef, params)
@@ -135,7 +137,8 @@ def verify_step(graphdef, params, cache: Cache, page_table, tokens_BK, dlen_B, a
     new = commit_verified(res.cache, view.lengths, kept, model.run)
     new = new if rows_B is None else _rows_merge(cache, new, rows_B)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)
-    return constrain(new), *replicate((t, kept, jnp.where(active_B, a, 0), logp[..., 0])), taps(model, res, tap)
+    out = (t, kept, jnp.where(active_B, a, 0), logp[..., 0], logits if record else None)
+    return constrain(new), *replicate(out), taps(model, res, tap)
 
 
 def taps(model, res, tap):
@@ -356,7 +359,7 @@ def programs(graphdef, cache_sharding=None, replicated=None, compiler_options=No
             jax.jit(functools.partial(copy_page, **kw), **cached),
             jax.jit(take_page),
             jax.jit(functools.partial(put_page, **kw), **cached),
-            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), static_argnames=("tap",), **model))
+            jax.jit(functools.partial(verify_step, graphdef, **kw, **out), static_argnames=("record", "tap"), **model))
     return _PROGRAMS[key]
 
 
