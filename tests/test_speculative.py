@@ -226,6 +226,7 @@ def test_sampled_speculative_generation_is_reproducible_and_greedy_when_cold(k3_
     assert one.tokens == two.tokens and all(len(x) == 24 for x in one.tokens)
 
 
+@pytest.mark.slow  # CI time: streaming runs in the default set without a drafter (tests/test_generate.py)
 def test_streamed_speculative_output_is_the_whole_output(k3_tiny_a, monkeypatch):
     """``stream=`` with a drafter: each call hands over the tokens its verify steps kept (several per step when
     drafts are accepted), and the streamed pieces join up to the returned tokens, which are the plain greedy ones."""
