@@ -299,7 +299,7 @@ def _draft_engine_run(eng, plain, prompts, V):
     want = plain.generate(prompts, max_tokens=16, stop_ids=())
     got = eng.generate(prompts, max_tokens=16, stop_ids=())
     assert [g.tokens for g in got] == [w.tokens for w in want]
-    if got[0].logits is not None:  # recorded (record_logits=True): each kept token's verify row against the plain step's
+    if got[0].logits is not None:  # recorded: each kept token's verify row against the plain step's logits
         for g, w in zip(got, want):
             want_logits = np.asarray(w.logits)
             np.testing.assert_allclose(np.asarray(g.logits), want_logits, rtol=0,

@@ -462,8 +462,9 @@ def _has_avx512() -> bool:
 
 @pytest.mark.skipif(not _has_avx512(), reason="compares this machine's AVX-512 build with an AVX2 build")
 def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
-    """The bfloat16 and 4-bit (int4, MXFP4) summation orders do not depend on the instruction set (native.cc): a build for AVX2 +
-    FMA gives this machine's AVX-512 build's bits, rows and columns past every vector and block tail included."""
+    """The bfloat16 and 4-bit (int4, MXFP4) summation orders do not depend on the instruction set (native.cc): a
+    build for AVX2 + FMA gives this machine's AVX-512 build's bits, rows and columns past every vector and block tail
+    included."""
     script = textwrap.dedent("""
         import sys
         import numpy as np, jax, jax.numpy as jnp

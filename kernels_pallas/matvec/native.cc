@@ -37,11 +37,11 @@
 // so neither a bfloat16 pair nor a byte of nibbles needs a shuffle); then the same tree (bfloat16: then the tail
 // i >= I - I % 32 in order; 4-bit groups are a multiple of 32 columns, so no tail).
 // W is decoded exactly as the oracle does (the 16 values of a group's codes, (code - zero) * scale or
-// NF4[code] * absmax or E2M1[code] * 2^(byte - 127) in float32, are a 16-entry table looked up per lane), so a 4-bit product differs from the
-// float32 product of the decoded weight only in its summation order. The order depends on neither kRows, the
-// parts nor the threads, nor the instruction set: with AVX-512 the byte widening and the table lookup are one
-// instruction each (intrinsics; GCC 12 widens byte vectors lane by lane), elsewhere they are generic vector code
-// (an AVX2 + FMA build gives the same bits, bfloat16 rows too: tests/test_native_kernels.py).
+// NF4[code] * absmax or E2M1[code] * 2^(byte - 127) in float32, are a 16-entry table looked up per lane), so a
+// 4-bit product differs from the float32 product of the decoded weight only in its summation order. The order
+// depends on neither kRows, the parts nor the threads, nor the instruction set: with AVX-512 the byte widening and
+// the table lookup are one instruction each (intrinsics; GCC 12 widens byte vectors lane by lane), elsewhere they
+// are generic vector code (an AVX2 + FMA build gives the same bits, bfloat16 rows too: tests/test_native_kernels.py).
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 """The grouped decode products as one native XLA:CPU call (``native.cc``): one weight format per call, float32
 (``float32`` / ``bfloat16`` arrays) or packed (:mod:`kernels_pallas.quant`: int8, int4, int4 with a zero point, NF4;
-:mod:`kernels_pallas.mxfp4`: MXFP4, its E8M0 scale bytes decoded in the kernel; each field read in place); float32 or bfloat16 inputs (widened to float32 before the call: M x I values), float32
-sums and results."""
+:mod:`kernels_pallas.mxfp4`: MXFP4, its E8M0 scale bytes decoded in the kernel; each field read in place); float32
+or bfloat16 inputs (widened to float32 before the call: M x I values), float32 sums and results."""
 
 from __future__ import annotations
 

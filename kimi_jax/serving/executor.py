@@ -205,7 +205,8 @@ class Executor:
     def run(self, plan: StepPlan):
         """Apply ``plan``'s ops in order. Returns its compute op's (tokens, log-probabilities, logits or None, drafts
         or None) as device arrays (replicated) -- a verify step's (tokens, kept, accepted, log-probabilities, drafts
-        or None, logits or None) -- or None. Drafts ``[B, k]``: a DSpark drafter's next block for each row after the step."""
+        or None, logits or None) -- or None. Drafts ``[B, k]``: a DSpark drafter's next block for each row after the
+        step."""
         out = None
         for op in plan.ops:
             got = self._apply[type(op)](self, op)
