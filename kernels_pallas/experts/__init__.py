@@ -64,19 +64,19 @@ def choose_path(pairs: int, num_experts: int, *, float32: bool, packed_weights: 
     cost less than the per-slot loop. With the plain-jnp gather (which copies each chosen expert) that starts at
     3/4 pairs per expert (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts); with the native gather kernel, past
     one pair per expert (batch-8 decode of the benchmark model, 16 pairs / 16 experts: 69 vs 79 ms per step
-    gathered vs dense)."""
+    gathered vs dense). Packed experts on XLA:CPU with the native kernel: gathered (read in place) up to
+    ``matvec.PACKED_ROWS`` pairs or as many as there are experts, sorted beyond."""
     if requested != "auto":
         if requested not in PATHS:
             raise ValueError(f"unknown moe_path {requested!r}; choose auto or one of {list(PATHS)}")
         return requested
     E = num_experts
     one_device = placement is None or placement.devices == 1
-    native_cpu = implementation is None and one_device and target_platform(placement) == "cpu" and \
-        matvec.native.KERNEL.ready()
-    if implementation is None and float32 and one_device and target_platform(placement) == "cpu":
-        gather = pairs <= E if native_cpu else 4 * pairs < 3 * E
+    cpu = implementation is None and one_device and target_platform(placement) == "cpu"
+    if cpu and float32:
+        gather = pairs <= E if matvec.native.KERNEL.ready() else 4 * pairs < 3 * E
         return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
-    if native_cpu and packed_weights:
+    if cpu and packed_weights and matvec.native.KERNEL.ready():
         # packed experts (MXFP4, int8 / int4) are read in place by the native kernel up to matvec.PACKED_ROWS
         # pairs (a verify step's few positions over few experts), where the sorted path decodes every expert
         return "gather" if pairs <= max(E, matvec.PACKED_ROWS) else "sorted"
