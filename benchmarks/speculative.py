@@ -202,7 +202,9 @@ def paired(gen, ps, new: int, drafters: list, repeats: int) -> dict:
         fields = {"spec_tok_s": statistics.median(runs[i]),
                   "ratio": statistics.median(s / p for s, p in zip(runs[i], plain)),
                   "accepted": stats[i]["accepted"], "drafted": stats[i]["drafted"],
-                  "tokens_per_step": stats[i]["tokens_per_step"], "same_tokens": bool(same[i])}
+                  "tokens_per_step": stats[i]["tokens_per_step"], "same_tokens": bool(same[i]),
+                  # adapt=cost: a verify step's cost in plain steps as measured, and whether drafting went on
+                  "verify_cost": stats[i]["verify_cost"], "drafting": stats[i]["drafting"]}
         if i == 0:
             out.update(fields)
         else:
@@ -217,6 +219,9 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec", default="ngram:k=4", help="the n-gram drafter (generate's speculative=)")
+    ap.add_argument("--adapt", default="cost", choices=["cost", "acceptance"],
+                    help="the drafters' pacing (speculative adapt=): cost (the default) also weighs a verify step's "
+                         "measured cost in plain steps; acceptance verifies whenever a sequence drafted")
     ap.add_argument("--dspark", default=None, metavar="PATH",
                     help="the demo rows' DSpark drafter (default: the one shipped for the demo model; 'none': skip)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -233,6 +238,7 @@ def main(argv=None):
     import jax
 
     import kimi_jax
+    from kimi_jax.generation import speculative
     from kimi_jax.generation.generate import Generator
     from kimi_jax.model.config import DEMO_DRAFTER, demo_model_dir
     from kimi_jax.text.tokenizer import load_tokenizer
@@ -277,7 +283,9 @@ def main(argv=None):
                 ps = prompts(name, kind, b)
                 longest = max(len(tokenizer.encode(p)) if tokenizer else len(p) for p in ps)
                 gen = Generator(model, tokenizer, max_len=longest + args.new + 16)
-                drafters = [args.spec] + ([dspark] if dspark and name == "demo" else [])
+                # parsed once per model (a DSpark drafter loaded once, so its measured cost is kept between calls)
+                drafters = [speculative.parse(f"{s}{',' if ':' in s else ':'}adapt={args.adapt}", dtype=model.run.dtype)
+                            for s in [args.spec] + ([dspark] if dspark and name == "demo" else [])]
                 row = {"model": name, "prompt": kind, "batch": b, **paired(gen, ps, args.new, drafters, args.repeats)}
                 rows.append(row)
                 shown = [(args.spec, row)] + ([("dspark", row["dspark"])] if "dspark" in row else [])
@@ -285,7 +293,8 @@ def main(argv=None):
                     print(f"{name:5s} {kind:6s} b={b}: plain {row['plain_tok_s']:7.1f} tok/s, {label} "
                           f"{r['spec_tok_s']:7.1f} tok/s ({r['ratio']:.2f}x); accepted {r['accepted']} of "
                           f"{r['drafted']} drafted, {r['tokens_per_step']:.2f} tokens per step; "
-                          f"same tokens: {r['same_tokens']}", flush=True)
+                          f"same tokens: {r['same_tokens']}; verify step = {r['verify_cost'] or float('nan'):.2f} "
+                          f"plain steps, drafting: {r['drafting']}", flush=True)
                 if name == "bench" and b == 1 and not peer_why:
                     lc = llamacpp_row(peer_bin, peer_gguf, ps[0], args.new, args.draft, args.repeats, args.threads)
                     lc["ours_plain_vs_llamacpp"] = row["plain_tok_s"] / lc["plain_tok_s"]
@@ -323,7 +332,8 @@ def main(argv=None):
                       f"{lc['ours_spec_vs_llamacpp_lookup']:.2f}x |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"commit": commit, "spec": args.spec, "dspark": dspark, "dtype": args.dtype or "automatic", "new": args.new, "repeats": args.repeats,
+        json.dump({"commit": commit, "spec": args.spec, "dspark": dspark, "adapt": args.adapt,
+                   "dtype": args.dtype or "automatic", "new": args.new, "repeats": args.repeats,
                    "cores": os.cpu_count(), "load_average": load[0], "when": time.strftime("%Y-%m-%d %H:%M"),
                    "llamacpp": peer, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")

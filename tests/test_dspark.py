@@ -103,7 +103,7 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
                              target_hidden_size=model.cfg.hidden_size, target_layer_ids=[1, 4, 8],
                              num_target_layers=3, block_size=3)
     tensors = oracle.random_checkpoint(cfg, seed=1)
-    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), 3)
+    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), 3, "acceptance")
     seen = []
     base_logits = dspark.DSparkModel.base_logits
 
@@ -173,7 +173,7 @@ def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     ids = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
     gen = Generator(model, tok, max_len=256)
     plain = gen.generate([ids], 64)
-    spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER}")
+    spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER},adapt=acceptance")
     assert spec.tokens == plain.tokens
     assert spec.timings["speculative"]["tokens_per_step"] > 1.5, spec.timings["speculative"]
 

@@ -327,7 +327,7 @@ def test_dspark_engine_on_a_mesh_equals_one_device(k3_tiny_a, tmp_path):
     cfg = oracle.tiny_config(target["vocab_size"], hidden_size=H, target_hidden_size=H, target_layer_ids=[1, 4, 8],
                              num_target_layers=3, block_size=3)
     drafter = _write(tmp_path, cfg, oracle.random_checkpoint(cfg, seed=2))
-    r = _mesh_worker(k3_tiny_a, "2x1x4", f"dspark:{drafter}")
+    r = _mesh_worker(k3_tiny_a, "2x1x4", f"dspark:{drafter},adapt=acceptance")
     assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
     assert r["spec"]["spec_steps"] > 0, r
 
@@ -354,7 +354,7 @@ def test_draft_model_engine_on_a_mesh_equals_one_device(k3_tiny_a):
     """A draft model in the engine on a data x model mesh (the K3 fixture drafting for itself; its weights and cache
     replicated): the same greedy tokens as on one device, prefix hits included, every draft accepted, no compile
     after warm-up."""
-    r = _mesh_worker(k3_tiny_a, "2x1x4", f"draft:{k3_tiny_a},k=3")
+    r = _mesh_worker(k3_tiny_a, "2x1x4", f"draft:{k3_tiny_a},k=3,adapt=acceptance")
     assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
     assert r["spec"]["spec_accepted"] == r["spec"]["spec_drafted"] > 0, r
 

@@ -111,7 +111,7 @@ def test_speculative_engine_equals_the_plain_engine(family, models, k3_golden, m
     others = _prompts(V, (70, 5), seed=1)  # a 3-chunk prompt in flight beside them
     prompts = first + others
     want = plain.generate(prompts, max_tokens=16, stop_ids=())
-    eng = Engine(model, **SHAPES, speculative=speculative.NGram(k=K))
+    eng = Engine(model, **SHAPES, speculative=speculative.NGram(k=K, adapt="acceptance"))
     eng.warmup()
     _oracle(monkeypatch, {tuple(p): w.tokens for p, w in zip(prompts, want)})
     got = eng.generate(prompts, max_tokens=16, stop_ids=())
@@ -150,6 +150,32 @@ def test_speculative_engine_equals_the_plain_engine(family, models, k3_golden, m
     assert h.result(timeout=10).tokens == wc.tokens and eng.stats()["spec_drafted"] == drafted
 
 
+@pytest.mark.parametrize("verify_cost", [10.0, 1.0])
+def test_the_scheduler_verifies_where_the_timed_cost_is_repaid(models, monkeypatch, verify_cost):
+    """``adapt="cost"`` (the default) in the engine: the scheduler times each decode and verify step (the engine's
+    measure, replaced here by a verify step ``verify_cost`` times a plain one) and verifies only where the drafts
+    are expected to repay it. Dear (10 plain steps, more than the k + 1 = 4 tokens a step can gain): after two
+    steps of each kind (the first of each left out of the timing), the slots decode plainly. Free: the oracle's
+    drafts are verified as with ``adapt="acceptance"``. The replies are the plain engine's either way."""
+    model, plain = models("llama")
+    prompts = _prompts(model.cfg.vocab_size, (23, 11, 30, 7), seed=4)
+    want = plain.generate(prompts, max_tokens=40, stop_ids=())
+    timed = scheduler_mod.Scheduler.timed
+    fake = lambda self, plan, seconds: timed(  # noqa: E731
+        self, plan, verify_cost if isinstance(plan.compute, scheduler_mod.Verify) else 1.0)
+    monkeypatch.setattr(scheduler_mod.Scheduler, "timed", fake)
+    eng = Engine(model, **SHAPES, speculative=speculative.NGram(k=K))
+    eng.warmup()
+    _oracle(monkeypatch, {tuple(p): w.tokens for p, w in zip(prompts, want)})
+    got = eng.generate(prompts, max_tokens=40, stop_ids=())
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    st = eng.stats()
+    if verify_cost > K + 1:  # two steps of each kind timed (the first of each left out), then plain steps only
+        assert st["spec_steps"] == 2 and st["decode_steps"] >= 30, st
+    else:
+        assert st["spec_steps"] > st["decode_steps"] / 2 and st["spec_accepted"] > 0, st
+
+
 def test_refusals(model, capsys):
     with pytest.raises(EngineError, match="batch_invariant"):
         Engine(model, **SHAPES, batch_invariant=True, speculative="ngram")
@@ -166,7 +192,8 @@ def test_refusals(model, capsys):
     assert main(["serve", "--speculative", "dspark:/nowhere"]) == 2  # its config.json read before the model loads
     assert "/nowhere" in capsys.readouterr().err
     speculative.check("draft:demo,k=2")  # the shipped model's name resolves as from_pretrained resolves it
-    for bad, why in (("draft:demo,k=x", "'k=x' is not k=N"), ("draft:,k=2", "give the drafter's directory")):
+    for bad, why in (("draft:demo,k=x", "'k=x' is not one of k=N, adapt="),
+                     ("draft:,k=2", "give the drafter's directory")):
         with pytest.raises(speculative.SpeculativeError, match=why):
             speculative.check(bad)
 
@@ -194,7 +221,7 @@ def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, mod
     cfg = oracle.tiny_config(V, hidden_size=model.cfg.hidden_size, target_hidden_size=model.cfg.hidden_size,
                              target_layer_ids=[1, 4, 8], num_target_layers=3, block_size=n)
     tensors = oracle.random_checkpoint(cfg, seed=1)
-    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), n)
+    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), n, "acceptance")
     a = _prompts(V, (70,), seed=5)[0]
     b = a[:40] + _prompts(V, (9,), seed=6)[0]
     want = [w.tokens for w in models("k3")[1].generate([a, b], max_tokens=12, stop_ids=())]
@@ -280,7 +307,7 @@ def test_shipped_demo_drafter_in_the_engine():
                                           {"role": "user", "content": "And the tarfile module?"}],
                          add_generation_prompt=True)
     want_follow = plain.generate([follow], max_tokens=32)[0]
-    eng = Engine(model, tok, **shapes, speculative=f"dspark:{demo}-dspark")
+    eng = Engine(model, tok, **shapes, speculative=f"dspark:{demo}-dspark,adapt=acceptance")
     eng.warmup()  # last: compiles after it are counted (by every engine of the process)
     got = eng.generate(ids, max_tokens=48)
     assert [g.tokens for g in got] == [w.tokens for w in want]
@@ -333,7 +360,8 @@ def test_draft_model_in_the_engine_follows_the_target_exactly(family, models, k3
     V = model.cfg.vocab_size
     first = k3_golden["input_ids"].tolist() if family == "k3" else _prompts(V, (23, 11), seed=0)
     prompts = first + _prompts(V, (70, 5), seed=1)
-    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(model, k=K), record_logits=True)
+    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(model, k=K, adapt="acceptance"),
+                 record_logits=True)
     eng.warmup()
     if family == "k3":
         got = eng.generate(prompts[:2], max_tokens=k3_golden["greedy_tokens"].shape[1], stop_ids=())
@@ -357,7 +385,7 @@ def test_draft_model_in_the_engine_with_rejections(models):
     head = draft.embed_tokens if model.cfg.tie_word_embeddings else draft.lm_head
     noise = np.random.default_rng(9).standard_normal(head[...].shape)  # 40% of argmaxes agree with the target's
     head[...] = head[...] + jax.numpy.asarray(0.5 * noise * float(jax.numpy.std(head[...])), head[...].dtype)
-    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(draft, k=K))
+    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(draft, k=K, adapt="acceptance"))
     eng.warmup()
     st = _draft_engine_run(eng, plain, _prompts(V, (23, 11, 70, 5), seed=0), V)
     assert 0 < st["spec_accepted"] < st["spec_drafted"], st

@@ -152,7 +152,7 @@ def k3_dir(k3_tiny_a, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k3_pair(k3_dir):
-    pair = Pair(k3_dir, "data=1,expert=2,model=4", "--peer-timeout", "5", "--speculative", "ngram:k=4")
+    pair = Pair(k3_dir, "data=1,expert=2,model=4", "--peer-timeout", "5", "--speculative", "ngram:k=4,adapt=acceptance")
     pair.name = os.path.basename(k3_dir)
     yield pair
     pair.close()

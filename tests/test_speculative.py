@@ -32,10 +32,38 @@ def test_ngram_draft_proposes_what_followed_the_latest_match():
 def test_spec_strings_and_errors():
     assert speculative.parse("ngram") == speculative.NGram()
     assert speculative.parse("ngram:k=6,max_n=4,min_n=2") == speculative.NGram(k=6, max_n=4, min_n=2)
+    paced = speculative.parse("ngram:k=5,adapt=acceptance")
+    assert (paced.k, paced.adapt) == (5, "acceptance") and speculative.parse("ngram").adapt == "cost"
     for bad, fragment in [("eagle", "unknown drafter"), ("ngram:k=0", "k=0"), ("ngram:x=1", "'x=1'"),
-                          ("ngram:min_n=3,max_n=2", "min_n=3")]:
+                          ("ngram:min_n=3,max_n=2", "min_n=3"),
+                          ("ngram:adapt=fast", "not one of k=N, max_n=N, min_n=N, adapt=")]:
         with pytest.raises(speculative.SpeculativeError, match=fragment):
             speculative.parse(bad)
+    with pytest.raises(speculative.SpeculativeError, match="adapt='fast'"):
+        speculative.NGram(adapt="fast")
+
+
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_a_step_verifies_where_the_drafts_repay_its_cost(xp):
+    """``worth_verifying``, the one rule of the compiled loop (jax.numpy) and the engine's scheduler (numpy): a step
+    verifies when the tokens its drafts are expected to add (acceptance rate x draft length, over the active rows)
+    reach the verify step's extra cost (cost - 1 plain steps per active row), or a drafting row probes."""
+    def worth(cost, rate, dlen, steps, active=(True, True)):
+        a = lambda v, dt: xp.asarray(v, dt)  # noqa: E731
+        return bool(speculative.worth_verifying(cost, a(rate, xp.float32), a(dlen, xp.int32), a(steps, xp.int32),
+                                                a(active, bool), xp=xp))
+
+    P = speculative.PROBE
+    assert worth(1.0, (0.0, 0.0), (1, 0), (1, 1))  # free (adapt="acceptance", or not measured): whenever drafted
+    assert not worth(1.0, (1.0, 1.0), (0, 0), (1, 1))  # nothing drafted: the plain step
+    assert worth(3.0, (1.0, 0.0), (4, 0), (1, 1))  # expected 4 extra tokens repay (3 - 1) x 2 rows
+    assert not worth(3.0, (0.7, 0.2), (4, 4), (1, 1))  # 3.6 do not
+    assert worth(3.0, (0.7, 0.2), (4, 4), (1, P))  # ... unless a drafting row probes
+    assert not worth(3.0, (0.7, 0.2), (4, 0), (1, P))  # (a row that drafted nothing does not)
+    assert worth(3.0, (0.5, 0.0), (4, 0), (1, 1), (True, False))  # an idle row costs nothing: 2 >= 2 x 1
+    assert not worth(speculative.NEVER, (1.0, 1.0), (4, 4), (P, P))
+    assert worth(speculative.ALWAYS, (0.0, 0.0), (0, 0), (1, 1))
+    assert speculative.can_pay(4.9, 4) and not speculative.can_pay(5.0, 4)  # k drafts add at most k tokens
 
 
 def _oracle(monkeypatch, plain_new: list[list[int]], prompt_lens: list[int], B: int, k: int):
@@ -90,7 +118,8 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
     plain_cache = gen._caches[B]
     k = 3 if batch == 1 else 4  # a drafter setting of its own per case: the patched drafter is traced afresh
     _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], B, k)
-    spec = gen.generate(prompts, budgets, stop=(), speculative=speculative.NGram(k=k, max_n=2 + batch % 3),
+    spec = gen.generate(prompts, budgets, stop=(),
+                        speculative=speculative.NGram(k=k, max_n=2 + batch % 3, adapt="acceptance"),
                         record_logits=True)
     assert spec.tokens == plain.tokens
     for got, want in zip(spec.logits, plain.logits):  # what each token was drawn from: verify rows vs plain steps
@@ -103,6 +132,39 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
     for a, b in zip(_kda_entries(plain_cache), _kda_entries(spec_cache)):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
+
+
+def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
+    """``adapt="cost"`` (the default): the first request of a batch bucket measures a verify step against a plain
+    step on its own first steps (the greedy tokens stay the plain ones), later requests reuse the measure; where a
+    verify step costs k + 1 plain steps or more the request decodes plainly after it, and where it is cheap the
+    drafts are used."""
+    model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
+    rng = np.random.default_rng(5)
+    base = rng.integers(3, model.cfg.vocab_size, 6).tolist()
+    prompts = [base * 5, rng.integers(3, model.cfg.vocab_size, 9).tolist()]
+    gen = Generator(model, None, max_len=96)
+    plain = gen.generate(prompts, 24, stop=())
+    B = plain.timings["batch_bucket"]
+    first = gen.generate(prompts, 24, stop=(), speculative="ngram:k=4")
+    s = first.timings["speculative"]
+    assert first.tokens == plain.tokens
+    record = gen._ngrams[speculative.NGram(k=4)]
+    assert s["verify_cost"] > 0 and record.costs == {B: s["verify_cost"]}, s  # measured and kept for bucket B
+    measured = Generator._measure
+    monkeypatch.setattr(Generator, "_measure", lambda *a: pytest.fail("measured twice"))
+    record.costs[B] = 5.0  # a verify step as dear as k + 1 = 5 plain steps: drafting cannot pay
+    dear = gen.generate(prompts, 24, stop=(), speculative="ngram:k=4")
+    assert dear.tokens == plain.tokens
+    assert dear.timings["speculative"] == {"verify_steps": 0, "drafted": 0, "accepted": 0, "tokens_per_step": 0.0,
+                                           "verify_cost": 5.0, "drafting": False}
+    record.costs[B] = 1.0  # free: the repeating prompt's drafts are used
+    cheap = gen.generate(prompts, 24, stop=(), speculative="ngram:k=4")
+    assert cheap.tokens == plain.tokens and cheap.timings["speculative"]["drafted"] > 0
+    monkeypatch.setattr(Generator, "_measure", measured)
+    ended = Generator(model, None, max_len=96).generate(prompts, 4, stop=(), speculative="ngram:k=4")
+    assert ended.tokens == [t[:4] for t in plain.tokens]
+    assert ended.timings["speculative"]["verify_cost"] is None  # too short to measure
 
 
 @pytest.mark.parametrize("family", ["k3", pytest.param("kimi_linear", marks=pytest.mark.slow)])
@@ -125,9 +187,11 @@ def test_kda_state_after_one_rejected_draft_equals_plain(families, family, monke
     B = plain.timings["batch_bucket"]
     plain_cache = gen._caches[B]
     _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], B, 3)
-    spec = gen.generate(prompts, 10, stop=stop, speculative=speculative.NGram(k=3, max_n=1, min_n=1))
+    spec = gen.generate(prompts, 10, stop=stop,
+                        speculative=speculative.NGram(k=3, max_n=1, min_n=1, adapt="acceptance"))
     assert spec.tokens == plain.tokens
-    assert spec.timings["speculative"] == {"verify_steps": 1, "drafted": 3, "accepted": 1, "tokens_per_step": 2.0}
+    assert spec.timings["speculative"] == {"verify_steps": 1, "drafted": 3, "accepted": 1, "tokens_per_step": 2.0,
+                                           "verify_cost": None, "drafting": True}
     spec_cache = gen._caches[B]
     np.testing.assert_array_equal(np.asarray(spec_cache.lengths), np.asarray(plain_cache.lengths))
     worst = {"state": 0.0, "conv": 0.0}
@@ -147,7 +211,7 @@ def test_ngram_drafter_on_the_k3_fixture_equals_plain(k3_tiny_a):
     prompts = [base * 4, rng.integers(3, 500, 25).tolist(), base[:4] * 7]
     gen = Generator(model, None, max_len=128)
     plain = gen.generate(prompts, 32, stop=())
-    spec = gen.generate(prompts, 32, stop=(), speculative="ngram:k=4")
+    spec = gen.generate(prompts, 32, stop=(), speculative="ngram:k=4,adapt=acceptance")
     assert spec.tokens == plain.tokens and spec.timings["speculative"]["drafted"] > 0
 
 
@@ -218,11 +282,12 @@ def test_sampled_speculative_generation_is_reproducible_and_greedy_when_cold(k3_
     greedy = gen.generate(prompts, 24, stop=())
     with monkeypatch.context() as m:
         _oracle(m, greedy.tokens, [len(p) for p in prompts], greedy.timings["batch_bucket"], 5)
-        cold = gen.generate(prompts, 24, stop=(), temperature=1e-4, speculative=speculative.NGram(k=5, max_n=1))
+        cold = gen.generate(prompts, 24, stop=(), temperature=1e-4,
+                            speculative=speculative.NGram(k=5, max_n=1, adapt="acceptance"))
     assert cold.tokens == greedy.tokens
     assert cold.timings["speculative"]["accepted"] > 0 and cold.timings["speculative"]["tokens_per_step"] > 1.5
-    one = gen.generate(prompts, 24, stop=(), temperature=1.0, seed=3, speculative="ngram:k=4")
-    two = gen.generate(prompts, 24, stop=(), temperature=1.0, seed=3, speculative="ngram:k=4")
+    one = gen.generate(prompts, 24, stop=(), temperature=1.0, seed=3, speculative="ngram:k=4,adapt=acceptance")
+    two = gen.generate(prompts, 24, stop=(), temperature=1.0, seed=3, speculative="ngram:k=4,adapt=acceptance")
     assert one.tokens == two.tokens and all(len(x) == 24 for x in one.tokens)
 
 
@@ -244,7 +309,7 @@ def test_streamed_speculative_output_is_the_whole_output(k3_tiny_a, monkeypatch)
             pieces[i] += t
 
     spec = gen.generate(prompts, 20, stop=(), stream=stream, stream_every=2,
-                        speculative=speculative.NGram(k=2, max_n=2, min_n=2))
+                        speculative=speculative.NGram(k=2, max_n=2, min_n=2, adapt="acceptance"))
     assert spec.tokens == plain.tokens and pieces == plain.tokens
     assert spec.timings["speculative"]["accepted"] > 0
 
@@ -311,7 +376,8 @@ def test_greedy_with_a_draft_model_equals_plain(families, family, batch):
     plain = gen.generate(prompts, 16, stop=())
     B = plain.timings["batch_bucket"]
     plain_cache = gen._caches[B]
-    spec = gen.generate(prompts, 16, stop=(), speculative=speculative.DraftModel(_perturbed(families[family], SCALE[family]), 3))
+    draft = speculative.DraftModel(_perturbed(families[family], SCALE[family]), 3, "acceptance")
+    spec = gen.generate(prompts, 16, stop=(), speculative=draft)
     assert spec.tokens == plain.tokens
     s = spec.timings["speculative"]
     assert 0 < s["accepted"] < s["drafted"], s  # some drafts accepted, some rejected
@@ -319,6 +385,6 @@ def test_greedy_with_a_draft_model_equals_plain(families, family, batch):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
     if family == "llama":
-        same = gen.generate(prompts, 16, stop=(), speculative=speculative.DraftModel(model, 3))
+        same = gen.generate(prompts, 16, stop=(), speculative=speculative.DraftModel(model, 3, "acceptance"))
         assert same.tokens == plain.tokens
         assert same.timings["speculative"]["accepted"] == same.timings["speculative"]["drafted"] > 0

@@ -313,7 +313,7 @@ def test_speculative_decoding_under_a_constraint(served):
                for q in ("Two numbers as JSON.", "What is 7777 times 7777?")]
     plain = [served.engine.submit(Request(prompt=p, max_tokens=80, constraint=g)) for p in prompts]
     plain = [h.result(120) for h in plain]
-    spec = Engine(served.model, tok, structured=True, speculative="ngram:k=4", **ENGINE)
+    spec = Engine(served.model, tok, structured=True, speculative="ngram:k=4,adapt=acceptance", **ENGINE)
     got = spec.generate(prompts, max_tokens=80, constraint=g)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
     for c in got:

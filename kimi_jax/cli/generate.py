@@ -85,8 +85,11 @@ def add_generate_arguments(p: argparse.ArgumentParser):
                    help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and output so "
                         "far (prompt lookup); 'dspark:PATH[,k=N]' drafts with a DSpark drafter (k3_dspark layout) "
                         "from the model's hidden states; 'draft:PATH[,k=N]' with a smaller model of the family (same "
-                        "vocabulary); greedy output is the plain greedy output, sampled output "
-                        "(--temperature) has the plain sampler's distribution (rejection sampling) (default: off)")
+                        "vocabulary); each also takes adapt=cost (the default: verify only where the drafts are "
+                        "expected to repay a verify step's cost on this device, measured in plain steps) or "
+                        "adapt=acceptance (verify whenever a sequence drafted); greedy output is the plain greedy "
+                        "output, sampled output (--temperature) has the plain sampler's distribution (rejection "
+                        "sampling) (default: off)")
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end instead of as it comes")
@@ -230,9 +233,18 @@ def _demo_speculative(model, prompt, plain, kw) -> None:
               file=sys.stderr)
     s, n = r.timings["speculative"], plain.timings["new_tokens"] - 1
     print(f"speculative (DSpark drafter {DEMO_DRAFTER.name}, k={drafter.k}): {s['accepted']} of {s['drafted']} "
-          f"drafted tokens accepted, {s['tokens_per_step']:.2f} new tokens per forward; decode "
+          f"drafted tokens accepted, {s['tokens_per_step']:.2f} new tokens per forward{_paced(s)}; decode "
           f"{_rate(n, r.timings['decode'])} vs {_rate(n, plain.timings['decode'])} plain "
           f"({plain.timings['decode'] / r.timings['decode']:.2f}x)", file=sys.stderr)
+
+
+def _paced(s: dict) -> str:
+    """What the speculative loop measured of a verify step's cost (``timings["speculative"]``), for a report."""
+    if s["verify_cost"] is None:
+        return ""
+    return (f" (a verify step costs {s['verify_cost']:.1f} plain steps here" +
+            ("" if s["drafting"] else ": more than the drafts can repay, so drafting stopped after measuring it") +
+            ")")
 
 
 def _provenance(random: bool) -> str:
@@ -331,7 +343,7 @@ def run_generate(args):
             if args.speculative:
                 s = r.timings["speculative"]
                 print(f"speculative ({args.speculative}): {s['accepted']} of {s['drafted']} drafted tokens accepted; "
-                      f"{s['tokens_per_step']:.2f} new tokens per forward", file=sys.stderr)
+                      f"{s['tokens_per_step']:.2f} new tokens per forward{_paced(s)}", file=sys.stderr)
 
 
 def _print_generated(args, r, tok, prompts, reply, streamed: bool) -> None:

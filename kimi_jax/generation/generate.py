@@ -58,6 +58,7 @@ from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
+MEASURE = 3  # steps per timed call when a verify step's cost is measured (:meth:`Generator._measure`)
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
 PREFILL_CHUNK = 2048  # the most prompt tokens one prefill call takes by default (vLLM's chunked-prefill default too)
 MIN_CHUNK = 16  # the smallest chunk a memory budget may ask for (the smallest prompt bucket)
@@ -318,6 +319,8 @@ class _Drafter:
     graph: object = None
     params: object = None
     model: object = None
+    costs: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> a verify step's cost
+    # in plain steps, as measured (:meth:`Generator._paced`)
 
 
 class Generator:
@@ -360,8 +363,10 @@ class Generator:
         self.prompt_buckets = tuple(sorted(prompt_buckets)) if prompt_buckets else _pow2_buckets(
             min(min_prompt_bucket, self.max_len), self.max_len)
         self._caches: dict[int, Cache] = {}
-        # a drafter model split and placed once (:meth:`_drafter`), kept while the drafter object lives
+        # a drafter model split and placed once (:meth:`_drafter`), kept while the drafter object lives; an n-gram
+        # drafter's record (its measured costs) per setting
         self._drafters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._ngrams: dict = {}
         # what the compiled prefill programs depend on besides the request's shapes (:meth:`_compiled`)
         self._signature = (self.graphdef, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                                                 for a in jax.tree.leaves(self.params)),
@@ -520,7 +525,7 @@ class Generator:
         """``drafter`` as the compiled loops take it: a DSpark drafter (in the model's dtype) or a draft model split
         and its weights placed once, kept for the next request while ``drafter`` lives."""
         if not isinstance(drafter, (speculative_mod.DSpark, speculative_mod.DraftModel)):
-            return None if drafter is None else _Drafter(drafter)
+            return None if drafter is None else self._ngrams.setdefault(drafter, _Drafter(drafter))
         got = self._drafters.get(drafter)
         if got is None:  # (the value must not hold ``drafter`` itself: the key would never be dropped)
             use = drafter.astype(self.dtype) if isinstance(drafter, speculative_mod.DSpark) else drafter
@@ -610,12 +615,12 @@ class Generator:
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
-        drafter = speculative_mod.parse(speculative, dtype=self.dtype)
-        self._check_drafter(drafter)
+        user = speculative_mod.parse(speculative, dtype=self.dtype)
+        self._check_drafter(user)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         # refuses what cannot fit, a drafter's cache and weights counted
-        plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits, drafter)
-        drafter = self._drafter(drafter)
+        plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits, user)
+        drafter = self._drafter(user)
 
         t0 = time.perf_counter()
         dcache = None
@@ -625,31 +630,54 @@ class Generator:
             st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
         st.count.block_until_ready()
         t1 = time.perf_counter()
-        max_budget = int(budget.max())
-        spec = None
+        spec = cost = None
         if drafter is not None:
             spec = speculative_mod.start(st, tokens, lengths, st.out.shape[1], dcache)
-            if stream is None:
-                spec = self._decode_spec(spec, samp, max_budget, drafter)
-            else:
-                spec = self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter)
+            spec, cost = self._paced(spec, samp, drafter, B, user.adapt)
+            drafting = speculative_mod.can_pay(float(spec.cost), drafter.kind.k)
+            if drafting:  # else the plain loop from here
+                spec = (self._decode_spec(spec, samp, int(budget.max()), drafter) if stream is None else
+                        self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter))
             st = spec.dec
-        elif stream is None:
-            st = decode(self.graphdef, self.params, st, samp, np.int32(max_budget))
-        else:
-            st = self._decode_streaming(st, samp, len(ids), stop, stream, stream_every)
+            spec = _spec_timings(spec, len(ids), cost, drafting)  # (before the plain loop takes st)
+        if not bool(np.all(_host(st.done))):
+            st = (decode(self.graphdef, self.params, st, samp, np.int32(budget.max())) if stream is None else
+                  self._decode_streaming(st, samp, len(ids), stop, stream, stream_every))
         st.count.block_until_ready()
         t2 = time.perf_counter()
         out = self._result(st, ids, stop, record_logits, B, T, t1 - t0, t2 - t1)
         out.timings.update(prefill_chunk=plan.chunk, prefill_calls=plan.calls)
         if spec is not None:
-            n = len(ids)
-            steps, drafted, accepted = (_host(a)[:n] for a in (spec.steps, spec.drafted, spec.accepted))
-            out.timings["speculative"] = {
-                "verify_steps": int(steps.max()), "drafted": int(drafted.sum()), "accepted": int(accepted.sum()),
-                # new tokens per verify forward (1: no draft ever accepted), over the decode part
-                "tokens_per_step": float((_host(st.count)[:n] - 1).sum() / max(1, steps.sum()))}
+            out.timings["speculative"] = spec
         return out
+
+    def _paced(self, spec, samp: Sampling, drafter: _Drafter, B: int, adapt: str):
+        """(``spec`` with its pacing set (:func:`~kimi_jax.generation.speculative.pacing`), a verify step's cost in
+        plain steps or None). With ``adapt="cost"`` the first request of a batch bucket measures that cost on its
+        own first steps (:meth:`_measure`); later ones reuse it."""
+        cost = drafter.costs.get(B)
+        if adapt == "cost" and cost is None:
+            spec, cost = self._measure(spec, samp, drafter)
+            if cost is not None:
+                drafter.costs[B] = cost
+        return spec.replace(cost=jnp.float32(speculative_mod.pacing(cost, adapt))), cost
+
+    def _measure(self, spec, samp: Sampling, drafter: _Drafter):
+        """(``spec`` after the measuring steps, a verify step's cost in plain steps or None when a sequence ended
+        before it was measured). The compiled loop runs ``MEASURE`` plain steps, then ``MEASURE`` verify steps
+        (drafts where the drafter has them), twice, after a first step that compiles it; the least time per step
+        of each kind counts. The tokens they make are the request's (greedy: the plain ones)."""
+        best = {speculative_mod.NEVER: math.inf, speculative_mod.ALWAYS: math.inf}
+        real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
+        for i, mode in enumerate([speculative_mod.NEVER] + [speculative_mod.NEVER, speculative_mod.ALWAYS] * 2):
+            t = time.perf_counter()
+            n = 1 if i == 0 else MEASURE
+            spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
+            if bool(np.any(_host(spec.dec.done)[real])):
+                return spec, None
+            if i:
+                best[mode] = min(best[mode], (time.perf_counter() - t) / n)
+        return spec, best[speculative_mod.ALWAYS] / best[speculative_mod.NEVER]
 
     def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
                        stream_every: int) -> list[int]:
@@ -757,6 +785,17 @@ class Generator:
 # Compiled prefill programs shared by the generators of one model (as jit's cache would share them): compiled ahead
 # of time because their memory is checked before the cache is allocated.
 _PROGRAMS: dict = {}
+
+
+def _spec_timings(spec, n: int, cost: float | None, drafting: bool) -> dict:
+    """``timings["speculative"]`` of a request's ``n`` sequences from the speculative loop's final state."""
+    steps, drafted, accepted = (_host(a)[:n] for a in (spec.steps, spec.drafted, spec.accepted))
+    return {"verify_steps": int(steps.max()), "drafted": int(drafted.sum()), "accepted": int(accepted.sum()),
+            # new tokens per loop step (1: no draft ever accepted), over the part the speculative loop decoded
+            "tokens_per_step": float((_host(spec.dec.count)[:n] - 1).sum() / max(1, steps.sum())),
+            # a verify step's cost in plain steps as measured on this device (None: not measured); drafting: whether
+            # the loop drafted past the measurement (a verify step dearer than k + 1 plain steps never pays)
+            "verify_cost": cost, "drafting": drafting}
 
 
 def _compile(key, lower: Callable) -> tuple:

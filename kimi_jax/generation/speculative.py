@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,39 @@ from kimi_jax.model.cache import for_verify
 EMA = 0.3  # weight of the latest step in a row's acceptance rate
 MIN_RATE = 0.15  # below this a row stops drafting ...
 PROBE = 8  # ... except every PROBE-th step
+# Pacing (``adapt``): "cost" (the default) measures what a verify step costs in plain steps and verifies only where
+# the drafts are expected to repay it (:func:`worth_verifying`); "acceptance" verifies whenever a row drafted.
+ADAPT = ("cost", "acceptance")
+NEVER, ALWAYS = float("inf"), -1.0  # SpecState.cost that make every step plain / every step a verify step
+
+
+def pacing(cost: float | None, adapt: str) -> float:
+    """The ``SpecState.cost`` a loop runs with: the measured cost of a verify step in plain steps, or 1 (free: every
+    step where a row drafted verifies) with ``adapt="acceptance"`` or when not measured."""
+    return 1.0 if adapt == "acceptance" or cost is None else float(cost)
+
+
+def can_pay(cost: float, k: int) -> bool:
+    """Whether drafting ``k`` tokens can ever repay a verify step of ``cost`` plain steps (it adds at most k)."""
+    return cost < k + 1
+
+
+def worth_verifying(cost, rate_B, dlen_B, steps_B, active_B, xp=jnp):
+    """Whether a step verifies: some row drafted, and the tokens the drafts are expected to add (each row's
+    acceptance rate times its draft length, summed) repay the verify step's extra cost (``cost - 1`` plain steps per
+    active row), or a row probes (drafted on its every ``PROBE``-th step, so that a rate left low is measured
+    again); always with ``cost < 0`` (ALWAYS), never with an infinite cost (NEVER). ``xp``: ``jax.numpy`` in the
+    compiled loop, ``numpy`` in the engine's scheduler."""
+    n = xp.sum(active_B.astype(xp.float32))
+    gain = xp.sum(xp.where(active_B, rate_B * dlen_B, 0.0))
+    drafted = active_B & (dlen_B > 0)
+    probe = xp.any(drafted & (steps_B % PROBE == 0))
+    return (cost < 0) | (xp.any(drafted) & xp.isfinite(cost) & ((gain >= (cost - 1) * n) | probe))
+
+
+def _check_adapt(what: str, adapt: str) -> None:
+    if adapt not in ADAPT:
+        raise SpeculativeError(f"{what} adapt={adapt!r}: one of {', '.join(ADAPT)}")
 
 
 class SpeculativeError(ValueError):
@@ -69,8 +101,10 @@ class NGram:
     k: int = 4
     max_n: int = 3
     min_n: int = 1
+    adapt: str = dataclasses.field(default="cost", compare=False)  # pacing (a host choice: one compiled loop for both)
 
     def __post_init__(self):
+        _check_adapt("ngram", self.adapt)
         if not 1 <= self.k <= 16:
             raise SpeculativeError(f"ngram k={self.k}: draft 1 to 16 tokens per step")
         if not 1 <= self.min_n <= self.max_n <= 8:
@@ -85,6 +119,7 @@ class DSpark:
 
     model: object  # kimi_jax.model.dspark.DSparkModel
     k: int
+    adapt: str = "cost"  # pacing: see ADAPT
 
     def astype(self, dtype) -> "DSpark":
         """The drafter with its weights and products in ``dtype`` (the target's)."""
@@ -93,9 +128,10 @@ class DSpark:
             return self
         model = dspark.abstract(self.model.cfg, dtype)
         nnx.update(model, jax.tree.map(lambda a: a.astype(dtype), nnx.state(self.model, nnx.Param)))
-        return DSpark(model, self.k)
+        return DSpark(model, self.k, self.adapt)
 
     def __post_init__(self):
+        _check_adapt("dspark", self.adapt)
         n = self.model.cfg.block_size
         if not 1 <= self.k <= n:
             raise SpeculativeError(f"dspark k={self.k}: this drafter drafts 1 to {n} tokens per step (its block size)")
@@ -110,33 +146,32 @@ class DraftModel:
 
     model: object  # kimi_jax.model.decoder.KimiModel
     k: int = 4
+    adapt: str = "cost"  # pacing: see ADAPT
 
     def __post_init__(self):
+        _check_adapt("draft model", self.adapt)
         if not 1 <= self.k <= 16:
             raise SpeculativeError(f"draft model k={self.k}: draft 1 to 16 tokens per step")
 
 
 def parse(spec, *, dtype=None, weights: bool = True) -> NGram | DSpark | DraftModel | None:
     """``speculative=`` as given to ``generate``: None, an :class:`NGram`, :class:`DSpark` or :class:`DraftModel`,
-    or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``
-    (``dtype``: the drafter's, when it is loaded here). ``weights=False``: a DSpark drafter from its ``config.json``
-    alone, abstract (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles)."""
+    or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``,
+    each of which also takes ``adapt=cost|acceptance`` (:data:`ADAPT`) (``dtype``: the drafter's, when it is loaded
+    here). ``weights=False``: a DSpark drafter from its ``config.json`` alone, abstract
+    (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles)."""
     if spec is None or isinstance(spec, (NGram, DSpark, DraftModel)):
         return spec
     if not isinstance(spec, str):
-        raise SpeculativeError(f"speculative={spec!r}: give 'ngram[:k=N,max_n=N,min_n=N]', 'dspark:PATH[,k=N]', "
-                               "'draft:PATH[,k=N]', an NGram, a DSpark or a DraftModel")
+        raise SpeculativeError(f"speculative={spec!r}: give 'ngram[:k=N,max_n=N,min_n=N,adapt=A]', "
+                               "'dspark:PATH[,k=N,adapt=A]', 'draft:PATH[,k=N,adapt=A]', an NGram, a DSpark or a "
+                               "DraftModel")
     name, _, rest = spec.partition(":")
     if name in ("dspark", "draft"):
         return _parse_model(spec, name, rest, dtype, weights)
     if name != "ngram":
         raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark', 'draft'")
-    kw = {}
-    for part in filter(None, rest.split(",")):
-        m = re.fullmatch(r"(k|max_n|min_n)=(\d+)", part.strip())
-        if not m:
-            raise SpeculativeError(f"speculative={spec!r}: {part!r} is not one of k=N, max_n=N, min_n=N")
-        kw[m.group(1)] = int(m.group(2))
+    kw = _options(spec, rest, ("k", "max_n", "min_n"))
     return NGram(**kw)
 
 
@@ -153,23 +188,35 @@ def check(spec: str) -> None:
         raise SpeculativeError(f"speculative={spec!r}: no draft model at {path!r} (no config.json there)")
 
 
-def _model_spec(spec: str, name: str, rest: str) -> tuple[str, int | None]:
-    """(the drafter's directory, ``k`` or None) of ``'{name}:PATH[,k=N]'``."""
+def _options(spec: str, text: str, numbers: tuple[str, ...]) -> dict:
+    """``'name=value,...'``: the integer options ``numbers`` and ``adapt`` (one of :data:`ADAPT`)."""
+    kw = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name in numbers and value.isdigit():
+            kw[name] = int(value)
+        elif name == "adapt" and value in ADAPT:
+            kw[name] = value
+        else:
+            shown = ", ".join([f"{n}=N" for n in numbers] + [f"adapt={'|'.join(ADAPT)}"])
+            raise SpeculativeError(f"speculative={spec!r}: {part!r} is not one of {shown}")
+    return kw
+
+
+def _model_spec(spec: str, name: str, rest: str) -> tuple[str, dict]:
+    """(the drafter's directory, its options ``k`` and ``adapt`` as given) of ``'{name}:PATH[,k=N,adapt=A]'``."""
     path, _, opts = rest.partition(",")
     if not path:
         raise SpeculativeError(f"speculative={spec!r}: give the drafter's directory, '{name}:PATH[,k=N]'")
-    m = re.fullmatch(r"k=(\d+)", opts.strip()) if opts else None
-    if opts and not m:
-        raise SpeculativeError(f"speculative={spec!r}: {opts!r} is not k=N")
-    return path, int(m.group(1)) if m else None
+    return path, _options(spec, opts, ("k",))
 
 
 def _parse_model(spec: str, name: str, rest: str, dtype, weights: bool = True) -> DSpark | DraftModel:
-    path, k = _model_spec(spec, name, rest)
+    path, kw = _model_spec(spec, name, rest)
     if name == "draft":
-        return DraftModel(from_pretrained(path, dtype=dtype, progress=False), 4 if k is None else k)
+        return DraftModel(from_pretrained(path, dtype=dtype, progress=False), **kw)
     model = load_drafter(path, dtype=dtype) if weights else abstract_drafter(path, dtype)
-    return DSpark(model, model.cfg.block_size if k is None else k)
+    return DSpark(model, **{"k": model.cfg.block_size, **kw})
 
 
 @struct.dataclass
@@ -183,6 +230,7 @@ class SpecState:
     drafted: jax.Array  # [B] int32: draft tokens proposed
     accepted: jax.Array  # [B] int32: draft tokens accepted
     rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
+    cost: jax.Array  # [] float32: a verify step's cost in plain steps, as :func:`worth_verifying` weighs it
     dcache: object = None  # a DSpark drafter's context entries (DraftCache) or a draft model's cache
 
 
@@ -272,9 +320,9 @@ def accept(logits_BKV, drafts_BK, dlen_B, temperature_B, top_k_B, top_p_B, keys)
     return jax.lax.cond(jnp.any(temp > 0), rejection, lambda: (t, a))
 
 
-def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> SpecState:
+def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None, cost: float = 1.0) -> SpecState:
     """The speculative loop's state after a prefill: the history holds each prompt and its first new token;
-    ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`)."""
+    ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`); ``cost``: see :class:`SpecState`."""
     B, T = prompt_BT.shape
     L = T + out_len
     hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))
@@ -283,7 +331,7 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> 
     hlen = lengths_B + dec.count
     zeros = lambda: jnp.zeros((B,), jnp.int32)
     return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32),
-                     dcache)
+                     jnp.float32(cost), dcache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,11 +457,14 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
         # drafting beyond the budget or the cache is wasted: the step keeps at most budget - count tokens (the
         # decode state's output capacity is the cache length)
         room = jnp.clip(jnp.minimum(samp.budget - d.count - 1, out_len - d.cache.lengths - 1), 0, k)
-        # a row whose drafts were mostly rejected lately drafts nothing (probing again every PROBE steps), so that a
-        # step where no row drafts is the plain one-position step: a bad drafter costs little
+        # a row whose drafts were mostly rejected lately drafts nothing (probing again every PROBE steps), and a step
+        # whose drafts are not expected to repay a verify forward is the plain one-position step: a bad drafter (or
+        # a verify step dear on this device) costs little
         hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
         drafts, dlen = draft(st, jnp.where(active & hopeful, room, 0))
-        cache, t, a, keep, x, logits = jax.lax.cond(jnp.any(dlen > 0), verify, plain, d, drafts, dlen, active)
+        now = worth_verifying(st.cost, st.rate, dlen, st.steps, active)
+        dlen = jnp.where(now, dlen, 0)
+        cache, t, a, keep, x, logits = jax.lax.cond(now, verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
         if isinstance(drafter, BlockDraft):
             dcache = dmodel.write_context(st.dcache, x, d.cache.lengths, n_new)
@@ -465,4 +516,4 @@ def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, log
     rate = jnp.where(dlen > 0, (1 - EMA) * st.rate + EMA * a / jnp.maximum(dlen, 1), st.rate)
     return SpecState(DecodeState(cache, token, out, count, done, recorded), hist, st.hlen + n_new,
                      st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
-                     rate, dcache)
+                     rate, st.cost, dcache)

@@ -248,7 +248,10 @@ class Engine:
             sched.prefilled(plan, *self._execute(plan))
         plan = sched.decode_plan()
         if plan is not None:
-            sched.decoded(plan, *self._execute(plan))
+            t = time.perf_counter()
+            out = self._execute(plan)
+            sched.timed(plan, time.perf_counter() - t)
+            sched.decoded(plan, *out)
         if not sched.busy:  # idle: what finishing left to do (snapshots of the replies) does not wait for the next
             plan = sched.pending()
             if plan is not None:

@@ -35,6 +35,7 @@ from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, Mask, 
                                        RestorePages, SetPages, Shapes, StepPlan, Stop, Verify)
 from kimi_jax.text.grammar import ConstraintError, Guide
 
+TIMED = 16  # step times kept per kind and row count (:meth:`Scheduler.timed`)
 COUNTERS = ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
             "finished", "spec_steps", "spec_drafted", "spec_accepted")
 
@@ -72,6 +73,8 @@ class Scheduler:
         self.running: list[Slot | None] = [None] * shapes.slots
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._steps = itertools.count()
+        # recent wall times of decode and verify steps per row count (:meth:`timed`), for a verify step's cost
+        self._times: dict[tuple[str, int], collections.deque] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -304,7 +307,7 @@ class Scheduler:
                     d = s.drafts[:max(room, 0)]
                 if d:
                     drafts[i] = d
-        if not drafts:
+        if not drafts or not self._worth(active, drafts):
             return None
         masks = self._draft_masks(active, drafts)
         active = [i for i in active if self.running[i] is not None]
@@ -383,6 +386,40 @@ class Scheduler:
             self.running[i].steps += 1
             self._drafted(self.running[i], drafts, k)
             self._accept(i, int(tok[k]), float(logp[k]), None if logits is None else logits[k])
+
+    def timed(self, plan: StepPlan, seconds: float) -> None:
+        """The wall time of ``plan``'s decode or verify step, as the engine measured it (sent, run, results back);
+        the first of each kind and row count is left out (it may have compiled its program)."""
+        c = plan.compute
+        key = ("verify" if isinstance(c, Verify) else "decode", len(c.columns()[0]))
+        if key not in self._times:
+            self._times[key] = collections.deque(maxlen=TIMED)
+        else:
+            self._times[key].append(float(seconds))
+
+    def _cost(self, n: int) -> float | None:
+        """A verify step's cost in plain steps with ``n`` decoding slots (the medians of the recent steps of each
+        kind with their row counts), None until both were timed."""
+        sh = self.shapes
+        v, d = (self._times.get(key) for key in (("verify", sh.verify_rows(n)), ("decode", sh.rows(n))))
+        return None if not v or not d else float(np.median(v) / np.median(d))
+
+    def _worth(self, active: list[int], drafts: dict[int, list[int]]) -> bool:
+        """Whether ``drafts`` are worth a verify step: :func:`~kimi_jax.generation.speculative.worth_verifying`
+        with the verify step's cost as timed here (always with the drafter's ``adapt="acceptance"``). Until a plain
+        step of these rows was timed the steps are plain; while a verify step costs k + 1 plain steps or more, one
+        decode step in PROBE**2 verifies (the cost is measured again: it changes with the rows decoding)."""
+        if self.drafter.adapt == "acceptance":
+            return True
+        step, cost = self.counters["decode_steps"], self._cost(len(active))
+        if cost is None:  # a plain step of these rows is timed first (two: the first is left out), then a verify step
+            return bool(self._times.get(("decode", self.shapes.rows(len(active)))))
+        if not speculative.can_pay(cost, self.shapes.spec_k):
+            return step % speculative.PROBE ** 2 == 0
+        slots = [self.running[i] for i in active]
+        return bool(speculative.worth_verifying(
+            cost, np.array([s.rate for s in slots]), np.array([len(drafts.get(i, ())) for i in active]),
+            np.array([s.steps for s in slots]), np.ones(len(active), bool), xp=np))
 
     def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts, logits=None) -> None:
         rows, _, dlen, _, live = plan.compute.columns()
