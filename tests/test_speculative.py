@@ -6,6 +6,8 @@ proposes the plain run's own next tokens with one deliberately wrong token at a 
 step, so every acceptance length from 0 to k occurs and the KDA state must be rolled back after each rejection.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 import kimi_jax
 from kimi_jax.checkpoint.synthetic import write_checkpoint
+from kimi_jax.generation import generate as generate_mod
 from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import Generator
 from kimi_jax.model.cache import KDACache
@@ -58,8 +61,11 @@ def test_a_step_verifies_where_the_drafts_repay_its_cost(xp):
     assert not worth(1.0, (1.0, 1.0), (0, 0), (1, 1))  # nothing drafted: the plain step
     assert worth(3.0, (1.0, 0.0), (4, 0), (1, 1))  # expected 4 extra tokens repay (3 - 1) x 2 rows
     assert not worth(3.0, (0.7, 0.2), (4, 4), (1, 1))  # 3.6 do not
-    assert worth(3.0, (0.7, 0.2), (4, 4), (1, P))  # ... unless a drafting row probes
-    assert not worth(3.0, (0.7, 0.2), (4, 0), (1, P))  # (a row that drafted nothing does not)
+    every = int(speculative.probe_every(3.0, xp))
+    assert every == 8 * P and int(speculative.probe_every(1.0, xp)) == P  # a failed probe costs < 1/32 of the steps
+    assert worth(3.0, (0.7, 0.2), (4, 4), (1, every))  # ... unless a drafting row probes
+    assert not worth(3.0, (0.7, 0.2), (4, 4), (1, P))
+    assert not worth(3.0, (0.7, 0.2), (4, 0), (1, every))  # (a row that drafted nothing does not)
     assert worth(3.0, (0.5, 0.0), (4, 0), (1, 1), (True, False))  # an idle row costs nothing: 2 >= 2 x 1
     assert not worth(speculative.NEVER, (1.0, 1.0), (4, 4), (P, P))
     assert worth(speculative.ALWAYS, (0.0, 0.0), (0, 0), (1, 1))
@@ -138,31 +144,53 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     """``adapt="cost"`` (the default): the first request of a batch bucket measures a verify step against a plain
     step on its own first steps (the greedy tokens stay the plain ones), later requests reuse the measure; where a
     verify step costs k + 1 plain steps or more the request decodes plainly after it, and where it is cheap the
-    drafts are used."""
+    drafts are used. The clock is replaced by one where a compiled call costs 5 plain steps of its own and a verify
+    step 2.5 (so the measure must cancel the calls' own cost); real times are the benchmark's."""
+    clock = [0.0]
+    spec_loop = Generator._decode_spec
+
+    def timed_loop(self, st, samp, steps, drafter):
+        per_step = 2.5 if float(st.cost) < 0 else 1.0  # (read before the loop takes st)
+        out = spec_loop(self, st, samp, steps, drafter)
+        clock[0] += 5.0 + steps * per_step
+        return out
+
+    monkeypatch.setattr(Generator, "_decode_spec", timed_loop)
+    monkeypatch.setattr(generate_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
     rng = np.random.default_rng(5)
     base = rng.integers(3, model.cfg.vocab_size, 6).tolist()
     prompts = [base * 5, rng.integers(3, model.cfg.vocab_size, 9).tolist()]
-    gen = Generator(model, None, max_len=96)
-    plain = gen.generate(prompts, 24, stop=())
+    gen = Generator(model, None, max_len=128)
+    plain = gen.generate(prompts, 64, stop=())
     B = plain.timings["batch_bucket"]
-    first = gen.generate(prompts, 24, stop=(), speculative="ngram:k=4")
+    first = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     s = first.timings["speculative"]
     assert first.tokens == plain.tokens
     record = gen._ngrams[speculative.NGram(k=4)]
-    assert s["verify_cost"] > 0 and record.costs == {B: s["verify_cost"]}, s  # measured and kept for bucket B
-    measured = Generator._measure
+    assert s["verify_cost"] == pytest.approx(2.5) and record.costs == {B: (1.0, 2.5)}, s  # kept for bucket B
     monkeypatch.setattr(Generator, "_measure", lambda *a: pytest.fail("measured twice"))
-    record.costs[B] = 5.0  # a verify step as dear as k + 1 = 5 plain steps: drafting cannot pay
-    dear = gen.generate(prompts, 24, stop=(), speculative="ngram:k=4")
+    record.costs[B] = (1.0, 6.0)  # a verify step dearer than k + 1 = 5 plain steps: drafting cannot pay
+    dear = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     assert dear.tokens == plain.tokens
     assert dear.timings["speculative"] == {"verify_steps": 0, "drafted": 0, "accepted": 0, "tokens_per_step": 0.0,
-                                           "verify_cost": 5.0, "drafting": False}
-    record.costs[B] = 1.0  # free: the repeating prompt's drafts are used
-    cheap = gen.generate(prompts, 24, stop=(), speculative="ngram:k=4")
+                                           "verify_cost": 6.0, "drafting": False}
+    record.skipped[B] = generate_mod.EXPLORE  # ... but a bucket that has not drafted for a while tries again
+    assert gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").timings["speculative"]["drafting"]
+    assert record.skipped[B] == 0
+    record.costs[B], record.rates[B] = (1.0, 3.0), 0.25  # 3 > 1 + 4 x 0.25: the last request's acceptance too low
+    assert not gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").timings["speculative"]["drafting"]
+    record.costs[B] = (1.0, 1.0)  # free: the repeating prompt's drafts are used (and their share kept)
+    cheap = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     assert cheap.tokens == plain.tokens and cheap.timings["speculative"]["drafted"] > 0
-    monkeypatch.setattr(Generator, "_measure", measured)
-    ended = Generator(model, None, max_len=96).generate(prompts, 4, stop=(), speculative="ngram:k=4")
+    # the plain loop's step, where a plain request was timed, is the baseline when it is the cheaper (the
+    # speculative loop's plain step also keeps a model drafter's cache): 2.5 / 0.4 > k + 1 here, drafting stops
+    record.costs[B], gen._plain_steps[B] = (1.0, 2.5), 0.4
+    upkeep = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
+    assert upkeep.tokens == plain.tokens
+    assert upkeep.timings["speculative"]["verify_cost"] == 6.25 and not upkeep.timings["speculative"]["drafting"]
+    monkeypatch.undo()
+    ended = Generator(model, None, max_len=128).generate(prompts, 4, stop=(), speculative="ngram:k=4")
     assert ended.tokens == [t[:4] for t in plain.tokens]
     assert ended.timings["speculative"]["verify_cost"] is None  # too short to measure
 

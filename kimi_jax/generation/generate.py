@@ -48,9 +48,11 @@ from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
 from kimi_jax.model.config import model_dir
 from kimi_jax.generation.sampling import (  # noqa: F401 (re-exported: the engine and tests import them from here)
     DecodeState,
+    Graph,
     Sampling,
     accept,
     argmax,
+    merge,
     sample,
 )
 from kimi_jax.generation import speculative as speculative_mod
@@ -58,7 +60,8 @@ from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
-MEASURE = 3  # steps per timed call when a verify step's cost is measured (:meth:`Generator._measure`)
+EXPLORE = 8  # a batch bucket whose requests have not drafted for this many drafts again (Generator._drafting)
+MEASURE = 8  # the steps a longer timed call adds when a verify step's cost is measured (:meth:`Generator._measure`)
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
 PREFILL_CHUNK = 2048  # the most prompt tokens one prefill call takes by default (vLLM's chunked-prefill default too)
 MIN_CHUNK = 16  # the smallest chunk a memory budget may ask for (the smallest prompt bucket)
@@ -131,7 +134,7 @@ def prefill_chunk_drafted(graphdef, params, cache: Cache, ids_BC, lengths_B, las
     follow_prefill`: a DSpark drafter's context entries from the target's hidden states at its tapped layers, a draft
     model's own prefill). A whole prompt in one call is one chunk after :func:`restart`. Returns (cache, last,
     dcache); ``cache``, ``last`` and ``dcache`` are donated."""
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     tapped = isinstance(drafter, speculative_mod.BlockDraft)
     res = model(ids_BC, cache=cache, lengths=lengths_B, prefix=True, last_only=True, return_hidden=tapped)
     dcache = speculative_mod.follow_prefill(drafter, dgraph, dparams, dcache, ids_BC, model, res, cache.lengths,
@@ -150,8 +153,8 @@ def first_token(last_BV, samp: Sampling, *, out_len: int, record_logits: bool = 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, samp: Sampling, max_steps) -> DecodeState:
     """Up to ``max_steps`` (traced) decode steps in one ``while_loop``; stops early when every sequence is
-    done. ``state`` is donated."""
-    model = nnx.merge(graphdef, params)
+    done. ``state`` is donated. ``graphdef``: a :class:`~kimi_jax.generation.sampling.Graph` (or a bare one)."""
+    model = merge(graphdef, params)
 
     def cond(carry):
         i, st = carry
@@ -319,8 +322,20 @@ class _Drafter:
     graph: object = None
     params: object = None
     model: object = None
-    costs: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> a verify step's cost
-    # in plain steps, as measured (:meth:`Generator._paced`)
+    costs: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> (the loop's plain
+    # step, its verify step) in seconds, as measured (:meth:`Generator._measure`)
+    rates: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> the share of drafted
+    # tokens accepted in its last request that drafted; skipped: requests since it last drafted
+    skipped: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def learn(self, B: int, timings: dict) -> None:
+        """What a request of batch bucket ``B`` showed (its ``timings["speculative"]``), for the next one's choice."""
+        if timings["drafting"]:
+            self.skipped[B] = 0
+            if timings["drafted"]:
+                self.rates[B] = timings["accepted"] / timings["drafted"]
+        else:
+            self.skipped[B] = self.skipped.get(B, 0) + 1
 
 
 class Generator:
@@ -352,6 +367,7 @@ class Generator:
         self.dtype = model.run.dtype
         offload.place_model(model)  # RunConfig(offload=("experts",)): its expert weights into host memory
         self.graphdef, self.params = nnx.split(model)
+        self.graph = Graph(self.graphdef)  # the loops' static argument (hashed once)
         self.tokenizer = load_tokenizer(model_dir(tokenizer)) if isinstance(tokenizer, str) else tokenizer
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise GenerationError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model only "
@@ -367,8 +383,9 @@ class Generator:
         # drafter's record (its measured costs) per setting
         self._drafters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ngrams: dict = {}
+        self._plain_steps: dict[int, float] = {}  # batch bucket -> the least seconds per step of a plain request
         # what the compiled prefill programs depend on besides the request's shapes (:meth:`_compiled`)
-        self._signature = (self.graphdef, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
+        self._signature = (self.graph, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                                                 for a in jax.tree.leaves(self.params)),
                            self.max_len, kv_cache, str(kda_state))
         self.parallel = model.run.parallel  # a sharded model gets a cache sharded the same way
@@ -530,7 +547,7 @@ class Generator:
         if got is None:  # (the value must not hold ``drafter`` itself: the key would never be dropped)
             use = drafter.astype(self.dtype) if isinstance(drafter, speculative_mod.DSpark) else drafter
             kind, graph, weights = speculative_mod.static(use)
-            got = _Drafter(kind, graph, jax.device_put(weights, self._last_sharding), use.model)
+            got = _Drafter(kind, Graph(graph), jax.device_put(weights, self._last_sharding), use.model)
             self._drafters[drafter] = got
         return got
 
@@ -593,7 +610,7 @@ class Generator:
         cache, last = restart(cache), place(np.zeros((B, self.cfg.vocab_size), np.float32))
         for i in range(calls):
             n = np.clip(lengths - i * C, 0, C).astype(np.int32)
-            cache, last, dcache = prefill_chunk_drafted(self.graphdef, self.params, cache,
+            cache, last, dcache = prefill_chunk_drafted(self.graph, self.params, cache,
                                                         tokens[:, i * C:(i + 1) * C], n, last, drafter.kind,
                                                         drafter.graph, drafter.params, dcache)
         return first_token(last, samp, out_len=self.max_len, record_logits=record_logits).replace(cache=cache), dcache
@@ -634,14 +651,15 @@ class Generator:
         if drafter is not None:
             spec = speculative_mod.start(st, tokens, lengths, st.out.shape[1], dcache)
             spec, cost = self._paced(spec, samp, drafter, B, user.adapt)
-            drafting = speculative_mod.can_pay(float(spec.cost), drafter.kind.k)
+            drafting = self._drafting(spec, drafter, B, cost, len(ids))
             if drafting:  # else the plain loop from here
                 spec = (self._decode_spec(spec, samp, int(budget.max()), drafter) if stream is None else
                         self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter))
             st = spec.dec
             spec = _spec_timings(spec, len(ids), cost, drafting)  # (before the plain loop takes st)
+            drafter.learn(B, spec)
         if not bool(np.all(_host(st.done))):
-            st = (decode(self.graphdef, self.params, st, samp, np.int32(budget.max())) if stream is None else
+            st = (decode(self.graph, self.params, st, samp, np.int32(budget.max())) if stream is None else
                   self._decode_streaming(st, samp, len(ids), stop, stream, stream_every))
         st.count.block_until_ready()
         t2 = time.perf_counter()
@@ -649,35 +667,62 @@ class Generator:
         out.timings.update(prefill_chunk=plan.chunk, prefill_calls=plan.calls)
         if spec is not None:
             out.timings["speculative"] = spec
+        elif stream is None and out.timings["decode_steps"] >= MEASURE:  # a plain step's time, for _paced
+            step = out.timings["decode"] / out.timings["decode_steps"]
+            if step > 0:
+                self._plain_steps[B] = min(self._plain_steps.get(B, math.inf), step)
         return out
 
     def _paced(self, spec, samp: Sampling, drafter: _Drafter, B: int, adapt: str):
-        """(``spec`` with its pacing set (:func:`~kimi_jax.generation.speculative.pacing`), a verify step's cost in
-        plain steps or None). With ``adapt="cost"`` the first request of a batch bucket measures that cost on its
-        own first steps (:meth:`_measure`); later ones reuse it."""
-        cost = drafter.costs.get(B)
-        if adapt == "cost" and cost is None:
-            spec, cost = self._measure(spec, samp, drafter)
-            if cost is not None:
-                drafter.costs[B] = cost
-        return spec.replace(cost=jnp.float32(speculative_mod.pacing(cost, adapt))), cost
+        """(``spec`` with its pacing set, a verify step's cost in plain steps or None: not measured). With
+        ``adapt="cost"`` the first request of a batch bucket times a verify step and the loop's plain step on its
+        own first steps (:meth:`_measure`); later ones reuse them. The loop weighs drafts against its own plain step
+        (:func:`~kimi_jax.generation.speculative.worth_verifying`; a DSpark drafter's or a draft model's includes
+        keeping the drafter's cache); the cost returned, which decides whether to draft at all, is against the
+        cheaper of that and the plain loop's step where a plain request of the bucket was timed."""
+        times = drafter.costs.get(B)
+        if adapt == "cost" and times is None:
+            spec, times = self._measure(spec, samp, drafter)
+            if times is not None:
+                drafter.costs[B] = times
+        if adapt != "cost" or times is None:
+            return spec.replace(cost=jnp.float32(speculative_mod.pacing(None, adapt))), None
+        plain, verify = times
+        spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(verify / plain, adapt)))
+        return spec, verify / min(plain, self._plain_steps.get(B, math.inf))
+
+    def _drafting(self, spec, drafter: _Drafter, B: int, cost: float | None, n: int) -> bool:
+        """Whether this request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes).
+        Drafts of which a share ``r`` is accepted add about ``1 + k r`` tokens per verify step, so they pay while
+        ``cost <= 1 + k r``: ``r`` of the bucket's last request that drafted, else of this one's measuring steps. A
+        bucket that has not drafted for ``EXPLORE`` requests drafts again (the share changes with the prompts)."""
+        if cost is None:
+            return True
+        rate = drafter.rates.get(B)
+        if rate is None:
+            drafted, accepted = (int(_host(a)[:n].sum()) for a in (spec.drafted, spec.accepted))
+            rate = accepted / drafted if drafted else 1.0
+        return cost <= 1 + drafter.kind.k * rate or drafter.skipped.get(B, 0) >= EXPLORE
 
     def _measure(self, spec, samp: Sampling, drafter: _Drafter):
-        """(``spec`` after the measuring steps, a verify step's cost in plain steps or None when a sequence ended
-        before it was measured). The compiled loop runs ``MEASURE`` plain steps, then ``MEASURE`` verify steps
-        (drafts where the drafter has them), twice, after a first step that compiles it; the least time per step
-        of each kind counts. The tokens they make are the request's (greedy: the plain ones)."""
-        best = {speculative_mod.NEVER: math.inf, speculative_mod.ALWAYS: math.inf}
+        """(``spec`` after the measuring steps, (a plain step's, a verify step's seconds) or None when a sequence ended
+        before they were measured or the times did not resolve them). After a plain step that compiles the loop and a
+        verify step that warms its other branch, calls of it run 1 and ``1 + MEASURE`` plain steps, then 1 and
+        ``1 + MEASURE`` verify steps (drafts where the drafter has them); a step's time is the difference of the two
+        calls over MEASURE (a call's own cost, a few plain steps' worth on a small model, cancels). The tokens they
+        make are the request's (greedy: the plain ones)."""
         real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
-        for i, mode in enumerate([speculative_mod.NEVER] + [speculative_mod.NEVER, speculative_mod.ALWAYS] * 2):
+        times = []
+        for mode, n in [(speculative_mod.NEVER, 1), (speculative_mod.ALWAYS, 1), (speculative_mod.NEVER, 1),
+                        (speculative_mod.NEVER, 1 + MEASURE), (speculative_mod.ALWAYS, 1),
+                        (speculative_mod.ALWAYS, 1 + MEASURE)]:
             t = time.perf_counter()
-            n = 1 if i == 0 else MEASURE
             spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
             if bool(np.any(_host(spec.dec.done)[real])):
                 return spec, None
-            if i:
-                best[mode] = min(best[mode], (time.perf_counter() - t) / n)
-        return spec, best[speculative_mod.ALWAYS] / best[speculative_mod.NEVER]
+            times.append(time.perf_counter() - t)
+        plain, verify = (times[3] - times[2]) / MEASURE, (times[5] - times[4]) / MEASURE
+        return spec, ((plain, verify) if plain > 0 and verify > 0 else None)
 
     def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
                        stream_every: int) -> list[int]:
@@ -751,13 +796,13 @@ class Generator:
             if drafter is not None:
                 st = self._decode_spec(st, samp, stream_every, drafter)
             else:
-                st = decode(self.graphdef, self.params, st, samp, np.int32(stream_every))
+                st = decode(self.graph, self.params, st, samp, np.int32(stream_every))
             emit(dec(st), final=bool(np.all(_host(dec(st).done))))
         return st
 
     def _decode_spec(self, st, samp: Sampling, steps: int, drafter: _Drafter):
         """Up to ``steps`` verify steps of the speculative loop (:func:`kimi_jax.generation.speculative.decode`)."""
-        return speculative_mod.decode(self.graphdef, self.params, st, samp, np.int32(steps), drafter=drafter.kind,
+        return speculative_mod.decode(self.graph, self.params, st, samp, np.int32(steps), drafter=drafter.kind,
                                       dgraph=drafter.graph, dparams=drafter.params)
 
     def _result(self, st: DecodeState, ids: list[list[int]], stop: list[int], record_logits: bool, B: int, T: int,

@@ -45,7 +45,7 @@ from flax import nnx, struct
 
 from kimi_jax.checkpoint.drafter import abstract_drafter, load_drafter
 from kimi_jax.checkpoint.loading import from_pretrained
-from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, probabilities, step_keys
+from kimi_jax.generation.sampling import DecodeState, Sampling, argmax, draw, merge, probabilities, step_keys
 from kimi_jax.model import config as config_lib
 from kimi_jax.model import dspark
 from kimi_jax.model.attention import commit_verified
@@ -71,16 +71,23 @@ def can_pay(cost: float, k: int) -> bool:
     return cost < k + 1
 
 
+def probe_every(cost, xp=jnp):
+    """How many steps apart a row that drafted probes (verifies although its drafts are not expected to pay, so that
+    a rate left low is measured again): ``PROBE`` while a verify step is free (cost 1: the acceptance rule), else a
+    multiple of it that keeps a failed probe's cost, ``cost - 1`` plain steps, under 1/32 of the steps between."""
+    finite = xp.where(xp.isfinite(cost), cost, 1.0)
+    return PROBE * xp.maximum(1, xp.ceil(4 * (finite - 1))).astype(xp.int32)
+
+
 def worth_verifying(cost, rate_B, dlen_B, steps_B, active_B, xp=jnp):
     """Whether a step verifies: some row drafted, and the tokens the drafts are expected to add (each row's
     acceptance rate times its draft length, summed) repay the verify step's extra cost (``cost - 1`` plain steps per
-    active row), or a row probes (drafted on its every ``PROBE``-th step, so that a rate left low is measured
-    again); always with ``cost < 0`` (ALWAYS), never with an infinite cost (NEVER). ``xp``: ``jax.numpy`` in the
-    compiled loop, ``numpy`` in the engine's scheduler."""
+    active row), or a row probes (:func:`probe_every`); always with ``cost < 0`` (ALWAYS), never with an infinite
+    cost (NEVER). ``xp``: ``jax.numpy`` in the compiled loop, ``numpy`` in the engine's scheduler."""
     n = xp.sum(active_B.astype(xp.float32))
     gain = xp.sum(xp.where(active_B, rate_B * dlen_B, 0.0))
     drafted = active_B & (dlen_B > 0)
-    probe = xp.any(drafted & (steps_B % PROBE == 0))
+    probe = xp.any(drafted & (steps_B % probe_every(cost, xp) == 0))
     return (cost < 0) | (xp.any(drafted) & xp.isfinite(cost) & ((gain >= (cost - 1) * n) | probe))
 
 
@@ -366,7 +373,7 @@ def follow_prefill(drafter, dgraph, dparams, dcache, ids_BT, target, out, start_
     """(Traced.) The drafter's cache after a ``target`` prefill call (or chunk) over ``ids`` at positions ``start
     ..`` (``lengths`` valid each): a DSpark drafter writes its context entries from the call's ``return_hidden``
     outputs ``out``; a draft model prefills the same tokens into its own cache."""
-    dmodel = nnx.merge(dgraph, dparams)
+    dmodel = merge(dgraph, dparams)
     if isinstance(drafter, BlockDraft):
         return dmodel.write_context(dcache, dmodel.taps(target, out), start_B, lengths_B)
     return dmodel(ids_BT, cache=dcache, lengths=lengths_B, prefix=True, last_only=True).cache
@@ -397,8 +404,8 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
     """Up to ``max_steps`` (traced) verify steps in one ``while_loop``; stops early when every sequence is done.
     ``state`` is donated. A DSpark drafter or a draft model: ``drafter``, ``dgraph``, ``dparams`` from
     :func:`static`."""
-    model = nnx.merge(graphdef, params)
-    dmodel = None if dgraph is None else nnx.merge(dgraph, dparams)
+    model = merge(graphdef, params)
+    dmodel = None if dgraph is None else merge(dgraph, dparams)
     k = drafter.k
 
     taps = functools.partial(_taps, model, dmodel if isinstance(drafter, BlockDraft) else None, k)

@@ -416,10 +416,10 @@ class Scheduler:
             return bool(self._times.get(("decode", self.shapes.rows(len(active)))))
         if not speculative.can_pay(cost, self.shapes.spec_k):
             return step % speculative.PROBE ** 2 == 0
-        slots = [self.running[i] for i in active]
+        # probes on the engine's step count (one verify step for all slots, not one per slot's own count)
         return bool(speculative.worth_verifying(
-            cost, np.array([s.rate for s in slots]), np.array([len(drafts.get(i, ())) for i in active]),
-            np.array([s.steps for s in slots]), np.ones(len(active), bool), xp=np))
+            cost, np.array([self.running[i].rate for i in active]), np.array([len(drafts.get(i, ())) for i in active]),
+            np.full(len(active), step), np.ones(len(active), bool), xp=np))
 
     def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts, logits=None) -> None:
         rows, _, dlen, _, live = plan.compute.columns()
