@@ -77,7 +77,7 @@ def _shard(c, name):
 
 def test_expert_parallel_shards_experts(result):
     """Under EP each device holds E/8 experts and the 8 slices are all different (nothing replicated)."""
-    for model, layer in (("k3", 1), ("kimi_linear", 1)):
+    for model, layer in (("k3", 1),):  # (Kimi Linear's EP case is -m slow)
         c = _case(result, model, "ep", "tp_ep")
         for name, p in c["params"].items():
             if ".experts." in name:
@@ -103,18 +103,16 @@ def test_tensor_parallel_shards_heads_mlp_vocab(result):
 
 
 def test_mixed_layout_shards_every_axis(result):
-    for model, layer in (("k3", 3), ("kimi_linear", 3), ("llama", 1)):
+    for model, layer in (("k3", 3), ("kimi_linear", 3)):  # (the Llama-shaped model's mixed case is -m slow)
         c = _case(result, model, "mix", "tp_ep")
         assert c["sizes"] == {"data": 2, "expert": 2, "model": 2}
         q = c["params"][f"layers.{layer}.self_attn.o_proj"]
         assert q["shard"][1] == q["shape"][1] // 2
-        if model != "llama":
-            w = c["params"]["layers.3.mlp.experts.w1" + (".packed" if model == "k3" else "")]
-            assert w["shard"][:2] == [w["shape"][0] // 2, w["shape"][1] // 2] and w["distinct"] == 4
+        w = c["params"]["layers.3.mlp.experts.w1" + (".packed" if model == "k3" else "")]
+        assert w["shard"][:2] == [w["shape"][0] // 2, w["shape"][1] // 2] and w["distinct"] == 4
         # caches: batch over data x expert (8 / 4 = 2 sequences per device), heads over model
         assert all(c["cache_as_planned"].values()), c["cache_as_planned"]
-        first = c["cache"]["0.state" if model != "llama" else "0.k"]
-        assert first["shard"][0] == 2
+        assert c["cache"]["0.state"]["shard"][0] == 2
 
 
 def test_plan_matches_compiler_on_a_sliced_k3():
