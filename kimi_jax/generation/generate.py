@@ -538,6 +538,13 @@ class Generator:
                     weights += a.size * jnp.dtype(dtype or a.dtype).itemsize
         return who, {**parts, "weights": weights}
 
+    def _place(self, x):
+        """``x`` where the programs take what is not sharded: replicated over the model's mesh; on one device the
+        default one, uncommitted as the single-call prefill's outputs are (a committed input would give the
+        programs after it, the decode loops, another compiled variant: seconds when a request first falls back from
+        a drafter's loop to the plain one)."""
+        return jax.device_put(x) if self.parallel is None else jax.device_put(x, self._last_sharding)
+
     def _drafter(self, drafter) -> _Drafter | None:
         """``drafter`` as the compiled loops take it: a DSpark drafter (in the model's dtype) or a draft model split
         and its weights placed once, kept for the next request while ``drafter`` lives."""
@@ -547,7 +554,7 @@ class Generator:
         if got is None:  # (the value must not hold ``drafter`` itself: the key would never be dropped)
             use = drafter.astype(self.dtype) if isinstance(drafter, speculative_mod.DSpark) else drafter
             kind, graph, weights = speculative_mod.static(use)
-            got = _Drafter(kind, Graph(graph), jax.device_put(weights, self._last_sharding), use.model)
+            got = _Drafter(kind, Graph(graph), self._place(weights), use.model)
             self._drafters[drafter] = got
         return got
 
@@ -587,7 +594,7 @@ class Generator:
         clear, chunk, start = plan.programs
         C, B = plan.chunk, tokens.shape[0]
         tokens = np.pad(tokens, [(0, 0), (0, max(0, plan.calls * C - tokens.shape[1]))])
-        cache, last = clear(cache), jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._last_sharding)
+        cache, last = clear(cache), self._place(np.zeros((B, self.cfg.vocab_size), np.float32))
         for i in range(plan.calls):
             n = np.clip(lengths - i * C, 0, C).astype(np.int32)
             cache, last = chunk(self.params, cache, tokens[:, i * C:(i + 1) * C], n, last)
@@ -601,7 +608,7 @@ class Generator:
         C = plan.chunk if len(plan.programs) > 1 else tokens.shape[1]
         calls = -(-tokens.shape[1] // C)
         tokens = np.pad(tokens, [(0, 0), (0, calls * C - tokens.shape[1])])
-        place = lambda x: jax.device_put(x, self._last_sharding)  # noqa: E731  (replicated over a mesh)
+        place = self._place
         dmodel = drafter.model
         if isinstance(drafter.kind, speculative_mod.BlockDraft):
             dcache = place(dmodel.empty_cache(B, self.max_len))
