@@ -328,14 +328,16 @@ class _Drafter:
     # tokens accepted in its last request that drafted; skipped: requests since it last drafted
     skipped: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def learn(self, B: int, timings: dict) -> None:
-        """What a request of batch bucket ``B`` showed (its ``timings["speculative"]``), for the next one's choice."""
+    def learn(self, B: int, timings: dict) -> dict:
+        """What a request of batch bucket ``B`` showed (its ``timings["speculative"]``, returned), for the next one's
+        choice."""
         if timings["drafting"]:
             self.skipped[B] = 0
             if timings["drafted"]:
                 self.rates[B] = timings["accepted"] / timings["drafted"]
         else:
             self.skipped[B] = self.skipped.get(B, 0) + 1
+        return timings
 
 
 class Generator:
@@ -645,6 +647,9 @@ class Generator:
         # refuses what cannot fit, a drafter's cache and weights counted
         plan = self._plan(B, T, max(len(p) for p in ids), samp, record_logits, user)
         drafter = self._drafter(user)
+        cost = None if drafter is None else self._cost(drafter, B, user.adapt)
+        if drafter is not None and not self._drafting(drafter, B, cost):  # known not to pay: the plain request
+            drafter, spec = None, drafter.learn(B, _spec_timings(None, 0, cost, False))
 
         t0 = time.perf_counter()
         dcache = None
@@ -654,17 +659,15 @@ class Generator:
             st = self._prefill(plan, self._cache(B), tokens, lengths, samp)
         st.count.block_until_ready()
         t1 = time.perf_counter()
-        spec = cost = None
         if drafter is not None:
             spec = speculative_mod.start(st, tokens, lengths, st.out.shape[1], dcache)
             spec, cost = self._paced(spec, samp, drafter, B, user.adapt)
-            drafting = self._drafting(spec, drafter, B, cost, len(ids))
+            drafting = self._drafting(drafter, B, cost, spec, len(ids))
             if drafting:  # else the plain loop from here
                 spec = (self._decode_spec(spec, samp, int(budget.max()), drafter) if stream is None else
                         self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter))
             st = spec.dec
-            spec = _spec_timings(spec, len(ids), cost, drafting)  # (before the plain loop takes st)
-            drafter.learn(B, spec)
+            spec = drafter.learn(B, _spec_timings(spec, len(ids), cost, drafting))  # (before the plain loop takes st)
         if not bool(np.all(_host(st.done))):
             st = (decode(self.graph, self.params, st, samp, np.int32(budget.max())) if stream is None else
                   self._decode_streaming(st, samp, len(ids), stop, stream, stream_every))
@@ -672,7 +675,7 @@ class Generator:
         t2 = time.perf_counter()
         out = self._result(st, ids, stop, record_logits, B, T, t1 - t0, t2 - t1)
         out.timings.update(prefill_chunk=plan.chunk, prefill_calls=plan.calls)
-        if spec is not None:
+        if user is not None:
             out.timings["speculative"] = spec
         elif stream is None and out.timings["decode_steps"] >= MEASURE:  # a plain step's time, for _paced
             step = out.timings["decode"] / out.timings["decode_steps"]
@@ -687,27 +690,32 @@ class Generator:
         (:func:`~kimi_jax.generation.speculative.worth_verifying`; a DSpark drafter's or a draft model's includes
         keeping the drafter's cache); the cost returned, which decides whether to draft at all, is against the
         cheaper of that and the plain loop's step where a plain request of the bucket was timed."""
-        times = drafter.costs.get(B)
-        if adapt == "cost" and times is None:
+        if adapt == "cost" and B not in drafter.costs:
             spec, times = self._measure(spec, samp, drafter)
             if times is not None:
                 drafter.costs[B] = times
-        if adapt != "cost" or times is None:
-            return spec.replace(cost=jnp.float32(speculative_mod.pacing(None, adapt))), None
-        plain, verify = times
-        spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(verify / plain, adapt)))
-        return spec, verify / min(plain, self._plain_steps.get(B, math.inf))
+        times = drafter.costs.get(B) if adapt == "cost" else None
+        spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(times and times[1] / times[0], adapt)))
+        return spec, self._cost(drafter, B, adapt)
 
-    def _drafting(self, spec, drafter: _Drafter, B: int, cost: float | None, n: int) -> bool:
-        """Whether this request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes).
+    def _cost(self, drafter: _Drafter, B: int, adapt: str) -> float | None:
+        """A verify step's measured cost in plain steps for bucket ``B`` against the cheaper of the speculative loop's
+        plain step and the plain loop's (None: not measured, or ``adapt="acceptance"``)."""
+        times = drafter.costs.get(B) if adapt == "cost" else None
+        return None if times is None else times[1] / min(times[0], self._plain_steps.get(B, math.inf))
+
+    def _drafting(self, drafter: _Drafter, B: int, cost: float | None, spec=None, n: int = 0) -> bool:
+        """Whether a request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes).
         Drafts of which a share ``r`` is accepted add about ``1 + k r`` tokens per verify step, so they pay while
-        ``cost <= 1 + k r``: ``r`` of the bucket's last request that drafted, else of this one's measuring steps. A
-        bucket that has not drafted for ``EXPLORE`` requests drafts again (the share changes with the prompts)."""
+        ``cost <= 1 + k r``: ``r`` of the bucket's last request that drafted, else of ``spec``'s measuring steps
+        (``n`` sequences; none given: yes). A bucket that has not drafted for ``EXPLORE`` requests drafts again (the
+        share changes with the prompts)."""
         if cost is None:
             return True
         rate = drafter.rates.get(B)
         if rate is None:
-            drafted, accepted = (int(_host(a)[:n].sum()) for a in (spec.drafted, spec.accepted))
+            drafted, accepted = (0, 0) if spec is None else (int(_host(a)[:n].sum()) for a in (spec.drafted,
+                                                                                              spec.accepted))
             rate = accepted / drafted if drafted else 1.0
         return cost <= 1 + drafter.kind.k * rate or drafter.skipped.get(B, 0) >= EXPLORE
 
@@ -840,7 +848,11 @@ _PROGRAMS: dict = {}
 
 
 def _spec_timings(spec, n: int, cost: float | None, drafting: bool) -> dict:
-    """``timings["speculative"]`` of a request's ``n`` sequences from the speculative loop's final state."""
+    """``timings["speculative"]`` of a request's ``n`` sequences from the speculative loop's final state (None: the
+    request decoded plainly, the drafter known not to pay)."""
+    if spec is None:
+        return {"verify_steps": 0, "drafted": 0, "accepted": 0, "tokens_per_step": 0.0, "verify_cost": cost,
+                "drafting": False}
     steps, drafted, accepted = (_host(a)[:n] for a in (spec.steps, spec.drafted, spec.accepted))
     return {"verify_steps": int(steps.max()), "drafted": int(drafted.sum()), "accepted": int(accepted.sum()),
             # new tokens per loop step (1: no draft ever accepted), over the part the speculative loop decoded
