@@ -173,12 +173,12 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     record.costs[B] = (1.0, 6.0)  # a verify step dearer than k + 1 = 5 plain steps: drafting cannot pay
     dear = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     assert dear.tokens == plain.tokens
-    assert dear.timings["speculative"] == {"verify_steps": 0, "drafted": 0, "accepted": 0, "tokens_per_step": 0.0,
-                                           "verify_cost": 6.0, "drafting": False}
+    assert dear.timings["speculative"] == {"verify_steps": 0, "drafted": 0, "accepted": 0, "verified": 0,
+                                           "tokens_per_step": 0.0, "verify_cost": 6.0, "drafting": False}
     record.skipped[B] = generate_mod.EXPLORE  # ... but a bucket that has not drafted for a while tries again
     assert gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").timings["speculative"]["drafting"]
     assert record.skipped[B] == 0
-    record.costs[B], record.rates[B] = (1.0, 3.0), 0.25  # 3 > 1 + 4 x 0.25: the last request's acceptance too low
+    record.costs[B], record.gains[B] = (1.0, 3.0), 1.5  # 3 > 1 + 1.5: the last request's drafts gained too little
     assert not gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").timings["speculative"]["drafting"]
     record.costs[B] = (1.0, 1.0)  # free: the repeating prompt's drafts are used (and their share kept)
     cheap = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
@@ -218,8 +218,8 @@ def test_kda_state_after_one_rejected_draft_equals_plain(families, family, monke
     spec = gen.generate(prompts, 10, stop=stop,
                         speculative=speculative.NGram(k=3, max_n=1, min_n=1, adapt="acceptance"))
     assert spec.tokens == plain.tokens
-    assert spec.timings["speculative"] == {"verify_steps": 1, "drafted": 3, "accepted": 1, "tokens_per_step": 2.0,
-                                           "verify_cost": None, "drafting": True}
+    assert spec.timings["speculative"] == {"verify_steps": 1, "drafted": 3, "accepted": 1, "verified": 1,
+                                           "tokens_per_step": 2.0, "verify_cost": None, "drafting": True}
     spec_cache = gen._caches[B]
     np.testing.assert_array_equal(np.asarray(spec_cache.lengths), np.asarray(plain_cache.lengths))
     worst = {"state": 0.0, "conv": 0.0}

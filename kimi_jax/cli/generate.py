@@ -243,7 +243,7 @@ def _paced(s: dict) -> str:
     if s["verify_cost"] is None:
         return ""
     return (f" (a verify step costs {s['verify_cost']:.1f} plain steps here" +
-            ("" if s["drafting"] else ": more than the drafts can repay, so drafting stopped after measuring it") +
+            ("" if s["drafting"] else ": more than its drafts repay, so it decoded plainly") +
             ")")
 
 

@@ -324,8 +324,8 @@ class _Drafter:
     model: object = None
     costs: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> (the loop's plain
     # step, its verify step) in seconds, as measured (:meth:`Generator._measure`)
-    rates: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> the share of drafted
-    # tokens accepted in its last request that drafted; skipped: requests since it last drafted
+    gains: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> drafts accepted per
+    # sequence and verify step in its last request that drafted; skipped: requests since it last drafted
     skipped: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def learn(self, B: int, timings: dict) -> dict:
@@ -333,8 +333,8 @@ class _Drafter:
         choice."""
         if timings["drafting"]:
             self.skipped[B] = 0
-            if timings["drafted"]:
-                self.rates[B] = timings["accepted"] / timings["drafted"]
+            if timings["verified"]:
+                self.gains[B] = timings["accepted"] / timings["verified"]
         else:
             self.skipped[B] = self.skipped.get(B, 0) + 1
         return timings
@@ -705,19 +705,19 @@ class Generator:
         return None if times is None else times[1] / min(times[0], self._plain_steps.get(B, math.inf))
 
     def _drafting(self, drafter: _Drafter, B: int, cost: float | None, spec=None, n: int = 0) -> bool:
-        """Whether a request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes).
-        Drafts of which a share ``r`` is accepted add about ``1 + k r`` tokens per verify step, so they pay while
-        ``cost <= 1 + k r``: ``r`` of the bucket's last request that drafted, else of ``spec``'s measuring steps
-        (``n`` sequences; none given: yes). A bucket that has not drafted for ``EXPLORE`` requests drafts again (the
-        share changes with the prompts)."""
+        """Whether a request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes). A
+        verify step in which a sequence's drafts gain ``g`` accepted tokens gives it ``1 + g``, so drafting pays while
+        ``cost <= 1 + g``: ``g`` of the bucket's last request that drafted, else of ``spec``'s measuring steps (``n``
+        sequences; neither: k, all accepted). A bucket that has not drafted for ``EXPLORE`` requests drafts again
+        (the gain changes with the prompts)."""
         if cost is None:
             return True
-        rate = drafter.rates.get(B)
-        if rate is None:
-            drafted, accepted = (0, 0) if spec is None else (int(_host(a)[:n].sum()) for a in (spec.drafted,
-                                                                                              spec.accepted))
-            rate = accepted / drafted if drafted else 1.0
-        return cost <= 1 + drafter.kind.k * rate or drafter.skipped.get(B, 0) >= EXPLORE
+        gain = drafter.gains.get(B)
+        if gain is None:
+            verified, accepted = (0, 0) if spec is None else (int(_host(a)[:n].sum()) for a in (spec.verified,
+                                                                                               spec.accepted))
+            gain = accepted / verified if verified else drafter.kind.k
+        return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
 
     def _measure(self, spec, samp: Sampling, drafter: _Drafter):
         """(``spec`` after the measuring steps, (a plain step's, a verify step's seconds) or None when a sequence ended
@@ -851,10 +851,12 @@ def _spec_timings(spec, n: int, cost: float | None, drafting: bool) -> dict:
     """``timings["speculative"]`` of a request's ``n`` sequences from the speculative loop's final state (None: the
     request decoded plainly, the drafter known not to pay)."""
     if spec is None:
-        return {"verify_steps": 0, "drafted": 0, "accepted": 0, "tokens_per_step": 0.0, "verify_cost": cost,
-                "drafting": False}
-    steps, drafted, accepted = (_host(a)[:n] for a in (spec.steps, spec.drafted, spec.accepted))
+        return {"verify_steps": 0, "drafted": 0, "accepted": 0, "verified": 0, "tokens_per_step": 0.0,
+                "verify_cost": cost, "drafting": False}
+    steps, drafted, accepted, verified = (_host(a)[:n] for a in (spec.steps, spec.drafted, spec.accepted,
+                                                                 spec.verified))
     return {"verify_steps": int(steps.max()), "drafted": int(drafted.sum()), "accepted": int(accepted.sum()),
+            "verified": int(verified.sum()),  # (sequence, verify step) pairs with drafts
             # new tokens per loop step (1: no draft ever accepted), over the part the speculative loop decoded
             "tokens_per_step": float((_host(spec.dec.count)[:n] - 1).sum() / max(1, steps.sum())),
             # a verify step's cost in plain steps as measured on this device (None: not measured); drafting: whether

@@ -236,6 +236,7 @@ class SpecState:
     steps: jax.Array  # [B] int32: verify forwards that sequence took part in
     drafted: jax.Array  # [B] int32: draft tokens proposed
     accepted: jax.Array  # [B] int32: draft tokens accepted
+    verified: jax.Array  # [B] int32: verify steps in which the sequence had drafts
     rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
     cost: jax.Array  # [] float32: a verify step's cost in plain steps, as :func:`worth_verifying` weighs it
     dcache: object = None  # a DSpark drafter's context entries (DraftCache) or a draft model's cache
@@ -337,7 +338,7 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None, cos
     hist = hist.at[rows, lengths_B].set(dec.token, mode="drop")
     hlen = lengths_B + dec.count
     zeros = lambda: jnp.zeros((B,), jnp.int32)
-    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32),
+    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32),
                      jnp.float32(cost), dcache)
 
 
@@ -523,4 +524,5 @@ def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, log
     rate = jnp.where(dlen > 0, (1 - EMA) * st.rate + EMA * a / jnp.maximum(dlen, 1), st.rate)
     return SpecState(DecodeState(cache, token, out, count, done, recorded), hist, st.hlen + n_new,
                      st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
+                     st.verified + (dlen > 0).astype(jnp.int32),
                      rate, st.cost, dcache)
