@@ -636,7 +636,9 @@ class Generator:
         ``speculative``: a drafter (``"ngram[:k=4,max_n=3,min_n=1]"`` or :class:`~kimi_jax.generation.speculative.
         NGram`): drafted tokens checked by one forward per step (:mod:`kimi_jax.generation.speculative`); greedy
         output is plain greedy output token for token, sampled output has the plain sampler's distribution
-        (rejection sampling). ``timings["speculative"]`` has the acceptance.
+        (rejection sampling). With the drafter's ``adapt="cost"`` (the default) drafts are verified only where they
+        repay a verify step's cost as measured here (:meth:`_paced`, :meth:`_drafting`). ``timings["speculative"]``
+        has the acceptance, the measured cost and whether the request drafted.
         """
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
@@ -860,7 +862,7 @@ def _spec_timings(spec, n: int, cost: float | None, drafting: bool) -> dict:
             # new tokens per loop step (1: no draft ever accepted), over the part the speculative loop decoded
             "tokens_per_step": float((_host(spec.dec.count)[:n] - 1).sum() / max(1, steps.sum())),
             # a verify step's cost in plain steps as measured on this device (None: not measured); drafting: whether
-            # the loop drafted past the measurement (a verify step dearer than k + 1 plain steps never pays)
+            # the request drafted past the measurement (Generator._drafting: where the drafts repay that cost)
             "verify_cost": cost, "drafting": drafting}
 
 

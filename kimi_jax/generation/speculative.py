@@ -30,6 +30,9 @@ not in the loop per step and a warm generator never recompiles.
   the kept prefix from the recorded inputs (:func:`kimi_jax.model.attention.commit_verified`; the later positions
   made inert, which leaves the state bit for bit), the attention rows past the new length stay written but unread
   (the next call writes over them first), the lengths say where each sequence ends.
+* **Pacing** (``adapt``, :func:`worth_verifying`). A step verifies only where a sequence drafted and, with
+  ``adapt="cost"``, where the drafts are expected to repay what a verify step costs in plain steps on this device
+  (``SpecState.cost``, measured by :class:`~kimi_jax.generation.generate.Generator` and by the engine's scheduler).
 """
 
 from __future__ import annotations
@@ -233,7 +236,7 @@ class SpecState:
     dec: DecodeState
     hist: jax.Array  # [B, L] int32: prompt then new tokens; row b valid up to hlen[b]
     hlen: jax.Array  # [B] int32
-    steps: jax.Array  # [B] int32: verify forwards that sequence took part in
+    steps: jax.Array  # [B] int32: loop steps (verify or plain) that sequence took part in
     drafted: jax.Array  # [B] int32: draft tokens proposed
     accepted: jax.Array  # [B] int32: draft tokens accepted
     verified: jax.Array  # [B] int32: verify steps in which the sequence had drafts
@@ -459,15 +462,12 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
 
     def body(carry):
         i, st = carry
-        d = st.dec
-        out_len = d.out.shape[1]
-        active = ~d.done
-        # drafting beyond the budget or the cache is wasted: the step keeps at most budget - count tokens (the
-        # decode state's output capacity is the cache length)
-        room = jnp.clip(jnp.minimum(samp.budget - d.count - 1, out_len - d.cache.lengths - 1), 0, k)
-        # a row whose drafts were mostly rejected lately drafts nothing (probing again every PROBE steps), and a step
-        # whose drafts are not expected to repay a verify forward is the plain one-position step: a bad drafter (or
-        # a verify step dear on this device) costs little
+        d, active = st.dec, ~st.dec.done
+        # drafting beyond the budget or the cache is wasted (the decode state's output capacity is the cache length)
+        room = jnp.clip(jnp.minimum(samp.budget - d.count - 1, d.out.shape[1] - d.cache.lengths - 1), 0, k)
+        # a row whose drafts were mostly rejected lately drafts nothing (probing every PROBE steps), and a step whose
+        # drafts do not repay a verify forward is the plain one-position step: a bad drafter, or a dear verify step,
+        # costs little
         hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
         drafts, dlen = draft(st, jnp.where(active & hopeful, room, 0))
         now = worth_verifying(st.cost, st.rate, dlen, st.steps, active)
