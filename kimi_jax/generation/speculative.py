@@ -331,9 +331,10 @@ def accept(logits_BKV, drafts_BK, dlen_B, temperature_B, top_k_B, top_p_B, keys)
     return jax.lax.cond(jnp.any(temp > 0), rejection, lambda: (t, a))
 
 
-def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None, cost: float = 1.0) -> SpecState:
+def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> SpecState:
     """The speculative loop's state after a prefill: the history holds each prompt and its first new token;
-    ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`); ``cost``: see :class:`SpecState`."""
+    ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`); the cost 1 (:func:`pacing`'s
+    unmeasured value; the generator sets the measured one)."""
     B, T = prompt_BT.shape
     L = T + out_len
     hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))
@@ -342,7 +343,7 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None, cos
     hlen = lengths_B + dec.count
     zeros = lambda: jnp.zeros((B,), jnp.int32)
     return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32),
-                     jnp.float32(cost), dcache)
+                     jnp.float32(1.0), dcache)
 
 
 @dataclasses.dataclass(frozen=True)
