@@ -163,11 +163,11 @@ def _flat(items):
     return [a for x, w, ids in items for a in ((x, w) if ids is None else (x, w, ids))]
 
 
-@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("S", [1, 3, 8])
 def test_group_matches_numpy(S):
     """Every item of one call, plain and stacked, against float64 numpy: the native kernel runs all of them as one
-    call, and the reference and the XLA:CPU forms agree. The automatic choice takes the native kernel for
-    one-row items (decode at batch 1) and the XLA:CPU forms for a few rows."""
+    call, and the reference and the XLA:CPU forms agree. The automatic choice takes the native kernel for items of
+    up to ``SHARED_ROWS`` rows (decode at batch 1, a verify step's few positions) and the XLA:CPU forms for more."""
     rng = np.random.default_rng(S)
     items = _items(rng, S)
     structure = [ids is not None for _, _, ids in items]
@@ -175,7 +175,7 @@ def test_group_matches_numpy(S):
     hlo = f.lower(*_flat(items)).as_text()
     assert hlo.count(f"kimi_jax_{native.SYMBOL}") == 1, "one native call for the whole group"
     auto = _group_fn(structure).lower(*_flat(items)).as_text()
-    assert auto.count(f"kimi_jax_{native.SYMBOL}") == (1 if S == 1 else 0)
+    assert auto.count(f"kimi_jax_{native.SYMBOL}") == (1 if S <= matvec.SHARED_ROWS else 0)
     xla = [np.asarray(g) for g in _group_fn(structure, implementation="xla_cpu")(*_flat(items))]
     got = [np.asarray(g) for g in f(*_flat(items))]
     ref = [np.asarray(g) for g in _group_fn(structure, implementation="reference")(*_flat(items))]
@@ -187,6 +187,34 @@ def test_group_matches_numpy(S):
         np.testing.assert_allclose(g, want, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
         np.testing.assert_allclose(g, r, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
         np.testing.assert_allclose(c, want, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_rows_that_share_a_weight_get_the_bits_of_one_row(fmt):
+    """Rows of x that use the same matrix share its reads (up to 4 at a time, native.cc's DotRows): each row's result
+    has exactly the bits it has alone, for a plain weight and for runs of equal expert ids in a stack (rows and
+    columns past the vector, block and row tails), and matches float64 numpy."""
+    from kernels_pallas import quant
+
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((7, 1000)), jnp.float32)
+    w = rng.standard_normal((3, 70, 1000)).astype(np.float32)
+    if fmt == "int8":
+        plain, stack = (quant.quantize(jnp.asarray(a), quant.Format.parse("int8")) for a in (w[0], w))
+        dense = lambda a: np.asarray(quant.dequantize(a), np.float64)  # noqa: E731
+    else:
+        plain, stack = jnp.asarray(w[0], fmt), jnp.asarray(w, fmt)
+        dense = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    ids = jnp.asarray([2, 2, 2, 0, 2, 2, 1], jnp.int32)  # runs of 3, 1, 2, 1
+    f = jax.jit(lambda it: matvec.group(it, implementation="cpu_native"))
+    together = f([(x, plain, None), (x, stack, ids)])
+    alone = [f([(x[m:m + 1], plain, None), (x[m:m + 1], stack, ids[m:m + 1])]) for m in range(7)]
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(together[i]), np.concatenate([np.asarray(a[i]) for a in alone]))
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(np.asarray(together[0]), x64 @ dense(plain).T, atol=1e-5 * np.sqrt(1000), rtol=0)
+    want = np.einsum("mi,mji->mj", x64, dense(stack)[np.asarray(ids)])
+    np.testing.assert_allclose(np.asarray(together[1]), want, atol=1e-5 * np.sqrt(1000), rtol=0)
 
 
 def test_group_errors():
@@ -207,10 +235,12 @@ def test_group_errors():
         _group_fn([False], implementation="triton").lower(x, w)
     # no Pallas product kernel: a model run that asks for the Pallas kernels gets the plain products here
     assert f"kimi_jax_{native.SYMBOL}" not in _group_fn([False], implementation="pallas").lower(x, w).as_text()
-    # one plain product under the automatic choice: a float32 one streams as fast under XLA (no native call), a
-    # bfloat16 one does not (XLA:CPU's one-row bf16 product is 6-20x slower) and goes native
-    assert "kimi_jax_" not in _group_fn([False]).lower(x, w).as_text()
+    # one plain product under the automatic choice goes native, float32 (faster than XLA's) and bfloat16 (XLA:CPU's
+    # one-row bf16 product is 6-20x slower) alike; past SHARED_ROWS rows it is XLA's
+    assert f"kimi_jax_{native.SYMBOL}" in _group_fn([False]).lower(x, w).as_text()
     assert f"kimi_jax_{native.SYMBOLS[jnp.dtype(jnp.bfloat16)]}" in _group_fn([False]).lower(x, w.astype(jnp.bfloat16)).as_text()
+    many = np.repeat(x, matvec.SHARED_ROWS + 1, axis=0)
+    assert "kimi_jax_" not in _group_fn([False]).lower(many, w).as_text()
 
 
 def test_model_decode_groups_products(hf_kimi_linear):
@@ -237,8 +267,10 @@ def test_model_decode_groups_products(hf_kimi_linear):
             steps.append(np.asarray(out.logits[:, 0]))
         logits[impl] = np.stack(steps)
     # tests/hf_models.py: KDA x3 (layer-input products, then the low-rank second halves), MLA (q, kv_a), a dense
-    # MLP (gate, up), MoE x3 (chosen experts' and shared expert's up projections, then their down projections)
-    assert hlos[None].count(f"kimi_jax_{native.SYMBOL}") == 2 * 3 + 1 + 1 + 2 * 3
+    # MLP (gate, up), MoE x3 (chosen experts' and shared expert's up projections, then their down projections); and
+    # the products that stand alone: KDA's output projection x3, the dense MLP's down projection, MLA's q_b and
+    # output projections, the lm_head
+    assert hlos[None].count(f"kimi_jax_{native.SYMBOL}") == 2 * 3 + 1 + 1 + 2 * 3 + 3 + 1 + 2 + 1
     assert hlos[None].count("kimi_jax_KimiKdaRecurrentF32") == 3  # and the KDA recurrence of each KDA layer
     assert "kimi_jax_" not in hlos["reference"]
     np.testing.assert_allclose(prefilled[None], prefilled["reference"], atol=2e-5, rtol=0)
@@ -464,7 +496,7 @@ def _has_avx512() -> bool:
 def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
     """The bfloat16 and 4-bit (int4, MXFP4) summation orders do not depend on the instruction set (native.cc): a
     build for AVX2 + FMA gives this machine's AVX-512 build's bits, rows and columns past every vector and block tail
-    included."""
+    included, and rows of x that share a weight's reads (blocks of other sizes on each)."""
     script = textwrap.dedent("""
         import sys
         import numpy as np, jax, jax.numpy as jnp
@@ -482,7 +514,9 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
                          jnp.asarray(rng.integers(115, 130, (4, 70, 64)), jnp.uint8))
         ids = jnp.asarray([3, 0, 3], jnp.int32)
         f = jax.jit(lambda it: matvec.group(it, implementation="cpu_native"))
-        outs = f([(x1, w1, None), (x2, w2, ids)]) + f([(x2[:1], w3, None)]) + f([(x2, w4, ids)])
+        x5 = jnp.asarray(rng.standard_normal((5, 1000)), jnp.float32)  # rows that share the weight's reads
+        outs = (f([(x1, w1, None), (x2, w2, ids)]) + f([(x2[:1], w3, None)]) + f([(x2, w4, ids)])
+                + f([(x5, w1, None)]))
         np.save(sys.argv[2], np.concatenate([np.asarray(o).ravel() for o in outs]))
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -493,7 +527,7 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[build] = np.load(out)
-    assert got["native"].size == 70 + 3 * 300 + 70 + 3 * 70
+    assert got["native"].size == 70 + 3 * 300 + 70 + 3 * 70 + 5 * 70
     np.testing.assert_array_equal(got["native"], got["avx2"])
 
 

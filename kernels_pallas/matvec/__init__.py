@@ -28,6 +28,16 @@ _F32 = jnp.float32
 # the reference decodes the whole weight once and then multiplies. Measured at [4096, 1024] (int8, int4 g32, nf4 g64):
 # native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows.
 PACKED_ROWS = 16
+# Plain items up to this many rows run natively: up to 4 rows share each read of a weight block (a verify step's
+# k + 1 = 5 positions, a small batch). The benchmark model's decode products (12 x [3072|1024|1536, 1024] and the
+# [32000, 1024] head, ms per chain, native / XLA): bfloat16 3.3 / 72 at 1 row, 5.0 / 7.3 at 4, 6.1 / 7.5 at 5,
+# 7.8 / 7.9 at 6, 9.4 / 8.6 at 8; float32 6.6 / 6.3, 8.2 / 12.9, 9.5 / 13.2 (XLA:CPU's own GEMM wins from 6-8 rows).
+# One float32 product alone too (the lm_head, the output projections), which the XLA:CPU form (``xla_cpu``) ran as
+# fast before rows shared the weight's reads: [32000, 1024] 3.9 / 5.3 ms at 1 row, 4.6 / 5.2 at 4; [1024, 1024]
+# 26 / 52 us at 1 row, 58 / 95 at 4 (cache-resident [256, 256] is the exception: 13-21 / 9 us at 4 rows).
+# Same-bit rows: a row's result does not depend on the rows it shares the call with, so a verify step's products
+# equal the one-position steps' bit for bit.
+SHARED_ROWS = 5
 
 
 def _float32(items) -> str | None:
@@ -43,12 +53,7 @@ def _float32(items) -> str | None:
 def _native_automatic(items, **_) -> bool:
     if any(packed.is_packed(w) for _, w, _ in items):  # decode-shaped packed items: read the codes in place
         return all(x.shape[0] <= PACKED_ROWS for x, _, _ in items)
-    if any(ids is None and x.shape[0] > 1 for x, _, ids in items):  # grouping plain products of 8 rows: no gain
-        return False
-    # one float32 product streams as fast under XLA (the output projections, the lm_head); one bfloat16 product
-    # runs 6-20x slower there at one row (XLA:CPU has no fast one-row bf16 x bf16 -> f32 product; the benchmark
-    # model's 32000 x 1024 lm_head: 45 ms against 2.3 ms native)
-    return len(items) > 1 or items[0][2] is not None or jnp.dtype(items[0][1].dtype) != _F32
+    return all(ids is not None or x.shape[0] <= SHARED_ROWS for x, _, ids in items)
 
 
 def _group_pallas(items, *, precision=None, platform=None, interpret=False):

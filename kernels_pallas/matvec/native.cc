@@ -29,7 +29,8 @@
 // from one counter, so the stream never stops between items (RunParts, shared by every format). Narrow rows are
 // prefetched a block of rows ahead (Ahead): the hardware prefetcher does not follow their short streams.
 //
-// Each dot product keeps kLanes partial sums in vector registers, and kRows weight rows share every load of x.
+// Each dot product keeps kLanes partial sums in vector registers, and kRows weight rows share every load of x (up
+// to kShared rows of x that use the same matrix share every load of the weight: DotRows).
 // Summation order, float32 and int8 weights: lane l sums the products at i = l, l + kLanes, ...; the lanes are then
 // added as a pairwise tree, then the tail i >= I - I % kLanes in order; int8 multiplies that sum of q * x by the
 // row's scale. bfloat16 and 4-bit weights: lane l of block b (32 columns) sums, in block order, W[32b + 2l]
@@ -179,21 +180,26 @@ inline void LoadEvenOdd(const uint16_t* p, Vec* even, Vec* odd) {
   std::memcpy(odd, &o, sizeof o);
 }
 
-// y[r] = w[r, :] . x for r < RowCount (rows I apart); the RowCount x kParts accumulators stay in registers. With
-// kPairs<W>, x is in EvenOdd order.
-template <int RowCount, typename W>
-inline void DotRows(const W* w, const float* x, float* y, int64_t I, const W* end) {
-  Vec acc[RowCount][kParts] = {};
+// y[q * ys + r] = w[r, :] . x[q * xs, :] for r < RowCount (rows I apart) and q < XCount: XCount rows of x share
+// every load of the weight (a verify step's few positions, a small batch), the RowCount x XCount x kParts
+// accumulators in registers. Each sum takes the same steps in the same order as with XCount = 1, so a row's result
+// has the same bits whatever rows it shares the weight with. With kPairs<W>, x is in EvenOdd order.
+template <int RowCount, int XCount, typename W>
+inline void DotRows(const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_t I, const W* end) {
+  Vec acc[XCount][RowCount][kParts] = {};
   Ahead ahead{reinterpret_cast<const char*>(w + RowCount * I), reinterpret_cast<const char*>(end)};
   int64_t i = 0;
   if constexpr (kPairs<W>) {
     for (; i + kPairBlock <= I; i += kPairBlock) {
       if constexpr (kPrefetch<W>) ahead.Step<RowCount * kPairBlock * sizeof(W)>();
-      Vec xe[kParts], xo[kParts];
+      Vec xe[XCount][kParts], xo[XCount][kParts];
 #pragma GCC unroll 4
-      for (int p = 0; p < kParts; ++p) {
-        xe[p] = LoadVec(x + i + p * kVec);
-        xo[p] = LoadVec(x + i + kLanes + p * kVec);
+      for (int q = 0; q < XCount; ++q) {
+#pragma GCC unroll 4
+        for (int p = 0; p < kParts; ++p) {
+          xe[q][p] = LoadVec(x + q * xs + i + p * kVec);
+          xo[q][p] = LoadVec(x + q * xs + i + kLanes + p * kVec);
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < RowCount; ++r) {
@@ -201,42 +207,76 @@ inline void DotRows(const W* w, const float* x, float* y, int64_t I, const W* en
         for (int p = 0; p < kParts; ++p) {
           Vec even, odd;
           LoadEvenOdd(reinterpret_cast<const uint16_t*>(w + r * I + i + 2 * p * kVec), &even, &odd);
-          acc[r][p] += even * xe[p];
-          acc[r][p] += odd * xo[p];
+#pragma GCC unroll 4
+          for (int q = 0; q < XCount; ++q) {
+            acc[q][r][p] += even * xe[q][p];
+            acc[q][r][p] += odd * xo[q][p];
+          }
         }
       }
     }
   } else {
     for (; i + kLanes <= I; i += kLanes) {
       if constexpr (kPrefetch<W>) ahead.Step<RowCount * kLanes * sizeof(W)>();
-      Vec xi[kParts];
+      Vec xi[XCount][kParts];
 #pragma GCC unroll 4
-      for (int p = 0; p < kParts; ++p) xi[p] = LoadVec(x + i + p * kVec);
+      for (int q = 0; q < XCount; ++q) {
+#pragma GCC unroll 4
+        for (int p = 0; p < kParts; ++p) xi[q][p] = LoadVec(x + q * xs + i + p * kVec);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < RowCount; ++r) {
 #pragma GCC unroll 4
-        for (int p = 0; p < kParts; ++p) acc[r][p] += LoadVec(w + r * I + i + p * kVec) * xi[p];
+        for (int p = 0; p < kParts; ++p) {
+          const Vec wv = LoadVec(w + r * I + i + p * kVec);
+#pragma GCC unroll 4
+          for (int q = 0; q < XCount; ++q) acc[q][r][p] += wv * xi[q][p];
+        }
       }
     }
   }
-  Lanes wide[RowCount];
-  for (int r = 0; r < RowCount; ++r) std::memcpy(&wide[r], acc[r], sizeof wide[r]);
-  float sums[RowCount];
-  TreeSums<RowCount>(wide, sums);
-  for (int r = 0; r < RowCount; ++r) {
-    float s = sums[r];
-    for (int64_t t = i; t < I; ++t) s = std::fma(Widen(w[r * I + t]), x[t], s);  // fused on every build
-    y[r] = s;
+  for (int q = 0; q < XCount; ++q) {
+    Lanes wide[RowCount];
+    for (int r = 0; r < RowCount; ++r) std::memcpy(&wide[r], acc[q][r], sizeof wide[r]);
+    float sums[RowCount];
+    TreeSums<RowCount>(wide, sums);
+    const float* xq = x + q * xs;
+    for (int r = 0; r < RowCount; ++r) {
+      float s = sums[r];
+      for (int64_t t = i; t < I; ++t) s = std::fma(Widen(w[r * I + t]), xq[t], s);  // fused on every build
+      y[q * ys + r] = s;
+    }
   }
 }
 
-// y = w @ x for w [J, I], x [I].
-template <typename W>
-void Matvec(const W* w, const float* x, float* y, int64_t J, int64_t I) {
+// Weight rows per DotRows block when several rows of x share it: the accumulators of kRowsShared x kShared sums
+// and the kShared rows of x fit the registers (AVX-512: 16 + 8 of 32).
+#ifdef __AVX512F__
+constexpr int kRowsShared = 4;
+#else
+constexpr int kRowsShared = 2;
+#endif
+constexpr int kShared = 4;  // at most this many rows of x share one read of a weight block
+
+// y[q * ys, :] = w @ x[q * xs, :] for w [J, I], q < XCount.
+template <int XCount, typename W>
+void Matvec(const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_t J, int64_t I) {
+  constexpr int R = XCount == 1 ? kRows : kRowsShared;
   const W* end = w + J * I;
   int64_t j = 0;
-  for (; j + kRows <= J; j += kRows) DotRows<kRows>(w + j * I, x, y + j, I, end);
-  for (; j < J; ++j) DotRows<1>(w + j * I, x, y + j, I, end);
+  for (; j + R <= J; j += R) DotRows<R, XCount>(w + j * I, x, xs, y + j, ys, I, end);
+  for (; j < J; ++j) DotRows<1, XCount>(w + j * I, x, xs, y + j, ys, I, end);
+}
+
+// Matvec for the n (1 to kShared) rows of x from x[0], y[0] (strides xs, ys).
+template <typename W>
+void MatvecRows(int64_t n, const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_t J, int64_t I) {
+  switch (n) {
+    case 4: return Matvec<4>(w, x, xs, y, ys, J, I);
+    case 3: return Matvec<3>(w, x, xs, y, ys, J, I);
+    case 2: return Matvec<2>(w, x, xs, y, ys, J, I);
+    default: return Matvec<1>(w, x, xs, y, ys, J, I);
+  }
 }
 
 // x, ids and out of one item: x [M, I], ids [M], out [M, J].
@@ -264,16 +304,20 @@ struct DenseItem {
     }
   }
 
-  // Output features [j0, j1) of every row.
+  // Output features [j0, j1) of every row; consecutive rows that choose the same matrix (all of a plain weight's)
+  // share its reads, kShared at a time.
   void Compute(int64_t j0, int64_t j1) const {
     const int64_t J = r.J, I = r.I;
     const float* x = kPairs<W> ? xp.data() : r.x;
-    for (int64_t m = 0; m < r.M; ++m) {
+    for (int64_t m = 0, n; m < r.M; m += n) {
+      for (n = 1; n < kShared && m + n < r.M && r.ids[m + n] == r.ids[m];) ++n;
       const int64_t row = r.ids[m] * J + j0;
-      float* y = r.out + m * J + j0;
-      Matvec(w + row * I, x + m * I, y, j1 - j0, I);
+      MatvecRows(n, w + row * I, x + m * I, I, r.out + m * J + j0, J, j1 - j0, I);
       if (scale) {
-        for (int64_t j = 0; j < j1 - j0; ++j) y[j] *= scale[row + j];
+        for (int64_t q = 0; q < n; ++q) {
+          float* y = r.out + (m + q) * J + j0;
+          for (int64_t j = 0; j < j1 - j0; ++j) y[j] *= scale[row + j];
+        }
       }
     }
   }
