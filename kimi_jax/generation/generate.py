@@ -679,7 +679,8 @@ class Generator:
         out.timings.update(prefill_chunk=plan.chunk, prefill_calls=plan.calls)
         if user is not None:
             out.timings["speculative"] = spec
-        elif stream is None and out.timings["decode_steps"] >= MEASURE:  # a plain step's time, for _paced
+        # a plain request's step time (one a drafter's request known not to pay became too), for _paced
+        if drafter is None and stream is None and out.timings["decode_steps"] >= MEASURE:
             step = out.timings["decode"] / out.timings["decode_steps"]
             if step > 0:
                 self._plain_steps[B] = min(self._plain_steps.get(B, math.inf), step)
