@@ -183,6 +183,10 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     record.costs[B] = (1.0, 1.0)  # free: the repeating prompt's drafts are used (and their share kept)
     cheap = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     assert cheap.tokens == plain.tokens and cheap.timings["speculative"]["drafted"] > 0
+    # a request whose drafter proposed nothing (no verify step had drafts: random text) leaves a gain of 0, so the
+    # next request of a bucket where verifying costs anything decodes plainly
+    record.learn(B, {"drafting": True, "verified": 0, "accepted": 0})
+    assert record.gains[B] == 0.0 and not gen._drafting(record, B, 1.5) and gen._drafting(record, B, 1.0)
     # the plain loop's step, where a plain request was timed, is the baseline when it is the cheaper (the
     # speculative loop's plain step also keeps a model drafter's cache): 2.5 / 0.4 > k + 1 here, drafting stops
     record.costs[B], gen._plain_steps[B] = (1.0, 2.5), 0.4

@@ -333,8 +333,8 @@ class _Drafter:
         choice."""
         if timings["drafting"]:
             self.skipped[B] = 0
-            if timings["verified"]:
-                self.gains[B] = timings["accepted"] / timings["verified"]
+            # no verify step had drafts: the drafter found nothing to propose (random text, nothing repeated)
+            self.gains[B] = timings["accepted"] / timings["verified"] if timings["verified"] else 0.0
         else:
             self.skipped[B] = self.skipped.get(B, 0) + 1
         return timings
@@ -711,15 +711,16 @@ class Generator:
         """Whether a request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes). A
         verify step in which a sequence's drafts gain ``g`` accepted tokens gives it ``1 + g``, so drafting pays while
         ``cost <= 1 + g``: ``g`` of the bucket's last request that drafted, else of ``spec``'s measuring steps (``n``
-        sequences; neither: k, all accepted). A bucket that has not drafted for ``EXPLORE`` requests drafts again
-        (the gain changes with the prompts)."""
+        sequences; 0 where they drafted nothing; neither: k, all accepted). A bucket that has not drafted for
+        ``EXPLORE`` requests drafts again (the gain changes with the prompts)."""
         if cost is None:
             return True
         gain = drafter.gains.get(B)
-        if gain is None:
-            verified, accepted = (0, 0) if spec is None else (int(_host(a)[:n].sum()) for a in (spec.verified,
-                                                                                               spec.accepted))
-            gain = accepted / verified if verified else drafter.kind.k
+        if gain is None and spec is None:
+            gain = drafter.kind.k
+        elif gain is None:
+            verified, accepted = (int(_host(a)[:n].sum()) for a in (spec.verified, spec.accepted))
+            gain = accepted / verified if verified else 0.0
         return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
 
     def _measure(self, spec, samp: Sampling, drafter: _Drafter):
