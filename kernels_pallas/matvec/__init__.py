@@ -32,9 +32,9 @@ PACKED_ROWS = 16
 # k + 1 = 5 positions, a small batch). The benchmark model's decode products (12 x [3072|1024|1536, 1024] and the
 # [32000, 1024] head, ms per chain, native / XLA): bfloat16 3.3 / 72 at 1 row, 5.0 / 7.3 at 4, 6.1 / 7.5 at 5,
 # 7.8 / 7.9 at 6, 9.4 / 8.6 at 8; float32 6.6 / 6.3, 8.2 / 12.9, 9.5 / 13.2 (XLA:CPU's own GEMM wins from 6-8 rows).
-# One float32 product alone too (the lm_head, the output projections), which the XLA:CPU form (``xla_cpu``) ran as
-# fast before rows shared the weight's reads: [32000, 1024] 3.9 / 5.3 ms at 1 row, 4.6 / 5.2 at 4; [1024, 1024]
-# 26 / 52 us at 1 row, 58 / 95 at 4 (cache-resident [256, 256] is the exception: 13-21 / 9 us at 4 rows).
+# One float32 product alone too (the lm_head, the output projections; an earlier measurement had the XLA:CPU form,
+# ``xla_cpu``, as fast at one row): [32000, 1024] 3.9 / 5.3 ms at 1 row, 4.6 / 5.2 at 4; [1024, 1024] 26 / 52 us at
+# 1 row, 58 / 95 at 4 (cache-resident [256, 256] is the exception: 13-21 / 9 us at 4 rows).
 # Same-bit rows: a row's result does not depend on the rows it shares the call with, so a verify step's products
 # equal the one-position steps' bit for bit.
 SHARED_ROWS = 5
