@@ -191,7 +191,7 @@ def test_group_matches_numpy(S):
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 def test_rows_that_share_a_weight_get_the_bits_of_one_row(fmt):
-    """Rows of x that use the same matrix share its reads (up to 4 at a time, native.cc's DotRows): each row's result
+    """Rows of x that use the same matrix share its reads (up to 5 at a time, native.cc's DotRows): each row's result
     has exactly the bits it has alone, for a plain weight and for runs of equal expert ids in a stack (rows and
     columns past the vector, block and row tails), and matches float64 numpy."""
     from kernels_pallas import quant

@@ -28,10 +28,12 @@ _F32 = jnp.float32
 # the reference decodes the whole weight once and then multiplies. Measured at [4096, 1024] (int8, int4 g32, nf4 g64):
 # native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows.
 PACKED_ROWS = 16
-# Plain items up to this many rows run natively: up to 4 rows share each read of a weight block (a verify step's
+# Plain items up to this many rows run natively: up to 5 rows share each read of a weight block (a verify step's
 # k + 1 = 5 positions, a small batch). The benchmark model's decode products (12 x [3072|1024|1536, 1024] and the
-# [32000, 1024] head, ms per chain, native / XLA): bfloat16 3.3 / 72 at 1 row, 5.0 / 7.3 at 4, 6.1 / 7.5 at 5,
-# 7.8 / 7.9 at 6, 9.4 / 8.6 at 8; float32 6.6 / 6.3, 8.2 / 12.9, 9.5 / 13.2 (XLA:CPU's own GEMM wins from 6-8 rows).
+# [32000, 1024] head, ms per chain, native / XLA): bfloat16 3.3 / 72 at 1 row, 5.0 / 7.3 at 4, 5.5-6.1 / 7.9-8.3 at
+# 5, 6.1 / 8.0 at 6, 8.6 / 8.7 at 8, 9.9 / 9.0 at 10; float32 6.6 / 6.3 at 1, 8.2 / 12.9 at 4, 9.0 / 13.4 at 5.
+# Beyond 5 the native kernel still wins on these weights, but not on cache-resident ones (the demo's 256-wide
+# layers: 63 against 43 us for a KDA layer's six products at 8 rows), where the rows are compute.
 # One float32 product alone too (the lm_head, the output projections; an earlier measurement had the XLA:CPU form,
 # ``xla_cpu``, as fast at one row): [32000, 1024] 3.9 / 5.3 ms at 1 row, 4.6 / 5.2 at 4; [1024, 1024] 26 / 52 us at
 # 1 row, 58 / 95 at 4 (cache-resident [256, 256] is the exception: 13-21 / 9 us at 4 rows).

@@ -249,19 +249,19 @@ inline void DotRows(const W* w, const float* x, int64_t xs, float* y, int64_t ys
   }
 }
 
-// Weight rows per DotRows block when several rows of x share it: the accumulators of kRowsShared x kShared sums
-// and the kShared rows of x fit the registers (AVX-512: 16 + 8 of 32).
+// Weight rows per DotRows block when several rows of x share it: the accumulators and the rows of x fit the
+// registers (AVX-512, bfloat16: 4 x 4 sums + 4 x 2 halves of x, or 3 x 5 + 5 x 2, of 32; 8 rows of x spilled).
 #ifdef __AVX512F__
 constexpr int kRowsShared = 4;
 #else
 constexpr int kRowsShared = 2;
 #endif
-constexpr int kShared = 4;  // at most this many rows of x share one read of a weight block
+constexpr int kShared = 5;  // at most this many rows of x share one read of a weight block (k + 1 = 5)
 
 // y[q * ys, :] = w @ x[q * xs, :] for w [J, I], q < XCount.
 template <int XCount, typename W>
 void Matvec(const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_t J, int64_t I) {
-  constexpr int R = XCount == 1 ? kRows : kRowsShared;
+  constexpr int R = XCount == 1 ? kRows : XCount == 5 ? kRowsShared - 1 : kRowsShared;
   const W* end = w + J * I;
   int64_t j = 0;
   for (; j + R <= J; j += R) DotRows<R, XCount>(w + j * I, x, xs, y + j, ys, I, end);
@@ -272,6 +272,7 @@ void Matvec(const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_
 template <typename W>
 void MatvecRows(int64_t n, const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_t J, int64_t I) {
   switch (n) {
+    case 5: return Matvec<5>(w, x, xs, y, ys, J, I);
     case 4: return Matvec<4>(w, x, xs, y, ys, J, I);
     case 3: return Matvec<3>(w, x, xs, y, ys, J, I);
     case 2: return Matvec<2>(w, x, xs, y, ys, J, I);
