@@ -189,18 +189,25 @@ def test_group_matches_numpy(S):
         np.testing.assert_allclose(c, want, atol=1e-5 * np.sqrt(x.shape[1]), rtol=0)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4:g32", "mxfp4"])
 def test_rows_that_share_a_weight_get_the_bits_of_one_row(fmt):
-    """Rows of x that use the same matrix share its reads (up to 5 at a time, native.cc's DotRows): each row's result
-    has exactly the bits it has alone, for a plain weight and for runs of equal expert ids in a stack (rows and
-    columns past the vector, block and row tails), and matches float64 numpy."""
+    """Rows of x that use the same matrix share its reads (up to 5 at a time, native.cc's DotRows; a 4-bit weight's
+    decoded blocks too): each row's result has exactly the bits it has alone, for a plain weight and for runs of
+    equal expert ids in a stack (rows and columns past the vector, block and row tails), and matches float64
+    numpy."""
     from kernels_pallas import quant
 
     rng = np.random.default_rng(11)
-    x = jnp.asarray(rng.standard_normal((7, 1000)), jnp.float32)
-    w = rng.standard_normal((3, 70, 1000)).astype(np.float32)
-    if fmt == "int8":
-        plain, stack = (quant.quantize(jnp.asarray(a), quant.Format.parse("int8")) for a in (w[0], w))
+    I = 1000 if fmt in ("float32", "bfloat16", "int8") else 1024  # 4-bit groups: whole blocks of 32 columns
+    x = jnp.asarray(rng.standard_normal((7, I)), jnp.float32)
+    w = rng.standard_normal((3, 70, I)).astype(np.float32)
+    if fmt == "mxfp4":
+        codes, scales = rng.integers(0, 256, (3, 70, I // 2)), rng.integers(118, 126, (3, 70, I // 32))
+        plain, stack = (MXFP4Weight(jnp.asarray(c, jnp.uint8), jnp.asarray(e, jnp.uint8))
+                        for c, e in ((codes[0], scales[0]), (codes, scales)))
+        dense = lambda a: _mxfp4_decoded(a.packed, a.scale)  # noqa: E731
+    elif fmt in ("int8", "int4:g32"):
+        plain, stack = (quant.quantize(jnp.asarray(a), quant.Format.parse(fmt)) for a in (w[0], w))
         dense = lambda a: np.asarray(quant.dequantize(a), np.float64)  # noqa: E731
     else:
         plain, stack = jnp.asarray(w[0], fmt), jnp.asarray(w, fmt)
@@ -212,9 +219,10 @@ def test_rows_that_share_a_weight_get_the_bits_of_one_row(fmt):
     for i in range(2):
         np.testing.assert_array_equal(np.asarray(together[i]), np.concatenate([np.asarray(a[i]) for a in alone]))
     x64 = np.asarray(x, np.float64)
-    np.testing.assert_allclose(np.asarray(together[0]), x64 @ dense(plain).T, atol=1e-5 * np.sqrt(1000), rtol=0)
+    tol = 1e-5 * np.sqrt(I) * (64 if fmt == "mxfp4" else 1)  # (MXFP4 values reach 6 x 2^(125 - 127))
+    np.testing.assert_allclose(np.asarray(together[0]), x64 @ dense(plain).T, atol=tol, rtol=0)
     want = np.einsum("mi,mji->mj", x64, dense(stack)[np.asarray(ids)])
-    np.testing.assert_allclose(np.asarray(together[1]), want, atol=1e-5 * np.sqrt(1000), rtol=0)
+    np.testing.assert_allclose(np.asarray(together[1]), want, atol=tol, rtol=0)
 
 
 def test_group_errors():
@@ -516,7 +524,7 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
         f = jax.jit(lambda it: matvec.group(it, implementation="cpu_native"))
         x5 = jnp.asarray(rng.standard_normal((5, 1000)), jnp.float32)  # rows that share the weight's reads
         outs = (f([(x1, w1, None), (x2, w2, ids)]) + f([(x2[:1], w3, None)]) + f([(x2, w4, ids)])
-                + f([(x5, w1, None)]))
+                + f([(x5, w1, None)]) + f([(x2, w3, None)]) + f([(x2, w4, ids * 0)]))
         np.save(sys.argv[2], np.concatenate([np.asarray(o).ravel() for o in outs]))
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -527,7 +535,7 @@ def test_bfloat16_and_4bit_products_have_the_same_bits_with_avx2(tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[build] = np.load(out)
-    assert got["native"].size == 70 + 3 * 300 + 70 + 3 * 70 + 5 * 70
+    assert got["native"].size == 70 + 3 * 300 + 70 + 3 * 70 + 5 * 70 + 3 * 70 + 3 * 70
     np.testing.assert_array_equal(got["native"], got["avx2"])
 
 

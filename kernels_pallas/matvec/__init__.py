@@ -24,9 +24,11 @@ from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, REFERENCE, XLA_C
 from kernels_pallas.matvec import native, reference, xla_cpu
 
 _F32 = jnp.float32
-# Packed items up to this many rows run natively: each row decodes its part of the weight again (from cache), where
+# Packed items up to this many rows run natively: every 5 rows decode the weight's blocks again (from cache), where
 # the reference decodes the whole weight once and then multiplies. Measured at [4096, 1024] (int8, int4 g32, nf4 g64):
-# native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows.
+# native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows (both when
+# each row decoded alone; up to 5 rows of one matrix now share the decoded blocks: the benchmark model's products
+# in int4 g32, 7.4 -> 5.4 ms at 5 rows, 11.7 -> 7.2 at 8, 1.7 at 1; XLA's 79-87).
 PACKED_ROWS = 16
 # Plain items up to this many rows run natively: up to 5 rows share each read of a weight block (a verify step's
 # k + 1 = 5 positions, a small batch). The benchmark model's decode products (12 x [3072|1024|1536, 1024] and the

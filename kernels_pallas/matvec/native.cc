@@ -417,40 +417,65 @@ struct NibbleItem {
     return values * s;
   }
 
-  // y[r] = W[row + r, :] . x for r < RowCount, x reordered (xp); `end`: the end of this part's codes.
-  template <int RowCount>
-  void DotRows(int64_t row, const float* x, float* y, const uint8_t* end) const {
+  // y[q * ys + r] = W[row + r, :] . x[q * xs, :] for r < RowCount and q < XCount, x reordered (xp); `end`: the end
+  // of this part's codes. XCount rows of x share every decoded block of the weight (the lookups, a 4-bit product's
+  // main cost), each sum in the same steps and order as with XCount = 1 (the same bits).
+  template <int RowCount, int XCount>
+  void DotRows(int64_t row, const float* x, int64_t xs, float* y, int64_t ys, const uint8_t* end) const {
     const int64_t stride = r.I / 2;
     const uint8_t* c = codes + row * stride;
     Ahead ahead{reinterpret_cast<const char*>(c + RowCount * stride), reinterpret_cast<const char*>(end)};
-    Lanes acc[RowCount] = {};
+    Lanes acc[XCount][RowCount] = {};
     for (int64_t k = 0, i = 0; k < G; ++k) {
       Lanes t[RowCount];
       for (int q = 0; q < RowCount; ++q) t[q] = Table(row + q, k);
       for (const int64_t stop = i + g; i < stop; i += kBlock) {
         ahead.Step<RowCount * kBlock / 2>();
-        const Lanes xe = Load(x + i), xo = Load(x + i + kLanes);
+        Lanes xe[XCount], xo[XCount];
+        for (int u = 0; u < XCount; ++u) {
+          xe[u] = Load(x + u * xs + i);
+          xo[u] = Load(x + u * xs + i + kLanes);
+        }
         for (int q = 0; q < RowCount; ++q) {
           const Words b = LoadPairs(c + q * stride + i / 2);
-          acc[q] += Lookup(t[q], b) * xe;
-          acc[q] += Lookup(t[q], b >> 4) * xo;
+          const Lanes we = Lookup(t[q], b), wo = Lookup(t[q], b >> 4);
+          for (int u = 0; u < XCount; ++u) {
+            acc[u][q] += we * xe[u];
+            acc[u][q] += wo * xo[u];
+          }
         }
       }
     }
-    TreeSums<RowCount>(acc, y);
+    for (int u = 0; u < XCount; ++u) TreeSums<RowCount>(acc[u], y + u * ys);
   }
 
-  // Output features [j0, j1) of every row.
+  // Output features [j0, j1) of the XCount rows of x from x, y (strides I, J) that use the matrix from weight row
+  // `first`.
+  template <int XCount>
+  void SharedRows(int64_t first, const float* x, float* y, int64_t j0, int64_t j1) const {
+    constexpr int R = XCount == 1 ? kRows : kRowsShared / 2;
+    const uint8_t* end = codes + (first + j1) * (r.I / 2);
+    int64_t j = j0;
+    for (; j + R <= j1; j += R) DotRows<R, XCount>(first + j, x, r.I, y + j, r.J, end);
+    for (; j < j1; ++j) DotRows<1, XCount>(first + j, x, r.I, y + j, r.J, end);
+  }
+
+  // Output features [j0, j1) of every row; consecutive rows that choose the same matrix share its decoded blocks,
+  // kShared at a time.
   void Compute(int64_t j0, int64_t j1) const {
     const int64_t J = r.J;
-    for (int64_t m = 0; m < r.M; ++m) {
+    for (int64_t m = 0, n; m < r.M; m += n) {
+      for (n = 1; n < kShared && m + n < r.M && r.ids[m + n] == r.ids[m];) ++n;
       const int64_t first = r.ids[m] * J;  // the chosen matrix's first row
       const float* x = xp.data() + m * r.I;
       float* y = r.out + m * J;
-      const uint8_t* end = codes + (first + j1) * (r.I / 2);
-      int64_t j = j0;
-      for (; j + kRows <= j1; j += kRows) DotRows<kRows>(first + j, x, y + j, end);
-      for (; j < j1; ++j) DotRows<1>(first + j, x, y + j, end);
+      switch (n) {
+        case 5: SharedRows<5>(first, x, y, j0, j1); break;
+        case 4: SharedRows<4>(first, x, y, j0, j1); break;
+        case 3: SharedRows<3>(first, x, y, j0, j1); break;
+        case 2: SharedRows<2>(first, x, y, j0, j1); break;
+        default: SharedRows<1>(first, x, y, j0, j1);
+      }
     }
   }
 };
