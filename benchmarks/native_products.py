@@ -3,15 +3,15 @@ product, on the shared benchmark model's shapes, in one process.
 
     python benchmarks/native_products.py [--dtype bfloat16|float32|int8|int4:g32] [--rows 1] [--repeats 60] [--json OUT]
 
-One jitted chain per implementation: the projections of 12 layers (a fused 3072 x 1024, a 1024 x 1024 and a
-1536 x 1024 product each) and a 32000 x 1024 head, every product feeding the next through a normalisation, as a
-decode step does at batch 1 (random weights; about 204 MB in bfloat16); ``--rows N``: N rows of x through every
-product (a verify step's k + 1 = 5 positions, a small batch: the native kernel shares each weight block's reads
-between up to 5 rows). ``--repeats`` runs of ours, then a tenth as
-many of XLA's, back to back (alternated one for one, a native chain right after an XLA one, which makes a float32
-copy of every weight, took up to twice its time); the table gives the median and best time and the weight bytes
-streamed per second, and the ratio XLA's median time over ours. Weights are made by XLA, so they start in the system's default pages; the native kernel asks
-for 2 MB pages on a weight's second read (the warm-up runs make both).
+One jitted chain per implementation: the projections of 12 layers (a fused 3072 x 1024, a 1024 x 1024 and a 1536 x
+1024 product each) and a 32000 x 1024 head, every product feeding the next through a normalisation, as a decode step
+does at batch 1 (random weights; about 204 MB in bfloat16); ``--rows N``: N rows of x through every product (a
+verify step's k + 1 = 5 positions, a small batch: the native kernel shares each weight block's reads between up to 5
+rows). ``--repeats`` runs of ours, then a tenth as many of XLA's, back to back (alternated one for one, a native
+chain right after an XLA one, which makes a float32 copy of every weight, took up to twice its time); the table
+gives the median and best time and the weight bytes streamed per second, and the ratio XLA's median time over ours.
+Weights are made by XLA, so they start in the system's default pages; the native kernel asks for 2 MB pages on a
+weight's second read (the warm-up runs make both).
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -268,18 +269,6 @@ void Matvec(const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_
   for (; j < J; ++j) DotRows<1, XCount>(w + j * I, x, xs, y + j, ys, I, end);
 }
 
-// Matvec for the n (1 to kShared) rows of x from x[0], y[0] (strides xs, ys).
-template <typename W>
-void MatvecRows(int64_t n, const W* w, const float* x, int64_t xs, float* y, int64_t ys, int64_t J, int64_t I) {
-  switch (n) {
-    case 5: return Matvec<5>(w, x, xs, y, ys, J, I);
-    case 4: return Matvec<4>(w, x, xs, y, ys, J, I);
-    case 3: return Matvec<3>(w, x, xs, y, ys, J, I);
-    case 2: return Matvec<2>(w, x, xs, y, ys, J, I);
-    default: return Matvec<1>(w, x, xs, y, ys, J, I);
-  }
-}
-
 // x, ids and out of one item: x [M, I], ids [M], out [M, J].
 struct Rows {
   const float* x;
@@ -287,6 +276,24 @@ struct Rows {
   float* out;
   int64_t M, J, I;
 };
+
+// run(m, count) for each run of up to kShared consecutive rows m .. m + n - 1 that choose the same matrix (every row
+// of a plain weight), count a std::integral_constant<int, n> (the rows that share the weight's reads: a template
+// argument of DotRows).
+template <typename Run>
+void SharedRuns(const Rows& r, Run&& run) {
+  static_assert(kShared == 5, "one case per run length");
+  for (int64_t m = 0, n; m < r.M; m += n) {
+    for (n = 1; n < kShared && m + n < r.M && r.ids[m + n] == r.ids[m];) ++n;
+    switch (n) {
+      case 5: run(m, std::integral_constant<int, 5>{}); break;
+      case 4: run(m, std::integral_constant<int, 4>{}); break;
+      case 3: run(m, std::integral_constant<int, 3>{}); break;
+      case 2: run(m, std::integral_constant<int, 2>{}); break;
+      default: run(m, std::integral_constant<int, 1>{});
+    }
+  }
+}
 
 // A float weight w [E, J, I], or int8 codes with one scale per row, scale [E, J] (null for a float weight).
 template <typename W>
@@ -310,17 +317,16 @@ struct DenseItem {
   void Compute(int64_t j0, int64_t j1) const {
     const int64_t J = r.J, I = r.I;
     const float* x = kPairs<W> ? xp.data() : r.x;
-    for (int64_t m = 0, n; m < r.M; m += n) {
-      for (n = 1; n < kShared && m + n < r.M && r.ids[m + n] == r.ids[m];) ++n;
+    SharedRuns(r, [&](int64_t m, auto count) {
       const int64_t row = r.ids[m] * J + j0;
-      MatvecRows(n, w + row * I, x + m * I, I, r.out + m * J + j0, J, j1 - j0, I);
+      Matvec<decltype(count)::value>(w + row * I, x + m * I, I, r.out + m * J + j0, J, j1 - j0, I);
       if (scale) {
-        for (int64_t q = 0; q < n; ++q) {
+        for (int64_t q = 0; q < count; ++q) {
           float* y = r.out + (m + q) * J + j0;
           for (int64_t j = 0; j < j1 - j0; ++j) y[j] *= scale[row + j];
         }
       }
-    }
+    });
   }
 };
 
@@ -449,34 +455,19 @@ struct NibbleItem {
     for (int u = 0; u < XCount; ++u) TreeSums<RowCount>(acc[u], y + u * ys);
   }
 
-  // Output features [j0, j1) of the XCount rows of x from x, y (strides I, J) that use the matrix from weight row
-  // `first`.
-  template <int XCount>
-  void SharedRows(int64_t first, const float* x, float* y, int64_t j0, int64_t j1) const {
-    constexpr int R = XCount == 1 ? kRows : kRowsShared / 2;
-    const uint8_t* end = codes + (first + j1) * (r.I / 2);
-    int64_t j = j0;
-    for (; j + R <= j1; j += R) DotRows<R, XCount>(first + j, x, r.I, y + j, r.J, end);
-    for (; j < j1; ++j) DotRows<1, XCount>(first + j, x, r.I, y + j, r.J, end);
-  }
-
   // Output features [j0, j1) of every row; consecutive rows that choose the same matrix share its decoded blocks,
   // kShared at a time.
   void Compute(int64_t j0, int64_t j1) const {
-    const int64_t J = r.J;
-    for (int64_t m = 0, n; m < r.M; m += n) {
-      for (n = 1; n < kShared && m + n < r.M && r.ids[m + n] == r.ids[m];) ++n;
-      const int64_t first = r.ids[m] * J;  // the chosen matrix's first row
+    SharedRuns(r, [&](int64_t m, auto count) {
+      constexpr int X = decltype(count)::value, R = X == 1 ? kRows : kRowsShared / 2;
+      const int64_t first = r.ids[m] * r.J;  // the chosen matrix's first row
       const float* x = xp.data() + m * r.I;
-      float* y = r.out + m * J;
-      switch (n) {
-        case 5: SharedRows<5>(first, x, y, j0, j1); break;
-        case 4: SharedRows<4>(first, x, y, j0, j1); break;
-        case 3: SharedRows<3>(first, x, y, j0, j1); break;
-        case 2: SharedRows<2>(first, x, y, j0, j1); break;
-        default: SharedRows<1>(first, x, y, j0, j1);
-      }
-    }
+      float* y = r.out + m * r.J;
+      const uint8_t* end = codes + (first + j1) * (r.I / 2);
+      int64_t j = j0;
+      for (; j + R <= j1; j += R) DotRows<R, X>(first + j, x, r.I, y + j, r.J, end);
+      for (; j < j1; ++j) DotRows<1, X>(first + j, x, r.I, y + j, r.J, end);
+    });
   }
 };
 

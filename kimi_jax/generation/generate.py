@@ -333,8 +333,7 @@ class _Drafter:
         choice."""
         if timings["drafting"]:
             self.skipped[B] = 0
-            # no verify step had drafts: the drafter found nothing to propose (random text, nothing repeated)
-            self.gains[B] = timings["accepted"] / timings["verified"] if timings["verified"] else 0.0
+            self.gains[B] = _gain(timings["accepted"], timings["verified"])
         else:
             self.skipped[B] = self.skipped.get(B, 0) + 1
         return timings
@@ -719,8 +718,7 @@ class Generator:
         if gain is None and spec is None:
             gain = drafter.kind.k
         elif gain is None:
-            verified, accepted = (int(_host(a)[:n].sum()) for a in (spec.verified, spec.accepted))
-            gain = accepted / verified if verified else 0.0
+            gain = _gain(*(int(_host(a)[:n].sum()) for a in (spec.accepted, spec.verified)))
         return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
 
     def _measure(self, spec, samp: Sampling, drafter: _Drafter):
@@ -849,6 +847,12 @@ class Generator:
 # Compiled prefill programs shared by the generators of one model (as jit's cache would share them): compiled ahead
 # of time because their memory is checked before the cache is allocated.
 _PROGRAMS: dict = {}
+
+
+def _gain(accepted: int, verified: int) -> float:
+    """Drafts accepted per sequence and verify step with drafts; 0 where no verify step had drafts (the drafter
+    found nothing to propose: random text, nothing repeated)."""
+    return accepted / verified if verified else 0.0
 
 
 def _spec_timings(spec, n: int, cost: float | None, drafting: bool) -> dict:
