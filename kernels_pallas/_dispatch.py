@@ -100,6 +100,8 @@ class Rule:
     Keys sit at their absolute positions and queries see keys at positions <= their own, so the query positions
     (operand ``positions``) are shifted by the slice's first position. The partials merge exactly by their softmax
     weights ``exp(lse - max lse)``: one max and two sums over the split axes, each the size of the result.
+    A caller of such an op may ask for the log-sum-exp too (``with_lse=True``: the result and its lse over every
+    key, split or not; to merge it with attention over other keys, e.g. a drafter's block over its context).
     """
 
     args: tuple[str | None, ...]
@@ -160,9 +162,10 @@ def _spec(letters: str, split: dict[str, tuple[str, ...]]) -> P:
     return P(*[None if not a else (a[0] if len(a) == 1 else a) for a in parts])
 
 
-def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args):
+def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args, with_lse: bool = False):
     """``fn(*args)``, inside ``jax.shard_map`` on each device's shard when ``placement`` spans several devices.
-    ``None`` operands stay ``None`` (closed over, not passed through the map)."""
+    ``None`` operands stay ``None`` (closed over, not passed through the map). ``with_lse`` (an op with
+    ``rule.merge``): ``fn`` returns (result, lse), and so does this, the lse over every key."""
     if placement is None or placement.devices == 1 or rule is None:
         return fn(*args)
     split = split_axes(rule, placement, args)
@@ -170,6 +173,8 @@ def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args):
     in_specs = tuple(jax.tree.map(lambda _, s=_spec(rule.args[i], split): s, args[i]) for i in present)
     outs = rule.out
     out_specs = _spec(outs, split) if isinstance(outs, str) else tuple(_spec(o, split) for o in outs)
+    if with_lse:
+        out_specs = (out_specs, _spec(outs[:-1], split))
     merged = split.get(rule.merge, ()) if rule.merge is not None else ()
     if merged:
         n_keys = next(leaf.shape[spec.index(rule.merge)] for spec, leaf in _leaves_with_letters(rule, args)
@@ -184,22 +189,23 @@ def place(fn: Callable, rule: Rule | None, placement: Placement | None, *args):
             return fn(*full)
         first = jax.lax.axis_index(merged) * local_keys  # absolute position of this device's first key
         full[rule.positions] = full[rule.positions] - first.astype(full[rule.positions].dtype)
-        return merge_partials(*fn(*full, with_lse=True), merged)
+        return merge_partials(*fn(*full, with_lse=True), merged, with_lse=with_lse)
 
     return jax.shard_map(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*(args[i] for i in present))
 
 
-def merge_partials(out, lse, axes):
+def merge_partials(out, lse, axes, *, with_lse: bool = False):
     """The softmax-weighted merge of per-device partial attention results ``out`` ``[..., U]`` with their
     log-sum-exps ``lse`` ``[...]`` over mesh ``axes`` (inside ``shard_map``); queries that saw no key anywhere get
-    zeros."""
+    zeros (and with ``with_lse`` the merged lse, ``-inf`` there)."""
     top = jax.lax.pmax(lse, axes)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse - top)  # exp(-inf) = 0 for a device where the query saw nothing
     num = jax.lax.psum(out * w[..., None], axes)
     den = jax.lax.psum(w, axes)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+    merged = num / jnp.where(den > 0, den, 1.0)[..., None]
+    return (merged, top + jnp.log(den)) if with_lse else merged
 
 
 # -- which ----------------------------------------------------------------------------------------------------
@@ -393,4 +399,5 @@ class Op:
         if impl in (PALLAS, INTERPRET):
             kw.update(platform="gpu" if impl == INTERPRET else target_platform(placement),
                       interpret=impl == INTERPRET)
-        return place(lambda *a, **extra: fn(*a, **kw, **extra), self.rule, placement, *args)
+        return place(lambda *a, **extra: fn(*a, **{**kw, **extra}), self.rule, placement, *args,
+                     with_lse=bool(kw.get("with_lse")))

@@ -212,3 +212,82 @@ def test_attn_res_stream_is_what_the_next_layer_reads(k3_tiny_a, monkeypatch, sc
     taps = dspark.target_taps(target, out, (1, 4), "attn_res")
     np.testing.assert_allclose(np.asarray(taps), np.concatenate([np.asarray(want[1]), np.asarray(want[4])], -1),
                                rtol=tol, atol=tol)
+
+
+_MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+import kimi_jax
+from kimi_jax.checkpoint.drafter import load_drafter
+from kimi_jax.generation import speculative
+from kimi_jax.generation.generate import Generator
+from kimi_jax.model import dspark
+from kimi_jax.parallel.sharding import make_mesh
+
+target, path = sys.argv[1], sys.argv[2]
+seen = {}
+base_logits = dspark.DSparkModel.base_logits
+
+def recorded(self, cache, table, head, anchor, ctx_len, n):
+    out = base_logits(self, cache, table, head, anchor, ctx_len, n)
+    key = "mesh" if self.run.parallel is not None else "one"
+    jax.debug.callback(lambda *a: seen.setdefault(key, []).append([np.asarray(x) for x in a]), ctx_len, out)
+    return out
+
+dspark.DSparkModel.base_logits = recorded
+prompt = np.random.default_rng(0).integers(3, 200, 21).tolist()
+out = {}
+for key, mesh in (("one", None), ("mesh", make_mesh(1, 2, 4))):
+    model = kimi_jax.from_pretrained(target, dtype="float32", progress=False, mesh=mesh)
+    drafter = speculative.DSpark(load_drafter(path), 3, "acceptance")
+    gen = Generator(model, None, max_len=48, prefill_chunk=16)
+    out[key] = gen.generate([prompt], 10, stop=(), speculative=drafter).tokens
+    if mesh is not None:
+        held = gen._drafters[drafter]
+        out["specs"] = {k: str(v.sharding.spec) for k, v in
+                        __import__("kimi_jax.model.params", fromlist=["leaves"]).leaves(held.params).items()
+                        if k.startswith(("context_proj", "markov_head", "layers.0.mlp.down", "layers.0.self_attn.o"))}
+        out["plan"] = gen.plan([prompt], 10, stop=(), speculative=drafter).drafter_bytes
+n = min(len(seen["one"]), len(seen["mesh"]))
+out["drafts"] = n
+out["ctx_equal"] = all((a[0] == b[0]).all() for a, b in zip(seen["one"][:n], seen["mesh"][:n]))
+out["logits_err"] = max(float(np.abs(a[1] - b[1]).max()) for a, b in zip(seen["one"][:n], seen["mesh"][:n]))
+out["logits_max"] = max(float(np.abs(a[1]).max()) for a in seen["one"][:n])
+print("ERRS", repr(out))
+"""
+
+
+@pytest.mark.slow  # ~70 s (two generators, one on 8 CPU devices, in a subprocess): run with -m slow; the default set
+# holds the placed MLA op's log-sum-exp (tests/test_kernels_attention.py) and the sharded deviceless compile
+def test_dspark_in_generate_on_a_mesh_equals_one_device(tmp_path, k3_tiny_a):
+    """The K3 fixture split over a 1 x 2 x 4 mesh of CPU devices with a DSpark drafter: the drafter runs on the
+    target's mesh, its weights split by their logical axes (attention heads, MLP width, vocabulary, the tapped
+    streams) and its context cache by rows and positions; it drafts the base logits it drafts on one device (float32,
+    to rounding), at the same context lengths, and greedy output equals plain output."""
+    import subprocess
+    import sys
+
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    cfg = oracle.tiny_config(model.cfg.vocab_size, hidden_size=model.cfg.hidden_size,
+                             target_hidden_size=model.cfg.hidden_size, target_layer_ids=[1, 4, 8],
+                             num_target_layers=3, block_size=3)
+    path = _write(tmp_path, cfg, oracle.random_checkpoint(cfg, seed=1))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, k3_tiny_a, path], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ERRS" in proc.stdout, proc.stderr[-4000:]
+    import ast
+    r = ast.literal_eval(proc.stdout.split("ERRS", 1)[1].strip())
+    print(r)
+    assert r["mesh"] == r["one"], r
+    assert r["drafts"] >= 3 and r["ctx_equal"], r
+    assert r["logits_err"] <= 1e-4 * r["logits_max"], r
+    assert r["specs"] == {"context_proj": "P(None, 'model')", "layers.0.mlp.down_proj": "P(None, 'model')",
+                          "layers.0.self_attn.o_proj": "P(None, 'model')", "markov_head.markov_w1": "P('model', None)",
+                          "markov_head.markov_w2": "P('model', None)"}, r
+    # the plan counts the context cache per device: 2 layers x 48 positions x (32 + 8), positions over model=4 (the
+    # one row cannot split over expert=2); the weights are held already
+    assert r["plan"] == 2 * 48 * (32 + 8) * 4 // 4, r

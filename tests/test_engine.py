@@ -312,9 +312,9 @@ def test_engine_on_a_mesh_equals_one_device(k3_tiny_a, mesh, state_spec):
 
 @pytest.mark.slow  # ~3-5 min on 2 cores (two 8-device engines with a drafter in a subprocess)
 def test_dspark_engine_on_a_mesh_equals_one_device(k3_tiny_a, tmp_path):
-    """A DSpark drafter in the engine on a data x model mesh (its weights and context pools replicated, filled on
-    each device): the same greedy tokens as on one device, prefix hits included, drafts verified, no compile after
-    warm-up."""
+    """A DSpark drafter in the engine on a data x model mesh (its weights split by their logical axes, its context
+    pools replicated as the target's latent pools are): the same greedy tokens as on one device, prefix hits
+    included, drafts verified, no compile after warm-up."""
     import json
     import os
 
@@ -330,6 +330,7 @@ def test_dspark_engine_on_a_mesh_equals_one_device(k3_tiny_a, tmp_path):
     r = _mesh_worker(k3_tiny_a, "2x1x4", f"dspark:{drafter},adapt=acceptance")
     assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
     assert r["spec"]["spec_steps"] > 0, r
+    assert r["drafter_o_proj"] == "P(None, 'model')", r  # its 4 heads over model=4
 
 
 def _mesh_worker(path, mesh, *drafter):

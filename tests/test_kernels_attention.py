@@ -238,6 +238,14 @@ _SEQ_SPLIT = textwrap.dedent("""
                 f = jax.jit(lambda *a: api.mla_attention(*a, scale=0.05, implementation=impl, placement=place))
                 got = f(q_lat, q_pe, cc, kk, pos)
                 errs[f"{mesh_sizes}-{cache}-{impl}"] = float(jnp.max(jnp.abs(got - want)))
+        # asked for the log-sum-exp too (a drafter merges it with its block's): over the whole cache, merged
+        u, lse = api.mla_attention(q_lat, q_pe, c, kpe, pos - 150, scale=0.05, with_lse=True,
+                                   implementation="reference")
+        got_u, got_lse = jax.jit(lambda *a: api.mla_attention(*a, scale=0.05, with_lse=True, placement=place))(
+            q_lat, q_pe, c, kpe, pos - 150)
+        seen = np.isfinite(np.asarray(lse))
+        errs[f"{mesh_sizes}-lse"] = (float(jnp.max(jnp.abs(got_u - u))), bool((np.isfinite(got_lse) == seen).all()),
+                                     float(np.abs(np.asarray(got_lse - lse)[seen]).max()), int((~seen).sum()))
         split = split_axes(api.RULE, place, (q_lat, q_pe, c, kpe, pos))
         errs[f"{mesh_sizes}-split"] = {k: list(v) for k, v in split.items()}
     print("ERRS", errs)
@@ -247,9 +255,12 @@ _SEQ_SPLIT = textwrap.dedent("""
 def test_mla_cache_split_by_sequence_on_four_cpu_devices():
     """The MLA op with the default layout on 4 CPU devices: the cache positions split over ``model`` (4, or 2 beside
     expert=2, which takes the batch), heads whole; every implementation (float32 and int8 caches) equals the unsharded
-    reference."""
+    reference; asked for its log-sum-exp too, that too, merged over the devices (-inf where a query sees nothing)."""
     errs = script_on_cpu_devices(_SEQ_SPLIT, 4)
     assert errs["(1, 1, 4)-split"] == {"S": ["model"]}, errs
     assert errs["(1, 2, 2)-split"] == {"B": ["expert"], "S": ["model"]}, errs
-    values = {k: v for k, v in errs.items() if not k.endswith("split")}
+    values = {k: v for k, v in errs.items() if not k.endswith(("split", "lse"))}
     assert len(values) == 12 and max(values.values()) <= TOL["float32"], values
+    for mesh_sizes in ("(1, 1, 4)", "(1, 2, 2)"):  # sequence 0 at position -147: it sees nothing (lse -inf)
+        u_err, same_seen, lse_err, unseen = errs[f"{mesh_sizes}-lse"]
+        assert u_err <= TOL["float32"] and same_seen and lse_err <= 1e-4 and unseen == 2 * 4, errs

@@ -36,5 +36,8 @@ OP = Op("mla_attention", RULE, {REFERENCE: reference.mla_attention, PALLAS: pall
              CpuImpl(XLA_CPU, xla_cpu.mla_attention)))
 
 
-def mla_attention(q_lat, q_pe, c, kpe, q_pos, *, scale, implementation=None, placement=None):
-    return OP(q_lat, q_pe, c, kpe, q_pos, scale=scale, implementation=implementation, placement=placement)
+def mla_attention(q_lat, q_pe, c, kpe, q_pos, *, scale, with_lse=False, implementation=None, placement=None):
+    """u ``[B, T, H, R]`` float32; with ``with_lse`` also the log-sum-exp ``[B, T, H]`` of the scores each query saw
+    (``-inf`` and zeros where it saw none), over the whole cache wherever it lies."""
+    return OP(q_lat, q_pe, c, kpe, q_pos, scale=scale, with_lse=with_lse, implementation=implementation,
+              placement=placement)

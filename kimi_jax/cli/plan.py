@@ -202,7 +202,8 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=Non
         if target.platform == "tpu":  # the MoE kernel's relayout copies of the experts, hoisted out of the loop
             plan_act["speculative"] += tpu_loop_expert_copies(cfg, p.sizes, args.layout, args.dtype, args.quantize)
         if dspark is not None:
-            plan_act["speculative"] += drafter_workspace(dspark, args.batch, args.context, drafter.k)
+            plan_act["speculative"] += drafter_workspace(dspark, args.batch, args.context, drafter.k, p.sizes,
+                                                         args.layout)
             plan_args["prefill_tapped"] = p.param_total + p.cache_total + p.drafter_total
             # a fresh chunk's activations, plus the tapped layers' hidden states and the drafter's context input
             taps = len(dspark.target_layer_ids) * dspark.target_hidden_size + dspark.hidden_size

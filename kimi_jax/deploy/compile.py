@@ -136,15 +136,17 @@ def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, 
     ``drafter``: an :class:`~kimi_jax.generation.speculative.NGram`, or a
     :class:`~kimi_jax.generation.speculative.DSpark` (loaded or abstract: only its config and ``k`` are used), whose
     weights (in ``dtype``) and context cache (:class:`~kimi_jax.model.dspark.DraftCache`, ``context`` positions)
-    are abstract arguments replicated over ``mesh``, as ``generate`` places them; the verify forward then also
-    returns the target's hidden states and the loop writes the drafter's context from the tapped layers."""
+    are abstract arguments split over ``mesh`` (:func:`drafter_inputs`), as ``generate`` places them; the verify
+    forward then also returns the target's hidden states and the loop writes the drafter's context from the tapped
+    layers."""
     graphdef, states, _, cache, _ = step_inputs(
         cfg, mesh, layout, batch=batch, context=context, dtype=dtype, implementation=implementation,
         scan_layers=scan_layers, quantize=quantize, kv_cache=kv_cache, kda_state=kda_state)
     whole = NamedSharding(mesh, PartitionSpec())
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
     i32, f32, B = jnp.int32, jnp.float32, batch
-    static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype)
+    static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype,
+                                                     layout=layout)
     dec = DecodeState(cache, arg((B,), i32), arg((B, context), i32), arg((B,), i32), arg((B,), jnp.bool_))
     state = speculative.SpecState(dec, arg((B, 2 * context), i32), arg((B,), i32), arg((B,), i32), arg((B,), i32),
                                   arg((B,), i32), arg((B,), i32), arg((B,), f32), arg((), f32), dcache)
@@ -158,22 +160,27 @@ def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, 
     return _report(compiled, time.perf_counter() - t0, False)
 
 
-def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16"):
+def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16", layout="tp_ep"):
     """(the loop's static drafter, the drafter's graph, its abstract weights, its abstract context cache) for
-    ``drafter`` on ``mesh``: for an n-gram drafter ``(drafter, None, None, None)``; for a DSpark drafter its weights
-    in ``dtype`` and a :class:`~kimi_jax.model.dspark.DraftCache` of ``[layers, batch, context, kv_lora_rank]`` +
-    ``kpe``, replicated (``generate`` places both on every device of its mesh)."""
+    ``drafter`` on ``mesh``: for an n-gram drafter ``(drafter, None, None, None)``; for a DSpark drafter, run on the
+    target's mesh, its weights in ``dtype`` split by their logical axes and a
+    :class:`~kimi_jax.model.dspark.DraftCache` of ``[layers, batch, context, kv_lora_rank]`` + ``kpe`` split as the
+    target's latent cache (as ``generate`` places both on its mesh)."""
     if not isinstance(drafter, speculative.DSpark):
         return drafter, None, None, None
     dt = jnp.dtype(dtype)
     dcfg = drafter.model.cfg
-    static, dgraph, weights = speculative.static(speculative.DSpark(dspark.abstract(dcfg, dt), drafter.k))
-    whole = NamedSharding(mesh, PartitionSpec())
-    dparams = params.fill(weights, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)
+    lay = sharding.layout(layout)
+    run = RunConfig(dtype=dt, parallel=sharding.Parallel(mesh, lay))
+    use = speculative.DSpark(dspark.abstract(dcfg, dt, run), drafter.k)
+    static, dgraph, weights = speculative.static(use)
+    specs = sharding.param_specs(use.model, mesh, lay)
+    dparams = params.fill(weights, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
                                     for k, v in params.leaves(weights).items()})
+    cshard = sharding.draft_cache_shardings(dcfg, batch, context, mesh, lay)
     n = dcfg.num_layers
-    dcache = DraftCache(jax.ShapeDtypeStruct((n, batch, context, dcfg.kv_lora_rank), dt, sharding=whole),
-                        jax.ShapeDtypeStruct((n, batch, context, dcfg.qk_rope_head_dim), dt, sharding=whole))
+    dcache = DraftCache(jax.ShapeDtypeStruct((n, batch, context, dcfg.kv_lora_rank), dt, sharding=cshard.c),
+                        jax.ShapeDtypeStruct((n, batch, context, dcfg.qk_rope_head_dim), dt, sharding=cshard.kpe))
     return static, dgraph, dparams, dcache
 
 
@@ -183,14 +190,15 @@ def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: in
     """Compile the prefill chunk ``generate`` runs with a DSpark ``drafter``
     (:func:`kimi_jax.generation.generate.prefill_chunk_drafted`: ``[batch, tokens]`` ids continuing the cache, the
     target's hidden states at the tapped layers written into the drafter's context cache), its weights and cache
-    abstract and replicated as in :func:`compile_speculative`. Reports as :func:`compile_step` does."""
+    abstract and split as in :func:`compile_speculative`. Reports as :func:`compile_step` does."""
     if not isinstance(drafter, speculative.DSpark):
         raise TypeError("compile_prefill_tapped: a DSpark drafter writes a context from the prefill; this is "
                          f"{type(drafter).__name__}")
     graphdef, states, ids, cache, _ = step_inputs(
         cfg, mesh, layout, batch=batch, context=context, tokens=tokens, dtype=dtype, implementation=implementation,
         scan_layers=scan_layers, quantize=quantize, kv_cache=kv_cache, kda_state=kda_state)
-    static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype)
+    static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype,
+                                                     layout=layout)
     whole = NamedSharding(mesh, PartitionSpec())
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=whole)
     last = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32, sharding=whole)

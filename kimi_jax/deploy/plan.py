@@ -149,7 +149,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
     (its default module classes), so parameters count their packed fields. ``kv_cache`` / ``kda_state``: the
     cache's storage options (:func:`kimi_jax.model.cache.cache_shapes`): int8 rows count codes and scales.
     ``drafter``: a DSpark drafter's :class:`~kimi_jax.model.dspark.DSparkConfig`: its weights (in ``dtype``) and
-    its context cache for ``batch`` x ``context`` positions, replicated on every chip as ``generate`` places them
+    its context cache for ``batch`` x ``context`` positions, split over the mesh as ``generate`` places them
     (:func:`drafter_bytes`).
     """
     if kernels not in ("pallas", "reference"):
@@ -183,7 +183,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
                                    if _category(m.prefix + n) == "routed experts"))
     return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
                 prefill, notes, kv_cache, state, e_loc, e_dtypes,
-                drafter_bytes(drafter, batch, context, dt.name) if drafter is not None else {})
+                drafter_bytes(drafter, batch, context, dt.name, sizes, lay) if drafter is not None else {})
 
 
 def _mla_read(cfg, mla_bytes: int, context: int, dt, cache_options) -> int:
@@ -200,18 +200,27 @@ def _mla_read(cfg, mla_bytes: int, context: int, dt, cache_options) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _drafter_weight_bytes(dcfg, dtype: str) -> int:
+def _drafter_weight_bytes(dcfg, dtype: str, sizes: tuple, layout: str) -> int:
     model = dspark.abstract(dcfg, dtype)
-    return sum(math.prod(v.shape) * v.dtype.itemsize for v in params.leaves(nnx.state(model, nnx.Param)).values())
+    specs = sharding.param_specs(model, dict(sizes), layout)
+    return sum(sharding.shard_bytes(v.shape, v.dtype, specs[k], dict(sizes))
+               for k, v in params.leaves(nnx.state(model, nnx.Param)).items())
 
 
-def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16") -> dict:
+def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16", sizes=None, layout="tp_ep") -> dict:
     """Per chip, a DSpark drafter (``dcfg``, a :class:`~kimi_jax.model.dspark.DSparkConfig`) as ``generate`` holds
-    it on a mesh, replicated: its own weights in ``dtype`` (the target's embedding and lm_head are shared, not
-    counted again), and its context cache (:class:`~kimi_jax.model.dspark.DraftCache`: ``c [layers, batch, context,
-    kv_lora_rank]`` and ``kpe [layers, batch, context, qk_rope_head_dim]`` in ``dtype``)."""
-    return {"weights (replicated)": _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name),
-            "context cache (replicated)": dspark.cache_bytes(dcfg, batch, context, dtype)}
+    it on a mesh of ``sizes`` (default: one chip): its own weights in ``dtype``, split by their logical axes (the
+    target's embedding and lm_head are shared, not counted again), and its context cache
+    (:class:`~kimi_jax.model.dspark.DraftCache`: ``c [layers, batch, context, kv_lora_rank]`` and ``kpe [layers,
+    batch, context, qk_rope_head_dim]`` in ``dtype``, rows and positions split as the target's latent cache's)."""
+    sizes = {a: int((sizes or {}).get(a, 1)) for a in sharding.MESH_AXES}
+    lay = sharding.layout(layout)
+    cspecs = sharding.draft_cache_specs(dcfg, batch, context, sizes, lay)
+    shapes = ((dcfg.num_layers, batch, context, dcfg.kv_lora_rank),
+              (dcfg.num_layers, batch, context, dcfg.qk_rope_head_dim))
+    return {"weights": _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name, tuple(sorted(sizes.items())), lay.name),
+            "context cache": sum(sharding.shard_bytes(shape, dtype, spec, sizes)
+                                 for shape, spec in zip(shapes, (cspecs.c, cspecs.kpe)))}
 
 
 def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype="bfloat16",
@@ -237,14 +246,21 @@ def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype=
     return total
 
 
-def drafter_workspace(dcfg, batch: int, context: int, k: int) -> int:
-    """Estimate of the largest temporaries of one DSpark drafting step inside the speculative loop, per chip (the
-    drafter replicated): one draft layer's absorbed attention in float32 over the context and the block (the latent
-    and rope keys upcast, ``[B, L + k, r + rope]``; scores and probabilities ``[B, H, k, L + k]``), and the block's
-    base logits ``[B, k, V]`` float32."""
-    L = context + k
-    attn = batch * L * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * 4 + 2 * batch * dcfg.num_heads * k * L * 4
-    return attn + batch * k * dcfg.vocab_size * 4
+def drafter_workspace(dcfg, batch: int, context: int, k: int, sizes=None, layout="tp_ep") -> int:
+    """Estimate of the largest temporaries of one DSpark drafting step inside the speculative loop, per chip of a
+    mesh of ``sizes`` (the drafter split as :func:`drafter_bytes` counts it): one draft layer's absorbed attention in
+    float32 over this chip's share of the context and the block (the latent and rope keys upcast, ``[B, L + k, r +
+    rope]``; scores and probabilities ``[B, H, k, L + k]``: the plain form's, an upper bound for a kernel that
+    tiles them), and the block's base logits ``[B, k, V]`` float32 (the vocabulary split as the lm_head's)."""
+    sizes = {a: int((sizes or {}).get(a, 1)) for a in sharding.MESH_AXES}
+    lay = sharding.layout(layout)
+    cspecs = sharding.draft_cache_specs(dcfg, batch, context, sizes, lay)
+    _, b, L, _ = sharding.shard_shape((dcfg.num_layers, batch, context, dcfg.kv_lora_rank), cspecs.c, sizes)
+    vspec = sharding.group_specs({"logits": (("vocab",), (dcfg.vocab_size,))}, sizes, lay)["logits"]
+    (vocab,) = sharding.shard_shape((dcfg.vocab_size,), vspec, sizes)
+    L += k
+    attn = b * L * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * 4 + 2 * b * dcfg.num_heads * k * L * 4
+    return attn + b * k * vocab * 4
 
 
 def _param_bytes(table, specs, sizes) -> tuple[dict, int, dict]:

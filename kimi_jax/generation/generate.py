@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.model import dspark, offload
+from kimi_jax.model import params as params_mod
 from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
 from kimi_jax.model.config import model_dir
 from kimi_jax.generation.sampling import (  # noqa: F401 (re-exported: the engine and tests import them from here)
@@ -520,9 +521,18 @@ class Generator:
         the model's mesh (a DSpark drafter's context cache: :func:`kimi_jax.model.dspark.cache_bytes`, what the
         deployment plan counts), and the copy of its weights that :meth:`_drafter` makes (in the model's dtype, on
         every device): none once this generator holds it, and none of a weight already in that dtype and place."""
+        specs = None
         if isinstance(drafter, speculative_mod.DSpark):
-            who, parts = "the DSpark drafter", {"context cache": dspark.cache_bytes(drafter.model.cfg, B,
-                                                                                      self.max_len, self.dtype)}
+            dcfg = drafter.model.cfg
+            context = dspark.cache_bytes(dcfg, B, self.max_len, self.dtype)
+            if self.parallel is not None:  # split over the mesh as the target's sequences and latent cache
+                mesh, lay = self.parallel.mesh, self.parallel.layout
+                cspecs = sharding.draft_cache_specs(dcfg, B, self.max_len, mesh, lay)
+                context = sum(sharding.shard_bytes(shape, self.dtype, spec, mesh.shape) for shape, spec in zip(
+                    ((dcfg.num_layers, B, self.max_len, dcfg.kv_lora_rank),
+                     (dcfg.num_layers, B, self.max_len, dcfg.qk_rope_head_dim)), (cspecs.c, cspecs.kpe)))
+                specs = sharding.param_specs(drafter.model, mesh, lay)
+            who, parts = "the DSpark drafter", {"context cache": context}
             dtype = None if drafter.model.run.dtype == self.dtype else jnp.dtype(self.dtype)  # DSpark.astype
         elif isinstance(drafter, speculative_mod.DraftModel):
             run = drafter.model.run
@@ -532,7 +542,10 @@ class Generator:
         else:
             return "", {}
         weights = 0
-        if drafter not in self._drafters:
+        if drafter not in self._drafters and specs is not None:  # split on the mesh: every shard a new copy
+            weights = sum(sharding.shard_bytes(a.shape, dtype or a.dtype, specs[k], self.parallel.mesh.shape)
+                          for k, a in params_mod.leaves(nnx.state(drafter.model, nnx.Param)).items())
+        elif drafter not in self._drafters:
             for a in jax.tree.leaves(nnx.state(drafter.model)):
                 placed = isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._last_sharding, a.ndim)
                 if dtype not in (None, a.dtype) or not placed:
@@ -553,9 +566,15 @@ class Generator:
             return None if drafter is None else self._ngrams.setdefault(drafter, _Drafter(drafter))
         got = self._drafters.get(drafter)
         if got is None:  # (the value must not hold ``drafter`` itself: the key would never be dropped)
-            use = drafter.astype(self.dtype) if isinstance(drafter, speculative_mod.DSpark) else drafter
+            split = self.parallel is not None and isinstance(drafter, speculative_mod.DSpark)
+            use = (drafter.astype(self.dtype, self.parallel) if isinstance(drafter, speculative_mod.DSpark)
+                   else drafter)
             kind, graph, weights = speculative_mod.static(use)
-            got = _Drafter(kind, Graph(graph), self._place(weights), use.model)
+            if split:  # a DSpark drafter on the model's mesh: its weights split by their logical axes
+                mesh = self.parallel.mesh
+                weights = sharding.put_params(weights, sharding.param_specs(use.model, mesh, self.parallel.layout),
+                                              mesh)
+            got = _Drafter(kind, Graph(graph), weights if split else self._place(weights), use.model)
             self._drafters[drafter] = got
         return got
 
@@ -611,7 +630,10 @@ class Generator:
         tokens = np.pad(tokens, [(0, 0), (0, calls * C - tokens.shape[1])])
         place = self._place
         dmodel = drafter.model
-        if isinstance(drafter.kind, speculative_mod.BlockDraft):
+        if isinstance(drafter.kind, speculative_mod.BlockDraft) and self.parallel is not None:
+            dcache = dmodel.empty_cache(B, self.max_len, sharding=sharding.draft_cache_shardings(
+                dmodel.cfg, B, self.max_len, self.parallel.mesh, self.parallel.layout))
+        elif isinstance(drafter.kind, speculative_mod.BlockDraft):
             dcache = place(dmodel.empty_cache(B, self.max_len))
         else:
             dcache = place(init_cache(dmodel.cfg, B, self.max_len, dmodel.run.dtype, scan=dmodel.run.scan_layers))

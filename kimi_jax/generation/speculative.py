@@ -131,12 +131,15 @@ class DSpark:
     k: int
     adapt: str = "cost"  # pacing: see ADAPT
 
-    def astype(self, dtype) -> "DSpark":
-        """The drafter with its weights and products in ``dtype`` (the target's)."""
+    def astype(self, dtype, parallel=None) -> "DSpark":
+        """The drafter with its weights and products in ``dtype`` (the target's), run on ``parallel`` (the target's
+        mesh and layout, :class:`~kimi_jax.parallel.sharding.Parallel`, or None: one device): its products and its
+        context attention place themselves there as the target's do."""
         dtype = jnp.dtype(dtype)
-        if self.model.run.dtype == dtype:
+        run = dataclasses.replace(self.model.run, dtype=dtype, parallel=parallel)
+        if self.model.run == run:
             return self
-        model = dspark.abstract(self.model.cfg, dtype)
+        model = dspark.abstract(self.model.cfg, dtype, run)
         nnx.update(model, jax.tree.map(lambda a: a.astype(dtype), nnx.state(self.model, nnx.Param)))
         return DSpark(model, self.k, self.adapt)
 

@@ -18,7 +18,12 @@ anchor) is not yet in it:
   keeps sampled output exact in distribution).
 
 The attention runs in the absorbed form (queries mapped into the latent space, scores against the cached latent),
-float32 inside; the weights' products follow the run dtype like the target's (:func:`kimi_jax.model.layers.linear`).
+float32 inside: over the context through the MLA attention op (:mod:`kernels_pallas.mla_decode`, which splits the
+context positions over a mesh as it does the target's latent cache), over the block in plain jnp, the two merged by
+their log-sum-exps. The weights' products follow the run dtype like the target's (:func:`kimi_jax.model.layers.
+linear`). On a mesh (``run.parallel``, the target's) the weights are split by their logical axes as the target's MLA
+and MLP weights are (heads, MLP width, vocabulary; the context projection's input over the tapped streams) and the
+context cache by :data:`CACHE_AXES`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from kernels_pallas import mla_decode
 from kimi_jax.model.config import MLPConfig
 from kimi_jax.model.layers import MLP, embed, linear, param, rms_norm
 from kimi_jax.model.run import RunConfig
@@ -38,6 +44,9 @@ MODEL_TYPE = "k3_dspark"
 # the target streams a drafter can be fed: "prefix", each tapped layer's output (under Block AttnRes the within-block
 # partial sum; vLLM's default), or "attn_res", the AttnRes mix the next layer's attention reads (lightseek's drafter)
 STREAMS = ("prefix", "attn_res")
+# the logical axes of a DraftCache's fields (kimi_jax.parallel.sharding.draft_cache_specs): rows as the target's
+# sequences, positions as its MLA latent cache's
+CACHE_AXES = {"c": (None, "batch", "mla_seq", None), "kpe": (None, "batch", "mla_seq", None)}
 
 
 class DSparkConfigError(ValueError):
@@ -144,11 +153,13 @@ def config_from_dict(d: dict) -> DSparkConfig:
         raise DSparkConfigError(f"drafter config.json has no {e.args[0]!r}") from None
 
 
-def abstract(cfg: DSparkConfig, dtype=None) -> DSparkModel:
+def abstract(cfg: DSparkConfig, dtype=None, run: RunConfig | None = None) -> DSparkModel:
     """The drafter of ``cfg`` with ``ShapeDtypeStruct`` leaves in ``dtype`` (default float32), its products in
-    ``dtype`` too: shapes and dtypes, no memory. Loading fills it; plans and deviceless compiles count and lower it."""
+    ``dtype`` too (``run``: how it runs otherwise, e.g. on the target's mesh): shapes and dtypes, no memory. Loading
+    fills it; plans and deviceless compiles count and lower it."""
     dtype = jnp.dtype(dtype or F32)
-    return nnx.eval_shape(lambda: DSparkModel(cfg, run=RunConfig(dtype=dtype), param_dtype=dtype))
+    run = dataclasses.replace(run or RunConfig(), dtype=dtype)
+    return nnx.eval_shape(lambda: DSparkModel(cfg, run=run, param_dtype=dtype))
 
 
 def cache_bytes(cfg: DSparkConfig, batch: int, length: int, dtype) -> int:
@@ -195,14 +206,15 @@ class DSparkAttention(nnx.Module):
     def __init__(self, cfg: DSparkConfig, *, param_dtype, rngs):
         self.cfg = cfg
         D, H, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
-        p = lambda shape, **kw: param(rngs, shape, (None,) * len(shape), param_dtype, **kw)  # noqa: E731
-        self.q_a_proj = p((cfg.q_lora_rank, D))
-        self.q_a_layernorm = p((cfg.q_lora_rank,), init="ones")
-        self.q_b_proj = p((H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank))
-        self.kv_a_proj_with_mqa = p((r + cfg.qk_rope_head_dim, D))
-        self.kv_a_layernorm = p((r,), init="ones")
-        self.kv_b_proj = p((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), r))
-        self.o_proj = p((D, H * cfg.v_head_dim))
+        p = lambda shape, axes, **kw: param(rngs, shape, axes, param_dtype, **kw)  # noqa: E731
+        # the logical axes of the target's MLA (kimi_jax.model.attention.MLA)
+        self.q_a_proj = p((cfg.q_lora_rank, D), (None, "embed"))
+        self.q_a_layernorm = p((cfg.q_lora_rank,), (None,), init="ones")
+        self.q_b_proj = p((H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank), ("heads", None))
+        self.kv_a_proj_with_mqa = p((r + cfg.qk_rope_head_dim, D), (None, "embed"))
+        self.kv_a_layernorm = p((r,), (None,), init="ones")
+        self.kv_b_proj = p((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), ("heads", None))
+        self.o_proj = p((D, H * cfg.v_head_dim), ("embed", "heads"))
 
     def latent(self, x, positions, run: RunConfig):
         """(``c [..., r]`` normalised latent, ``kpe [..., rope]`` rotated) of inputs ``x`` at ``positions``."""
@@ -214,25 +226,28 @@ class DSparkAttention(nnx.Module):
     def __call__(self, x_BND, positions_BN, c_BLR, kpe_BLO, ctx_len_B, run: RunConfig):
         cfg = self.cfg
         B, N, _ = x_BND.shape
-        H, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        H, dn, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         q = linear(rms_norm(linear(x_BND, self.q_a_proj[...], run), self.q_a_layernorm[...], cfg.rms_norm_eps, run),
                    self.q_b_proj[...], run).reshape(B, N, H, dn + cfg.qk_rope_head_dim).astype(F32)
         q_rope = rope_interleaved(q[..., dn:], positions_BN, cfg.rope_theta)
-        w = self.kv_b_proj[...].astype(F32).reshape(H, dn + dv, r)
+        w = self.kv_b_proj[...].astype(F32).reshape(H, dn + dv, cfg.kv_lora_rank)
         q_lat = jnp.einsum("bnhd,hdr->bnhr", q[..., :dn], w[:, :dn])
+        scale = 1.0 / float(dn + cfg.qk_rope_head_dim) ** 0.5
+        # the context: every slot sees the positions < ctx_len (a query at ctx_len - 1 in the op's causal mask)
+        u_ctx, lse_ctx = mla_decode.mla_attention(
+            q_lat, q_rope, c_BLR, kpe_BLO, jnp.broadcast_to(ctx_len_B[:, None] - 1, (B, N)), scale=scale,
+            with_lse=True, implementation=run.implementation, placement=run.placement)
+        # the block itself: every slot sees every slot (the ones up to its own when causal)
         c_blk, kpe_blk = self.latent(x_BND, positions_BN, run)
-        c_all = jnp.concatenate([c_BLR.astype(F32), c_blk.astype(F32)], axis=1)  # [B, L + N, r]
-        kpe_all = jnp.concatenate([kpe_BLO.astype(F32), kpe_blk], axis=1)
-        scores = (jnp.einsum("bnhr,blr->bhnl", q_lat, c_all) + jnp.einsum("bnhd,bld->bhnl", q_rope, kpe_all))
-        scores = scores / jnp.sqrt(F32(dn + cfg.qk_rope_head_dim))
-        L = c_BLR.shape[1]
-        key = jnp.arange(L + N)
-        seen = jnp.where(key[None] < L, key[None] < ctx_len_B[:, None], True)  # [B, L + N]
-        seen = seen[:, None, None, :]
+        c_blk = c_blk.astype(F32)
+        scores = (jnp.einsum("bnhr,bmr->bnhm", q_lat, c_blk) + jnp.einsum("bnhd,bmd->bnhm", q_rope, kpe_blk)) * scale
         if cfg.causal:
-            seen = seen & ((key[None, :] < L) | (key[None, :] - L <= jnp.arange(N)[:, None]))[None, None]
-        p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
-        o_lat = jnp.einsum("bhnl,blr->bnhr", p, c_all)
+            scores = jnp.where((jnp.arange(N)[None, :] <= jnp.arange(N)[:, None])[None, :, None], scores, -jnp.inf)
+        lse_blk = jax.nn.logsumexp(scores, axis=-1)  # [B, N, H], finite: a slot sees itself
+        u_blk = jnp.einsum("bnhm,bmr->bnhr", jnp.exp(scores - lse_blk[..., None]), c_blk)
+        top = jnp.maximum(lse_ctx, lse_blk)
+        w_ctx, w_blk = jnp.exp(lse_ctx - top)[..., None], jnp.exp(lse_blk - top)[..., None]
+        o_lat = (u_ctx * w_ctx + u_blk * w_blk) / (w_ctx + w_blk)
         o = jnp.einsum("bnhr,hvr->bnhv", o_lat, w[:, dn:]).reshape(B, N, H * dv)
         return linear(o.astype(run.dtype), self.o_proj[...], run)
 
@@ -244,7 +259,7 @@ class DSparkLayer(nnx.Module):
         self.input_layernorm = param(rngs, (D,), (None,), param_dtype, init="ones")
         self.post_attention_layernorm = param(rngs, (D,), (None,), param_dtype, init="ones")
         self.self_attn = DSparkAttention(cfg, param_dtype=param_dtype, rngs=rngs)
-        self.mlp = MLP(cfg.mlp, param_dtype=param_dtype, rngs=rngs, axis=None)
+        self.mlp = MLP(cfg.mlp, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, h, positions, c, kpe, ctx_len, run: RunConfig):
         h = (h + self.self_attn(rms_norm(h, self.input_layernorm[...], self.eps, run), positions, c, kpe, ctx_len,
@@ -254,8 +269,8 @@ class DSparkLayer(nnx.Module):
 
 class MarkovHead(nnx.Module):
     def __init__(self, cfg: DSparkConfig, *, param_dtype, rngs):
-        self.markov_w1 = param(rngs, (cfg.vocab_size, cfg.markov_rank), (None, None), param_dtype)
-        self.markov_w2 = param(rngs, (cfg.vocab_size, cfg.markov_rank), (None, None), param_dtype)
+        self.markov_w1 = param(rngs, (cfg.vocab_size, cfg.markov_rank), ("vocab", None), param_dtype)
+        self.markov_w2 = param(rngs, (cfg.vocab_size, cfg.markov_rank), ("vocab", None), param_dtype)
 
     def __call__(self, prev, run: RunConfig):
         """The correction ``[..., V]`` given the previous tokens ``prev [...]``."""
@@ -272,19 +287,24 @@ class DSparkModel(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         self.cfg, self.run = cfg, run
         D = cfg.hidden_size
-        self.context_proj = param(rngs, (D, len(cfg.target_layer_ids) * cfg.target_hidden_size), (None, None),
+        self.context_proj = param(rngs, (D, len(cfg.target_layer_ids) * cfg.target_hidden_size), ("embed", "taps"),
                                   param_dtype)
         self.context_norm = param(rngs, (D,), (None,), param_dtype, init="ones")
         self.layers = nnx.List([DSparkLayer(cfg, param_dtype=param_dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = param(rngs, (D,), (None,), param_dtype, init="ones")
         self.markov_head = MarkovHead(cfg, param_dtype=param_dtype, rngs=rngs)
 
-    def empty_cache(self, batch: int, max_len: int, dtype=None) -> DraftCache:
+    def empty_cache(self, batch: int, max_len: int, dtype=None, sharding: DraftCache | None = None) -> DraftCache:
+        """A zero context cache (``sharding``: a DraftCache of shardings to make it in, e.g.
+        :func:`kimi_jax.parallel.sharding.draft_cache_shardings`)."""
         cfg = self.cfg
         dtype = dtype or self.run.dtype
         n = cfg.num_layers
-        return DraftCache(jnp.zeros((n, batch, max_len, cfg.kv_lora_rank), dtype),
-                          jnp.zeros((n, batch, max_len, cfg.qk_rope_head_dim), dtype))
+        shapes = DraftCache((n, batch, max_len, cfg.kv_lora_rank), (n, batch, max_len, cfg.qk_rope_head_dim))
+        if sharding is None:
+            return DraftCache(jnp.zeros(shapes.c, dtype), jnp.zeros(shapes.kpe, dtype))
+        return DraftCache(*(jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=h)()
+                            for s, h in zip((shapes.c, shapes.kpe), (sharding.c, sharding.kpe))))
 
     def taps(self, target, out):
         """The context input ``[B, T, n_taps * target_hidden]`` from a ``target`` call's ``return_hidden`` outputs
@@ -304,13 +324,15 @@ class DSparkModel(nnx.Module):
     def write_context(self, cache: DraftCache, taps_BTX, start_B, lengths_B) -> DraftCache:
         """``cache`` with the context entries of positions ``start .. start+lengths-1`` written from ``taps`` (rows
         ``0 .. lengths-1`` of each sequence; the rest dropped)."""
-        B, T, _ = taps_BTX.shape
+        T = taps_BTX.shape[1]
         c, kpe = self.context_entries(taps_BTX, start_B)
         L = cache.c.shape[2]
         dest = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], start_B[:, None] + jnp.arange(T)[None], L)
-        rows = jnp.arange(B)[:, None]  # L: out of range, dropped
-        return DraftCache(cache.c.at[:, rows, dest].set(c.astype(cache.c.dtype), mode="drop"),
-                          cache.kpe.at[:, rows, dest].set(kpe.astype(cache.kpe.dtype), mode="drop"))
+        # one scatter per layer and sequence (both scatter batch dimensions, so a mesh splitting the rows or the
+        # positions writes its shard locally, as the target's cache writes do); L: out of range, dropped
+        write = jax.vmap(jax.vmap(lambda a, new, pos: a.at[pos].set(new.astype(a.dtype), mode="drop"),
+                                  in_axes=(0, 0, 0)), in_axes=(0, 0, None))
+        return DraftCache(write(cache.c, c, dest), write(cache.kpe, kpe, dest))
 
     # -- the paged form (the serving engine's): pools ``[layers, pages, page_size, ...]`` read through page tables
 

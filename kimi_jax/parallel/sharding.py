@@ -26,6 +26,7 @@ from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -33,6 +34,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from kernels_pallas import packed
 from kernels_pallas._dispatch import Placement, dividing_prefix
 from kernels_pallas.cache_quant import Int8Rows
+from kimi_jax.model import dspark, params
 from kimi_jax.model.cache import Cache, KDACache, KVCache, MLACache
 from kimi_jax.model.config import ModelConfig
 
@@ -74,11 +76,13 @@ def _table(name: str, **rules) -> Layout:
 # over `expert` and each expert's hidden width over `model`, sequences over `data` and `expert`. The MLA latent
 # cache has no head axis: its positions split over `model` instead (`mla_seq`; the MLA kernel op merges the
 # per-device partial attention, kernels_pallas/mla_decode). GQA caches keep their positions whole (`cache_seq`).
+# A DSpark drafter's context projection takes the target's tapped streams (`taps`) split over `model`, as an output
+# projection takes its heads: partial sums added.
 TP_EP = _table(
     "tp_ep",
     batch=("data", "expert"), cache_seq=(), mla_seq=("model",),
     vocab=("model",), embed=(), heads=("model",), kv_heads=("model",), mlp=("model",), latent=("model",),
-    expert=("expert",), expert_mlp=("model",),
+    expert=("expert",), expert_mlp=("model",), taps=("model",),
 )
 # Wide expert parallelism (SGLang's TP16/EP16 on 16 H200s is `--mesh model=16`): experts over every chip of
 # `expert` x `model`, each expert whole on one chip; attention as in TP_EP.
@@ -86,7 +90,7 @@ WIDE_EP = _table(
     "wide_ep",
     batch=("data", "expert"), cache_seq=(), mla_seq=("model",),
     vocab=("model",), embed=(), heads=("model",), kv_heads=("model",), mlp=("model",), latent=("model",),
-    expert=("expert", "model"), expert_mlp=(),
+    expert=("expert", "model"), expert_mlp=(), taps=("model",),
 )
 LAYOUTS = {t.name: t for t in (TP_EP, WIDE_EP)}
 
@@ -412,6 +416,35 @@ def paged_cache_shardings(cfg: ModelConfig, cache: Cache, mesh, lay: Layout | st
     """:func:`paged_cache_specs` as shardings on ``mesh``."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), paged_cache_specs(cfg, cache, mesh, lay),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def draft_cache_specs(dcfg, batch: int, length: int, mesh_or_sizes, lay: Layout | str = TP_EP):
+    """A :class:`~kimi_jax.model.dspark.DraftCache` of the specs of a DSpark drafter's (``dcfg``) context cache of
+    ``batch`` rows and ``length`` positions: its fields' :data:`~kimi_jax.model.dspark.CACHE_AXES` (rows as the
+    target's sequences, positions as its MLA latent cache's), by the rules of the module docstring."""
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    shapes = {"c": (dcfg.num_layers, batch, length, dcfg.kv_lora_rank),
+              "kpe": (dcfg.num_layers, batch, length, dcfg.qk_rope_head_dim)}
+    got = group_specs({f: (dspark.CACHE_AXES[f], shape) for f, shape in shapes.items()}, sizes, layout(lay),
+                      where="draft cache ")
+    return dspark.DraftCache(got["c"], got["kpe"])
+
+
+def draft_cache_shardings(dcfg, batch: int, length: int, mesh, lay: Layout | str = TP_EP):
+    """:func:`draft_cache_specs` as shardings on ``mesh``."""
+    specs = draft_cache_specs(dcfg, batch, length, mesh, lay)
+    return type(specs)(NamedSharding(mesh, specs.c), NamedSharding(mesh, specs.kpe))
+
+
+def put_params(state, specs: Mapping[str, PartitionSpec], mesh):
+    """A copy of the parameter ``state`` (an ``nnx`` state, the same values in every process) with each leaf (keyed
+    as :func:`kimi_jax.model.params.leaves` keys them) placed on ``mesh`` by ``specs``: each process fills its own
+    devices from its values."""
+    state = jax.tree.map(lambda a: a, state)  # new variables: the caller's model keeps its arrays
+    placed = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, specs[k]),
+                                              lambda index, a=np.asarray(v): a[index])
+              for k, v in params.leaves(state).items()}
+    return params.fill(state, placed)
 
 
 def batch_spec(shape, mesh_or_sizes, lay: Layout | str = TP_EP) -> PartitionSpec:

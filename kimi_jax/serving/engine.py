@@ -369,6 +369,6 @@ def _drafter(speculative, model):
             drafter.model.cfg.check_target(model.cfg)
         except ValueError as e:
             raise EngineError(str(e)) from None
-        drafter = drafter.astype(model.run.dtype)
+        drafter = drafter.astype(model.run.dtype, model.run.parallel)
     return drafter
 

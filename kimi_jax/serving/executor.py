@@ -24,7 +24,9 @@ from flax import nnx
 
 from kimi_jax.generation import speculative
 from kimi_jax.generation.generate import free_memory
+from kimi_jax.model import params as params_mod
 from kimi_jax.model.cache import KDACache, paged_cache, paged_cache_shapes
+from kimi_jax.parallel import sharding
 from kimi_jax.parallel.sharding import paged_cache_shardings
 from kimi_jax.serving import steps
 from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, DropPages, DropState, Prefill, PutState,
@@ -76,9 +78,9 @@ def to_device(tree):
 class Executor:
     """The device state of one engine (see the module docstring): ``model`` (on one device, or on a mesh through its
     ``run.parallel``), the cache of ``shapes``. ``record``: every compute op also returns its float32 logits.
-    ``drafter``: a DSpark drafter (:class:`~kimi_jax.generation.speculative.DSpark`, in the model's dtype): its
-    weights (replicated on a mesh) and its context pools (pages of the cache's page table) join the state; every
-    compute op also writes the context of the positions it kept and drafts each row's next block
+    ``drafter``: a DSpark drafter (:class:`~kimi_jax.generation.speculative.DSpark`, in the model's dtype, on its
+    mesh): its weights (split on a mesh by their logical axes) and its context pools (pages of the cache's page
+    table; replicated on a mesh, as the target's latent pools are) join the state; every compute op also writes the context of the positions it kept and drafts each row's next block
     (:func:`kimi_jax.serving.steps.draft_step`), returned last. Or a draft model
     (:class:`~kimi_jax.generation.speculative.DraftModel`): its weights (replicated on a mesh) and its own paged
     cache on the same page table join the state (prefix snapshots and pages carry its KDA states and pools beside
@@ -115,8 +117,8 @@ class Executor:
         self.reset()
 
     def _drafter(self, model, drafter) -> None:
-        """A drafter's weights placed (replicated on a mesh) and its programs; a DSpark drafter's context pools'
-        shapes, a draft model's cache's."""
+        """A drafter's weights placed (a DSpark drafter's split on a mesh, a draft model's replicated) and its
+        programs; a DSpark drafter's context pools' shapes, a draft model's cache's."""
         self.drafter = drafter
         self.tap = self.dparams = self.pool_shapes = self.dcache_shapes = None
         if drafter is None:
@@ -135,12 +137,17 @@ class Executor:
             self.tap = (tuple(dcfg.target_layer_ids), dcfg.aux_hidden_stream)
             self.pool_shapes = jax.eval_shape(lambda: drafter.model.empty_pages(self.shapes.n_pages,
                                                                                self.shapes.page_size, self.dtype))
-        if self.replicated is None:
+        parallel = model.run.parallel
+        if parallel is None:
             device = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.dparams = jax.device_put(dparams, device)
         else:  # every process holds the same drafter: each fills its own devices
-            self.dparams = jax.tree.map(lambda a: jax.make_array_from_callback(
-                a.shape, self.replicated, lambda index, a=np.asarray(a): a[index]), dparams)
+            # a DSpark drafter runs on the target's mesh (DSpark.astype): split by its weights' logical axes; a
+            # draft model runs on one device's worth of everything: replicated
+            specs = (sharding.param_specs(drafter.model, parallel.mesh, parallel.layout)
+                     if self.pool_shapes is not None else
+                     {k: jax.sharding.PartitionSpec() for k in params_mod.leaves(dparams)})
+            self.dparams = sharding.put_params(dparams, specs, parallel.mesh)
         if self.pool_shapes is not None:
             self.head = speculative.shared_head(model)
             self.dprograms = steps.draft_programs(self.dgraph, drafter.k, self.replicated, self.replicated)
@@ -150,8 +157,9 @@ class Executor:
         on the device holding the most of it."""
         sh = self.shapes
         leaves = jax.tree.leaves(self.cache_shapes)
-        drafter = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.dparams, self.pool_shapes,
-                                                                          self.dcache_shapes)))
+        drafter = sum(math.prod(a.sharding.shard_shape(a.shape) if isinstance(a, jax.Array) else a.shape)
+                      * a.dtype.itemsize
+                      for a in jax.tree.leaves((self.dparams, self.pool_shapes, self.dcache_shapes)))
         if self.shardings is None:
             need, devices = sum(s.size * s.dtype.itemsize for s in leaves), jax.local_devices()[:1]
         else:
