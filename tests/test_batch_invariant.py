@@ -29,20 +29,28 @@ def _alone_and_together(model, **kw):
         together = [h.result() for h in handles]
     finally:
         eng.stop()
-    return alone, together
+    return alone, together, eng.stats()
 
 
-def test_batch_invariant_replies_do_not_depend_on_load(bf16_model):
-    alone, together = _alone_and_together(bf16_model, batch_invariant=True)
+# CI time: the draft model (~50 s more) runs -m slow; the n-gram drafter's drafts are all rejected on these prompts
+@pytest.mark.parametrize("drafter", [None, "ngram", pytest.param("draft", marks=pytest.mark.slow)])
+def test_batch_invariant_replies_do_not_depend_on_load(bf16_model, k3_tiny_a, drafter):
+    """With a drafter too (n-gram; the fixture drafting for itself, so drafts are accepted): every step verifies over
+    every slot (one program), and what a request drafts depends on its own text alone."""
+    speculative = {None: None, "ngram": "ngram:k=3", "draft": f"draft:{k3_tiny_a},k=3,adapt=acceptance"}[drafter]
+    alone, together, stats = _alone_and_together(bf16_model, batch_invariant=True, speculative=speculative)
     for a, b in zip(alone, together):
         assert a.tokens == b.tokens
         np.testing.assert_array_equal(a.logits, b.logits)  # every bit, every step
     assert sum(b.cached_tokens for b in together) > 0  # hits served too (on chunk boundaries)
+    if speculative:  # drafts were made (and with the draft model accepted)
+        assert stats["spec_steps"] > 0 and stats["spec_drafted"] > 0, stats
+        assert drafter != "draft" or stats["spec_accepted"] > 0, stats
 
 
 @pytest.mark.slow
 def test_without_the_mode_load_changes_bfloat16_replies(bf16_model):
     """What the mode removes: the default engine (compacted decode, page-table buckets) gives the same requests other
     logits under load, so the comparison above can fail."""
-    alone, together = _alone_and_together(bf16_model)
+    alone, together, _ = _alone_and_together(bf16_model)
     assert any(not np.array_equal(a.logits, b.logits) for a, b in zip(alone, together))

@@ -15,7 +15,7 @@ import kimi_jax
 from kimi_jax.checkpoint.synthetic import write_checkpoint
 from kimi_jax.generation import speculative
 from kimi_jax.serving import scheduler as scheduler_mod
-from kimi_jax.serving.engine import Engine, EngineError, Request
+from kimi_jax.serving.engine import Engine, Request
 
 SHAPES = dict(slots=4, max_len=96, page_size=16, prefill_chunk=32, min_chunk=32, compact_decode=False)
 K = 3
@@ -177,16 +177,12 @@ def test_the_scheduler_verifies_where_the_timed_cost_is_repaid(models, monkeypat
 
 
 def test_refusals(model, capsys):
-    with pytest.raises(EngineError, match="batch_invariant"):
-        Engine(model, **SHAPES, batch_invariant=True, speculative="ngram")
     with pytest.raises(speculative.SpeculativeError, match="k=0"):
         Engine(model, **SHAPES, speculative="ngram:k=0")
     from kimi_jax.cli import main
 
     assert main(["serve", "--speculative", "ngram:k=0"]) == 2  # named before anything loads
     assert "ngram k=0" in capsys.readouterr().err
-    assert main(["serve", "--speculative", "ngram", "--batch-invariant"]) == 2
-    assert "not with --batch-invariant" in capsys.readouterr().err
     assert main(["serve", "--speculative", "draft:/nowhere"]) == 2
     assert "no draft model at '/nowhere'" in capsys.readouterr().err
     assert main(["serve", "--speculative", "dspark:/nowhere"]) == 2  # its config.json read before the model loads

@@ -103,8 +103,6 @@ def run_serve(args):
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     if args.speculative:
         speculative.check(args.speculative)  # a wrong spec is named before anything loads
-        if args.batch_invariant:
-            raise ValueError("--speculative: not with --batch-invariant yet")
     common.setup_compile_cache(args)
     common.setup_processes(args)
 

@@ -77,7 +77,8 @@ class Engine:
     slot and the whole page table (the programs for fewer rows or a narrower table round differently in bfloat16),
     and prefix hits only from snapshots on chunk boundaries taken by prefills (a hit then continues with the chunks
     a cold prefill runs). Greedy output is then the same alone or under load, in any dtype; its cost is every
-    decode step at full width (``benchmarks/serve.py --batch-invariant``).
+    decode step at full width (``benchmarks/serve.py --batch-invariant``). With a drafter every decode step is a
+    verify step over every slot (one program; what a request drafts depends on its own text alone).
     ``record_logits``: keep every step's float32 logits on the handles (tests). ``peer_timeout``: on several
     processes, seconds without a heartbeat after which a process counts as gone (:mod:`kimi_jax.serving.multihost`).
     ``speculative``: a drafter (:mod:`kimi_jax.generation.speculative`): ``"ngram[:k=4,max_n=3,min_n=1]"``, the
@@ -105,8 +106,6 @@ class Engine:
                  compact_decode: bool = True, batch_invariant: bool = False, record_logits: bool = False,
                  peer_timeout: float = 20.0, speculative=None, structured: bool = False, kv_cache: str | None = None):
         drafter = _drafter(speculative, model)
-        if drafter is not None and batch_invariant:
-            raise EngineError("speculative decoding: not with batch_invariant yet")
         self.shapes = engine_shapes(slots=slots, max_len=max_len, page_size=page_size, pages=pages,
                                     prefill_chunk=prefill_chunk, min_chunk=min_chunk, snapshot_every=snapshot_every,
                                     compact_decode=compact_decode, batch_invariant=batch_invariant,

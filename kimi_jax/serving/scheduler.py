@@ -292,7 +292,10 @@ class Scheduler:
     def _verify_plan(self, active: list[int]) -> StepPlan | None:
         """A verify step over the decoding slots (one row for a lone one, else every slot) when some has drafts
         (n-gram: its prompt and reply looked up; DSpark: the block the device drafted after its last step; a slot
-        whose drafts were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step)."""
+        whose drafts were mostly rejected lately drafts only every ``PROBE``-th step), else None (a plain step).
+        Batch-invariant shapes: every step is a verify step over every slot, drafts or none, and no timed cost
+        decides (each request's numbers then come from one program, whatever else runs: what it drafts depends on
+        its own text and acceptance alone)."""
         sh, k = self.shapes, self.shapes.spec_k
         drafts = {}
         for i in active:
@@ -307,7 +310,7 @@ class Scheduler:
                     d = s.drafts[:max(room, 0)]
                 if d:
                     drafts[i] = d
-        if not drafts or not self._worth(active, drafts):
+        if not sh.batch_invariant and (not drafts or not self._worth(active, drafts)):
             return None
         masks = self._draft_masks(active, drafts)
         active = [i for i in active if self.running[i] is not None]
