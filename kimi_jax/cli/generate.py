@@ -307,10 +307,13 @@ def _check_generate_flags(args) -> None:
         raise ValueError("--no-thinking and --hide-thinking describe a chat reply: add --chat")
     if args.chat and args.ids:
         raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
+    args.drafter = None
     if args.speculative:
-        # a wrong spec is named before anything loads (the drafter in the dtype the model will most likely run in:
-        # generate casts it to the model's when they differ)
-        args.drafter = speculative.parse(args.speculative, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
+        speculative.check(args.speculative)  # a wrong spec is named before anything loads
+        if not (args.mesh and args.speculative.startswith("draft:")):  # (a draft model for --mesh: read onto it)
+            # read and checked before the model loads, in the dtype the model will most likely run in (generate
+            # casts a DSpark drafter to the model's and places it on the model's mesh)
+            args.drafter = speculative.parse(args.speculative, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
     if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
         print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
 
@@ -324,6 +327,9 @@ def run_generate(args):
         n = len(args.prompt or args.ids or [None])
         got = _load_for(args, path, batch=n, context=args.max_len or 4096)
         model, tok = got.model, got.tokenizer
+        drafter = args.drafter  # a draft model for --mesh is read onto the model's mesh, in its dtype
+        if args.speculative and drafter is None:
+            drafter = speculative.parse(args.speculative, dtype=model.run.dtype, parallel=model.run.parallel)
         prompts = _prompts(args, tok)
         speak = common.leader()  # several processes compute together; process 0 prints
         # one prompt, one process: streamed; several processes print whole replies (the tokens are gathered)
@@ -334,7 +340,7 @@ def run_generate(args):
             r = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, stop=args.stop, seed=args.seed, tokenizer=tok, stream=held,
                          max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state,
-                         speculative=args.drafter if args.speculative else None)
+                         speculative=drafter)
             if held is not None:
                 held.flush()
         if speak:

@@ -340,6 +340,11 @@ class _Drafter:
         return timings
 
 
+def _on_mesh(drafter) -> bool:
+    """A draft model that runs on a mesh (read into its shards there): its weights stay where they are."""
+    return isinstance(drafter, speculative_mod.DraftModel) and drafter.model.run.parallel is not None
+
+
 class Generator:
     """A model ready to generate: split once, caches kept per batch bucket, compiled functions reused.
 
@@ -464,7 +469,7 @@ class Generator:
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, 0.0, 0, 1.0)
         stop = self._check_request(ids, budget, stop, 0, 1)
-        drafter = speculative_mod.parse(speculative, dtype=self.dtype, weights=False)
+        drafter = speculative_mod.parse(speculative, dtype=self.dtype, weights=False, parallel=self.parallel)
         self._check_drafter(drafter)
         B, T, _, _, samp = self._batch(ids, budget, temp, topk, topp, stop, 0)
         return self._plan(B, T, max(len(p) for p in ids), samp, record_logits, drafter)
@@ -537,7 +542,14 @@ class Generator:
         elif isinstance(drafter, speculative_mod.DraftModel):
             run = drafter.model.run
             shapes = cache_shapes(drafter.model.cfg, B, self.max_len, run.dtype, scan=run.scan_layers)
-            who, parts = "the draft model", {"cache": sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))}
+            cache = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+            if run.parallel is not None:  # on a mesh (its own, the model's when parsed here): its cache split so
+                shards = jax.tree.leaves(sharding.cache_specs(drafter.model.cfg, shapes, run.parallel.mesh,
+                                                              run.parallel.layout),
+                                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+                cache = sum(sharding.shard_bytes(s.shape, s.dtype, sp, run.parallel.mesh.shape)
+                            for s, sp in zip(jax.tree.leaves(shapes), shards))
+            who, parts = "the draft model", {"cache": cache}
             dtype = None
         else:
             return "", {}
@@ -545,7 +557,7 @@ class Generator:
         if drafter not in self._drafters and specs is not None:  # split on the mesh: every shard a new copy
             weights = sum(sharding.shard_bytes(a.shape, dtype or a.dtype, specs[k], self.parallel.mesh.shape)
                           for k, a in params_mod.leaves(nnx.state(drafter.model, nnx.Param)).items())
-        elif drafter not in self._drafters:
+        elif drafter not in self._drafters and not _on_mesh(drafter):  # (one on a mesh stays where it was read)
             for a in jax.tree.leaves(nnx.state(drafter.model)):
                 placed = isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._last_sharding, a.ndim)
                 if dtype not in (None, a.dtype) or not placed:
@@ -574,7 +586,7 @@ class Generator:
                 mesh = self.parallel.mesh
                 weights = sharding.put_params(weights, sharding.param_specs(use.model, mesh, self.parallel.layout),
                                               mesh)
-            got = _Drafter(kind, Graph(graph), weights if split else self._place(weights), use.model)
+            got = _Drafter(kind, Graph(graph), weights if split or _on_mesh(use) else self._place(weights), use.model)
             self._drafters[drafter] = got
         return got
 
@@ -635,6 +647,11 @@ class Generator:
                 dmodel.cfg, B, self.max_len, self.parallel.mesh, self.parallel.layout))
         elif isinstance(drafter.kind, speculative_mod.BlockDraft):
             dcache = place(dmodel.empty_cache(B, self.max_len))
+        elif dmodel.run.parallel is not None:  # a draft model on a mesh: its cache split as a model's is
+            shapes = cache_shapes(dmodel.cfg, B, self.max_len, dmodel.run.dtype, scan=dmodel.run.scan_layers)
+            dcache = init_cache(dmodel.cfg, B, self.max_len, dmodel.run.dtype, scan=dmodel.run.scan_layers,
+                                sharding=sharding.cache_shardings(dmodel.cfg, shapes, dmodel.run.parallel.mesh,
+                                                                  dmodel.run.parallel.layout))
         else:
             dcache = place(init_cache(dmodel.cfg, B, self.max_len, dmodel.run.dtype, scan=dmodel.run.scan_layers))
         cache, last = restart(cache), place(np.zeros((B, self.cfg.vocab_size), np.float32))
@@ -664,7 +681,7 @@ class Generator:
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
-        user = speculative_mod.parse(speculative, dtype=self.dtype)
+        user = speculative_mod.parse(speculative, dtype=self.dtype, parallel=self.parallel)
         self._check_drafter(user)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         # refuses what cannot fit, a drafter's cache and weights counted

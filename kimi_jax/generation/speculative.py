@@ -167,12 +167,15 @@ class DraftModel:
             raise SpeculativeError(f"draft model k={self.k}: draft 1 to 16 tokens per step")
 
 
-def parse(spec, *, dtype=None, weights: bool = True) -> NGram | DSpark | DraftModel | None:
+def parse(spec, *, dtype=None, weights: bool = True, parallel=None) -> NGram | DSpark | DraftModel | None:
     """``speculative=`` as given to ``generate``: None, an :class:`NGram`, :class:`DSpark` or :class:`DraftModel`,
     or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``,
     each of which also takes ``adapt=cost|acceptance`` (:data:`ADAPT`) (``dtype``: the drafter's, when it is loaded
     here). ``weights=False``: a DSpark drafter from its ``config.json`` alone, abstract
-    (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles)."""
+    (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles). ``parallel``: the
+    target's mesh and layout (:class:`~kimi_jax.parallel.sharding.Parallel`): a draft model named here is read
+    straight into its shards on it and runs there, as the target does (a DSpark drafter is placed on it by
+    ``generate`` and the engine)."""
     if spec is None or isinstance(spec, (NGram, DSpark, DraftModel)):
         return spec
     if not isinstance(spec, str):
@@ -181,7 +184,7 @@ def parse(spec, *, dtype=None, weights: bool = True) -> NGram | DSpark | DraftMo
                                "DraftModel")
     name, _, rest = spec.partition(":")
     if name in ("dspark", "draft"):
-        return _parse_model(spec, name, rest, dtype, weights)
+        return _parse_model(spec, name, rest, dtype, weights, parallel)
     if name != "ngram":
         raise SpeculativeError(f"speculative={spec!r}: unknown drafter {name!r}; known: 'ngram', 'dspark', 'draft'")
     kw = _options(spec, rest, ("k", "max_n", "min_n"))
@@ -224,10 +227,11 @@ def _model_spec(spec: str, name: str, rest: str) -> tuple[str, dict]:
     return path, _options(spec, opts, ("k",))
 
 
-def _parse_model(spec: str, name: str, rest: str, dtype, weights: bool = True) -> DSpark | DraftModel:
+def _parse_model(spec: str, name: str, rest: str, dtype, weights: bool = True, parallel=None) -> DSpark | DraftModel:
     path, kw = _model_spec(spec, name, rest)
     if name == "draft":
-        return DraftModel(from_pretrained(path, dtype=dtype, progress=False), **kw)
+        on = {} if parallel is None else dict(mesh=parallel.mesh, layout=parallel.layout)
+        return DraftModel(from_pretrained(path, dtype=dtype, progress=False, **on), **kw)
     model = load_drafter(path, dtype=dtype) if weights else abstract_drafter(path, dtype)
     return DSpark(model, **{"k": model.cfg.block_size, **kw})
 

@@ -359,7 +359,7 @@ class Engine:
 def _drafter(speculative, model):
     """The engine's drafter from ``speculative`` (:func:`kimi_jax.generation.speculative.parse`), checked against
     ``model`` and in its dtype; refused where the engine cannot run it."""
-    drafter = speculative_mod.parse(speculative, dtype=model.run.dtype)
+    drafter = speculative_mod.parse(speculative, dtype=model.run.dtype, parallel=model.run.parallel)
     if isinstance(drafter, speculative_mod.DraftModel) and drafter.model.cfg.vocab_size != model.cfg.vocab_size:
         raise EngineError(f"the draft model's vocabulary ({drafter.model.cfg.vocab_size} ids) is not the target's "
                           f"({model.cfg.vocab_size})")

@@ -80,10 +80,11 @@ class Executor:
     ``run.parallel``), the cache of ``shapes``. ``record``: every compute op also returns its float32 logits.
     ``drafter``: a DSpark drafter (:class:`~kimi_jax.generation.speculative.DSpark`, in the model's dtype, on its
     mesh): its weights (split on a mesh by their logical axes) and its context pools (pages of the cache's page
-    table; replicated on a mesh, as the target's latent pools are) join the state; every compute op also writes the context of the positions it kept and drafts each row's next block
-    (:func:`kimi_jax.serving.steps.draft_step`), returned last. Or a draft model
-    (:class:`~kimi_jax.generation.speculative.DraftModel`): its weights (replicated on a mesh) and its own paged
-    cache on the same page table join the state (prefix snapshots and pages carry its KDA states and pools beside
+    table; replicated on a mesh, as the target's latent pools are) join the state; every compute op also writes the
+    context of the positions it kept and drafts each row's next block (:func:`kimi_jax.serving.steps.draft_step`),
+    returned last. Or a draft model (:class:`~kimi_jax.generation.speculative.DraftModel`): its weights (where they
+    were read when it runs on a mesh, its own cache then split as a model's; else replicated on a mesh) and its own
+    paged cache on the same page table join the state (prefix snapshots and pages carry its KDA states and pools beside
     the target's); it prefills each chunk the target does, and every compute op ending a prompt or decoding also
     has it follow the kept tokens and draft each row's next block (:func:`kimi_jax.serving.steps.model_draft_step`).
     ``kv_cache``: the pools' row format (:func:`kimi_jax.model.cache.paged_cache`: None, ``"int8"`` or
@@ -117,10 +118,11 @@ class Executor:
         self.reset()
 
     def _drafter(self, model, drafter) -> None:
-        """A drafter's weights placed (a DSpark drafter's split on a mesh, a draft model's replicated) and its
-        programs; a DSpark drafter's context pools' shapes, a draft model's cache's."""
+        """A drafter's weights placed (a DSpark drafter's split on a mesh; a draft model's where it was read when it
+        runs on the mesh, else replicated) and its programs; a DSpark drafter's context pools' shapes, a draft
+        model's cache's (split as a model's cache when it runs on the mesh)."""
         self.drafter = drafter
-        self.tap = self.dparams = self.pool_shapes = self.dcache_shapes = None
+        self.tap = self.dparams = self.pool_shapes = self.dcache_shapes = self.dsharding = None
         if drafter is None:
             return
         self.dgraph, dparams = nnx.split(drafter.model)
@@ -128,8 +130,11 @@ class Executor:
             sh, dmodel = self.shapes, drafter.model
             self.dcache_shapes = paged_cache_shapes(dmodel.cfg, sh.slots, sh.n_pages, sh.page_size, dmodel.run.dtype,
                                                     scan=dmodel.run.scan_layers)
-            dsharding = None if self.replicated is None else jax.tree.map(lambda _: self.replicated,
-                                                                           self.dcache_shapes)
+            on = dmodel.run.parallel  # a draft model read into its shards on a mesh: its cache split as a model's
+            dsharding = (paged_cache_shardings(dmodel.cfg, self.dcache_shapes, on.mesh, on.layout) if on is not None
+                         else None if self.replicated is None else
+                         jax.tree.map(lambda _: self.replicated, self.dcache_shapes))
+            self.dsharding = dsharding
             self.dprograms = steps.programs(self.dgraph, dsharding, self.replicated)
             self.dstep = steps.model_draft_program(self.dgraph, drafter.k, dsharding, self.replicated)
         else:
@@ -138,12 +143,14 @@ class Executor:
             self.pool_shapes = jax.eval_shape(lambda: drafter.model.empty_pages(self.shapes.n_pages,
                                                                                self.shapes.page_size, self.dtype))
         parallel = model.run.parallel
-        if parallel is None:
+        if getattr(drafter.model.run, "parallel", None) is not None and self.pool_shapes is None:
+            self.dparams = dparams  # a draft model on a mesh: its weights where they were read
+        elif parallel is None:
             device = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.dparams = jax.device_put(dparams, device)
         else:  # every process holds the same drafter: each fills its own devices
             # a DSpark drafter runs on the target's mesh (DSpark.astype): split by its weights' logical axes; a
-            # draft model runs on one device's worth of everything: replicated
+            # draft model read for one device: replicated
             specs = (sharding.param_specs(drafter.model, parallel.mesh, parallel.layout)
                      if self.pool_shapes is not None else
                      {k: jax.sharding.PartitionSpec() for k in params_mod.leaves(dparams)})
@@ -158,8 +165,12 @@ class Executor:
         sh = self.shapes
         leaves = jax.tree.leaves(self.cache_shapes)
         drafter = sum(math.prod(a.sharding.shard_shape(a.shape) if isinstance(a, jax.Array) else a.shape)
-                      * a.dtype.itemsize
-                      for a in jax.tree.leaves((self.dparams, self.pool_shapes, self.dcache_shapes)))
+                      * a.dtype.itemsize for a in jax.tree.leaves((self.dparams, self.pool_shapes)))
+        if self.dcache_shapes is not None:  # a draft model's cache: split where it runs on the mesh
+            where = jax.tree.leaves(self.dsharding) if self.dsharding is not None else [None] * len(
+                jax.tree.leaves(self.dcache_shapes))
+            drafter += sum(math.prod(s.shape if h is None else h.shard_shape(s.shape)) * s.dtype.itemsize
+                           for s, h in zip(jax.tree.leaves(self.dcache_shapes), where))
         if self.shardings is None:
             need, devices = sum(s.size * s.dtype.itemsize for s in leaves), jax.local_devices()[:1]
         else:
@@ -190,7 +201,7 @@ class Executor:
         if self.pool_shapes is not None:
             self.pools = _zeros(self.pool_shapes, self._drafter_place())
         if self.dcache_shapes is not None:
-            self.dcache = _zeros(self.dcache_shapes, self._drafter_place())
+            self.dcache = _zeros(self.dcache_shapes, self.dsharding or self._drafter_place())
         self.covered = np.zeros((sh.slots,), np.int64)  # pages each slot's table row holds
         self.table = np.zeros((sh.slots, sh.pages_per_seq), np.int32)
         self.temperature = np.zeros((sh.slots,), np.float32)
