@@ -46,6 +46,8 @@ def main():
         "cached": [g.cached_tokens for g in got],
         "state_sharding": str(leaf.sharding.spec),
         "compiles_after_warmup": eng.stats()["compiles_after_warmup"],
+        "draft_state_sharding": (None if eng.executor.dcache is None else
+                                 str(eng.executor.dcache.layers[0].state.sharding.spec)),
         "drafter_o_proj": (None if eng.executor.dparams is None or eng.executor.pool_shapes is None else
                            str(eng.executor.dparams["layers"][0]["self_attn"]["o_proj"][...].sharding.spec)),
     }))

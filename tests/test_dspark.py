@@ -242,7 +242,11 @@ for key, mesh in (("one", None), ("mesh", make_mesh(1, 2, 4))):
     drafter = speculative.DSpark(load_drafter(path), 3, "acceptance")
     gen = Generator(model, None, max_len=48, prefill_chunk=16)
     out[key] = gen.generate([prompt], 10, stop=(), speculative=drafter).tokens
+    # a draft model named by its path: on the mesh it is read onto it (weights and cache split as the target's)
+    out[key + "_draft"] = gen.generate([prompt], 10, stop=(), speculative=f"draft:{target},k=3,adapt=acceptance").tokens
     if mesh is not None:
+        parsed = speculative.parse(f"draft:{target},k=3", dtype="float32", parallel=model.run.parallel)
+        out["draft_on_mesh"] = str(parsed.model.embed_tokens[...].sharding.spec)
         held = gen._drafters[drafter]
         out["specs"] = {k: str(v.sharding.spec) for k, v in
                         __import__("kimi_jax.model.params", fromlist=["leaves"]).leaves(held.params).items()
@@ -263,7 +267,8 @@ def test_dspark_in_generate_on_a_mesh_equals_one_device(tmp_path, k3_tiny_a):
     """The K3 fixture split over a 1 x 2 x 4 mesh of CPU devices with a DSpark drafter: the drafter runs on the
     target's mesh, its weights split by their logical axes (attention heads, MLP width, vocabulary, the tapped
     streams) and its context cache by rows and positions; it drafts the base logits it drafts on one device (float32,
-    to rounding), at the same context lengths, and greedy output equals plain output."""
+    to rounding), at the same context lengths, and greedy output is the one-device output. A draft model named by
+    its path (the fixture itself) is read onto the mesh and gives the same tokens too."""
     import subprocess
     import sys
 
@@ -282,7 +287,8 @@ def test_dspark_in_generate_on_a_mesh_equals_one_device(tmp_path, k3_tiny_a):
     import ast
     r = ast.literal_eval(proc.stdout.split("ERRS", 1)[1].strip())
     print(r)
-    assert r["mesh"] == r["one"], r
+    assert r["mesh"] == r["one"] == r["mesh_draft"] == r["one_draft"], r
+    assert r["draft_on_mesh"] == "P('model', None)", r  # the draft model's embedding: its vocabulary over model
     assert r["drafts"] >= 3 and r["ctx_equal"], r
     assert r["logits_err"] <= 1e-4 * r["logits_max"], r
     assert r["specs"] == {"context_proj": "P(None, 'model')", "layers.0.mlp.down_proj": "P(None, 'model')",

@@ -352,11 +352,12 @@ def _mesh_worker(path, mesh, *drafter):
 
 @pytest.mark.slow  # ~3-5 min on 2 cores (two 8-device engines with a draft model in a subprocess)
 def test_draft_model_engine_on_a_mesh_equals_one_device(k3_tiny_a):
-    """A draft model in the engine on a data x model mesh (the K3 fixture drafting for itself; its weights and cache
-    replicated): the same greedy tokens as on one device, prefix hits included, every draft accepted, no compile
-    after warm-up."""
+    """A draft model in the engine on a data x model mesh (the K3 fixture drafting for itself; named by its path, so
+    read onto the target's mesh: its weights and its cache split as the target's): the same greedy tokens as on one
+    device, prefix hits included, every draft accepted, no compile after warm-up."""
     r = _mesh_worker(k3_tiny_a, "2x1x4", f"draft:{k3_tiny_a},k=3,adapt=acceptance")
     assert r["tokens_equal"] and r["cached"] == [0, 0, 45, 20] and r["compiles_after_warmup"] == 0, r
+    assert r["draft_state_sharding"] == r["state_sharding"] == "P('data', 'model')", r
     assert r["spec"]["spec_accepted"] == r["spec"]["spec_drafted"] > 0, r
 
 

@@ -215,12 +215,8 @@ def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16", sizes=None, 
     batch, context, qk_rope_head_dim]`` in ``dtype``, rows and positions split as the target's latent cache's)."""
     sizes = {a: int((sizes or {}).get(a, 1)) for a in sharding.MESH_AXES}
     lay = sharding.layout(layout)
-    cspecs = sharding.draft_cache_specs(dcfg, batch, context, sizes, lay)
-    shapes = ((dcfg.num_layers, batch, context, dcfg.kv_lora_rank),
-              (dcfg.num_layers, batch, context, dcfg.qk_rope_head_dim))
     return {"weights": _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name, tuple(sorted(sizes.items())), lay.name),
-            "context cache": sum(sharding.shard_bytes(shape, dtype, spec, sizes)
-                                 for shape, spec in zip(shapes, (cspecs.c, cspecs.kpe)))}
+            "context cache": sharding.draft_cache_bytes(dcfg, batch, context, dtype, sizes, lay)}
 
 
 def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype="bfloat16",

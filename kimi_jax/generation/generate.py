@@ -522,33 +522,27 @@ class Generator:
 
     def _drafter_bytes(self, drafter, B: int) -> tuple[str, dict[str, int]]:
         """(what to call it, bytes per device by part) that a DSpark drafter or a draft model adds to a request of
-        bucket ``B`` (an n-gram drafter or none: nothing): its cache, made for each request and replicated over
-        the model's mesh (a DSpark drafter's context cache: :func:`kimi_jax.model.dspark.cache_bytes`, what the
-        deployment plan counts), and the copy of its weights that :meth:`_drafter` makes (in the model's dtype, on
-        every device): none once this generator holds it, and none of a weight already in that dtype and place."""
+        bucket ``B`` (an n-gram drafter or none: nothing): its cache, made for each request (a DSpark drafter's
+        context cache split over the model's mesh as the deployment plan counts it,
+        :func:`kimi_jax.parallel.sharding.draft_cache_bytes`; a draft model's split on its own mesh, else whole on
+        every device), and the copy of its weights that :meth:`_drafter` makes (in the model's dtype; a DSpark
+        drafter's split over the mesh): none once this generator holds it, none of a draft model read onto a mesh,
+        and none of a weight already in that dtype and place."""
         specs = None
         if isinstance(drafter, speculative_mod.DSpark):
             dcfg = drafter.model.cfg
             context = dspark.cache_bytes(dcfg, B, self.max_len, self.dtype)
             if self.parallel is not None:  # split over the mesh as the target's sequences and latent cache
                 mesh, lay = self.parallel.mesh, self.parallel.layout
-                cspecs = sharding.draft_cache_specs(dcfg, B, self.max_len, mesh, lay)
-                context = sum(sharding.shard_bytes(shape, self.dtype, spec, mesh.shape) for shape, spec in zip(
-                    ((dcfg.num_layers, B, self.max_len, dcfg.kv_lora_rank),
-                     (dcfg.num_layers, B, self.max_len, dcfg.qk_rope_head_dim)), (cspecs.c, cspecs.kpe)))
+                context = sharding.draft_cache_bytes(dcfg, B, self.max_len, self.dtype, mesh, lay)
                 specs = sharding.param_specs(drafter.model, mesh, lay)
             who, parts = "the DSpark drafter", {"context cache": context}
             dtype = None if drafter.model.run.dtype == self.dtype else jnp.dtype(self.dtype)  # DSpark.astype
         elif isinstance(drafter, speculative_mod.DraftModel):
             run = drafter.model.run
             shapes = cache_shapes(drafter.model.cfg, B, self.max_len, run.dtype, scan=run.scan_layers)
-            cache = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
-            if run.parallel is not None:  # on a mesh (its own, the model's when parsed here): its cache split so
-                shards = jax.tree.leaves(sharding.cache_specs(drafter.model.cfg, shapes, run.parallel.mesh,
-                                                              run.parallel.layout),
-                                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-                cache = sum(sharding.shard_bytes(s.shape, s.dtype, sp, run.parallel.mesh.shape)
-                            for s, sp in zip(jax.tree.leaves(shapes), shards))
+            cache = (sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes)) if run.parallel is None else
+                     sharding.cache_bytes(drafter.model.cfg, shapes, run.parallel.mesh, run.parallel.layout))
             who, parts = "the draft model", {"cache": cache}
             dtype = None
         else:

@@ -430,6 +430,22 @@ def draft_cache_specs(dcfg, batch: int, length: int, mesh_or_sizes, lay: Layout 
     return dspark.DraftCache(got["c"], got["kpe"])
 
 
+def draft_cache_bytes(dcfg, batch: int, length: int, dtype, mesh_or_sizes, lay: Layout | str = TP_EP) -> int:
+    """Bytes per device of that context cache in ``dtype``, split by :func:`draft_cache_specs`."""
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    specs = draft_cache_specs(dcfg, batch, length, sizes, lay)
+    shapes = ((dcfg.num_layers, batch, length, dcfg.kv_lora_rank), (dcfg.num_layers, batch, length,
+                                                                    dcfg.qk_rope_head_dim))
+    return sum(shard_bytes(shape, dtype, spec, sizes) for shape, spec in zip(shapes, (specs.c, specs.kpe)))
+
+
+def cache_bytes(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> int:
+    """Bytes per device of ``cache`` (real or ``cache_shapes``) split by :func:`cache_specs`."""
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    specs = jax.tree.leaves(cache_specs(cfg, cache, sizes, lay), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return sum(shard_bytes(a.shape, a.dtype, spec, sizes) for a, spec in zip(jax.tree.leaves(cache), specs))
+
+
 def draft_cache_shardings(dcfg, batch: int, length: int, mesh, lay: Layout | str = TP_EP):
     """:func:`draft_cache_specs` as shardings on ``mesh``."""
     specs = draft_cache_specs(dcfg, batch, length, mesh, lay)
