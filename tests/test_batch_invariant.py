@@ -1,7 +1,8 @@
 """``Engine(batch_invariant=True)`` (``kimi-jax serve --batch-invariant``): in bfloat16 a request's greedy tokens and
 logits do not depend on what else is in flight. The same requests alone and all together, on the K3 fixture: with
-the mode, every token and every logit bit equal; without it, the decode programs for fewer rows or a narrower page
-table round differently and some replies change (which is what the mode is for)."""
+the mode, every token and every logit bit equal; without it, on an accelerator the decode programs for fewer rows or
+a narrower page table may round differently and some replies change (which is what the mode is for; on this CPU the
+product kernels no longer do, see the last test)."""
 
 import numpy as np
 import pytest
@@ -49,8 +50,12 @@ def test_batch_invariant_replies_do_not_depend_on_load(bf16_model, k3_tiny_a, dr
 
 
 @pytest.mark.slow
-def test_without_the_mode_load_changes_bfloat16_replies(bf16_model):
-    """What the mode removes: the default engine (compacted decode, page-table buckets) gives the same requests other
-    logits under load, so the comparison above can fail."""
+def test_on_a_cpu_the_default_engine_is_load_invariant_too(bf16_model):
+    """What the mode removes on an accelerator (whose compilers choose a product's form per shape) does not arise on
+    XLA:CPU any more: the default engine (compacted decode, page-table buckets) gives the same requests the same
+    logits alone and under load. Every decode program's products now run one kernel that gives a row the same bits
+    whatever rows share its call (the native one, up to 5 rows: tests/test_native_kernels.py); before a703d2f one
+    row ran natively and several through XLA, which rounds otherwise, and 2 of 8 replies here were identical."""
     alone, together, _ = _alone_and_together(bf16_model)
-    assert any(not np.array_equal(a.logits, b.logits) for a, b in zip(alone, together))
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a.logits, b.logits)
