@@ -125,3 +125,22 @@ def test_tpu_loop_expert_copies_count_the_padded_expert_leaves():
     per_layer = 112 * (3584 * 256 + 3584 * 128 + 2 * 384 * 128)
     assert tpu_loop_expert_copies(cfg, {"expert": 8, "model": 8}) == moe_layers * per_layer
     assert tpu_loop_expert_copies(config.preset("kimi-dense"), {"model": 8}) == 0
+
+
+def test_plan_compile_serve_with_a_dspark_drafter(capsys, tmp_path, k3_tiny_a):
+    """``plan --serve --compile --speculative dspark:PATH``: the serving engine's programs with the drafter -- the
+    decode step, a prefill chunk, the verify step over every slot and the drafter's step -- each compiled and fitting
+    on a TPU v5e 2x2 (model=4), the target's Pallas kernels in the verify step, the drafter's context attention the
+    MLA kernel in each of its 2 layers. (The plan / compiler ratios of so tiny a model are the compiler's tile
+    padding; full K3's are in benchmarks/results/plan_serve_speculative_dspark_k3_h200.txt.)"""
+    cfg = config.load(k3_tiny_a).sliced(LAYERS)
+    path = _drafter_dir(tmp_path, cfg)
+    rc, out, err = _plan(capsys, "--model", k3_tiny_a, "--layers", str(LAYERS), "--compile", "tpu:v5e:2x2", "--mesh",
+                         "model=4", "--serve", "--slots", "2", "--max-len", str(CONTEXT), "--page-size", "16",
+                         "--prefill-chunk", "16", "--speculative", f"dspark:{path},k=3")
+    assert rc == 0, out + err
+    assert "drafter context pools (replicated)" in out, out
+    assert out.count("compiled in") == 4 and out.count(", fits (") == 4, out
+    assert "serving verify step (2 slots x 4 positions" in out and "the DSpark drafter's step" in out, out
+    calls = _kernel_calls(out)
+    assert all(n >= expected_kernels(cfg) for n in calls[:3]) and calls[3] == 2, out

@@ -33,8 +33,10 @@ def _alone_and_together(model, **kw):
     return alone, together, eng.stats()
 
 
-# CI time: the draft model (~50 s more) runs -m slow; the n-gram drafter's drafts are all rejected on these prompts
-@pytest.mark.parametrize("drafter", [None, "ngram", pytest.param("draft", marks=pytest.mark.slow)])
+# CI time (the 30-minute budget): the drafters' cases (~30 and ~50 s more) run -m slow; the n-gram drafter's drafts
+# are all rejected on these prompts, the draft model's accepted
+@pytest.mark.parametrize("drafter", [None, pytest.param("ngram", marks=pytest.mark.slow),
+                                     pytest.param("draft", marks=pytest.mark.slow)])
 def test_batch_invariant_replies_do_not_depend_on_load(bf16_model, k3_tiny_a, drafter):
     """With a drafter too (n-gram; the fixture drafting for itself, so drafts are accepted): every step verifies over
     every slot (one program), and what a request drafts depends on its own text alone."""

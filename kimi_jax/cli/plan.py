@@ -15,6 +15,7 @@ from kimi_jax.deploy.plan import (CHIPS, GB, Plan, drafter_workspace, format_pla
                                   tpu_loop_expert_copies)
 from kimi_jax.generation import speculative
 from kimi_jax.model import config as C
+from kimi_jax.model import dspark
 from kimi_jax.model.run import check_offload
 from kimi_jax.parallel import sharding
 from kimi_jax.serving import validate
@@ -69,11 +70,12 @@ def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--pages", type=int, default=None,
                     help="with --serve: pages in the pool (default: every slot at --max-len, plus half again)")
     pl.add_argument("--speculative", default=None, metavar="SPEC",
-                    help="with --compile (not --serve): also compile generate's speculative decode loop with this "
-                         "drafter ('ngram[:k=4,...]' or 'dspark:PATH[,k=N]'): the verify forward over k + 1 positions "
-                         "per sequence. A DSpark PATH needs only the drafter's config.json (no weights): the plan "
-                         "counts its weights and context cache (replicated), and with a prefill chunk the chunk that "
-                         "writes its context is compiled too")
+                    help="with --compile: also compile generate's speculative decode loop with this drafter "
+                         "('ngram[:k=4,...]' or 'dspark:PATH[,k=N]'): the verify forward over k + 1 positions per "
+                         "sequence (with --serve: the engine's verify step over every slot, and a DSpark drafter's "
+                         "step). A DSpark PATH needs only the drafter's config.json (no weights): the plan counts its "
+                         "weights (split over the mesh) and its context cache (the engine's pools: replicated), and "
+                         "with a prefill chunk the chunk that writes its context is compiled too (not with --serve)")
     pl.add_argument("--layers", type=int, default=None, help="slice the model to its first N layers")
     pl.add_argument("--experts", type=int, default=None, help="slice the routed experts to the first N")
     pl.set_defaults(func=run)
@@ -93,8 +95,8 @@ def _plan(args) -> int:
     target = None
     # a wrong spec is named at once; a DSpark drafter from its config alone (abstract), in the planned dtype
     drafter = speculative.parse(args.speculative, dtype=args.dtype, weights=False)
-    if drafter is not None and (not args.compile or args.serve):
-        raise ValueError("--speculative compiles generate's speculative decode loop: it needs --compile, not --serve")
+    if drafter is not None and not args.compile:
+        raise ValueError("--speculative compiles the speculative programs for a target: it needs --compile")
     if args.compile:
         target = aot.parse_target(args.compile)  # before any slow work: an unknown target fails at once
         aot.cpu_runtime()  # before the plan's first jnp call starts JAX's backends
@@ -218,9 +220,28 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=Non
     if serve is not None:
         titles = {"decode": f"serving decode step ({serve.slots} slots, page table of {serve.pages_per_seq} pages)",
                   "prefill": f"serving prefill chunk ([1, {chunk}] ids after cached ones)"}
+        if drafter is not None:
+            _serve_drafting(titles, plan_args, plan_act, p, args, serve, drafter)
     for name, r in res.items():
         print(format_compiled(titles[name], plan_args[name], plan_act[name], r))
     return 0 if all(r["fits"] for r in res.values()) else 1
+
+
+def _serve_drafting(titles, plan_args, plan_act, p: Plan, args, serve, drafter) -> None:
+    """The plan's side of the engine's verify step and a DSpark drafter's step (``plan --serve --speculative``): the
+    verify step takes the decode step's arguments and k + 1 positions' activations; the drafter's step its weights
+    (split), its pools (replicated), the target's embedding and lm_head, and its drafting workspace over the pools'
+    gathered view of each slot's pages."""
+    K1 = drafter.k + 1
+    titles["verify"] = f"serving verify step ({serve.slots} slots x {K1} positions, {args.speculative})"
+    plan_act["verify"] = p.activation_total * K1
+    if isinstance(drafter, speculative.DSpark):
+        dcfg = drafter.model.cfg
+        titles["draft"] = f"the DSpark drafter's step (context of the kept positions, {drafter.k} drafts per slot)"
+        plan_args["draft"] = p.drafter_total + p.params.get("embedding + lm_head", 0)
+        L = serve.pages_per_seq * serve.page_size
+        view = dspark.cache_bytes(dcfg, serve.slots, L, args.dtype)  # each slot's pages gathered
+        plan_act["draft"] = view + drafter_workspace(dcfg, serve.slots, L, drafter.k)
 
 
 def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:

@@ -167,7 +167,8 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
     """Compile one decode step and (``prefill_chunk`` > 0) one fresh prefill of ``[batch, prefill_chunk]`` ids
     for ``target`` on a mesh of ``sizes``, with abstract sharded weights and cache (``kv_cache`` / ``kda_state``:
     its storage options, :func:`kimi_jax.model.cache.cache_shapes`). ``serve``: the serving engine's programs over
-    its paged cache instead (a :class:`kimi_jax.serving.stepplan.Shapes`; :func:`compile.compile_serve`).
+    its paged cache instead (a :class:`kimi_jax.serving.stepplan.Shapes`; :func:`compile.compile_serve`), with
+    ``speculative`` its verify step (and a DSpark drafter's step) too, as ``"verify"`` (and ``"draft"``).
     ``speculative``: a drafter (:class:`kimi_jax.generation.speculative.NGram` or ``DSpark``, which may be abstract):
     ``generate``'s speculative decode loop too, as ``"speculative"`` (:func:`compile.compile_speculative`); for a
     DSpark drafter and ``prefill_chunk`` > 0 also the prefill chunk that writes its context, as ``"prefill_tapped"``
@@ -183,9 +184,11 @@ def compile_steps(cfg, target: Target, sizes: dict, layout="tp_ep", *, batch: in
     kw = dict(dtype=dtype, implementation=implementation, scan_layers=scan_layers, quantize=quantize)
     if serve is not None:
         try:
-            res = compile_serve(cfg, mesh, layout, shapes=serve, **kw)
+            res = compile_serve(cfg, mesh, layout, shapes=serve, drafter=speculative, **kw)
         except Exception as e:  # every refusal is a result here; compile_serve raises for callers who want it
-            res = {name: _refused(e, hbm) for name in ("decode", "prefill")}
+            names = ("decode", "prefill") + (() if speculative is None else ("verify",)) + (
+                ("draft",) if isinstance(speculative, DSpark) else ())
+            res = {name: _refused(e, hbm) for name in names}
         return {name: _fit(r, hbm) for name, r in res.items()}
     out = {}
     for name, tokens in (("decode", 1), ("prefill", prefill_chunk)):

@@ -184,6 +184,20 @@ def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16",
     return static, dgraph, dparams, dcache
 
 
+def serve_drafter_inputs(drafter, mesh, shapes, *, dtype="bfloat16", layout="tp_ep"):
+    """(the drafter's graph, its abstract weights, its abstract page pools) as the serving engine holds a DSpark
+    ``drafter`` on ``mesh`` (:class:`~kimi_jax.serving.executor.Executor`): its weights in ``dtype`` split by their
+    logical axes (as :func:`drafter_inputs`), its context pools ``[layers, n_pages, page_size, ...]`` for the
+    engine's ``shapes`` replicated, as the target's latent pools are."""
+    _, dgraph, dparams, _ = drafter_inputs(drafter, mesh, batch=1, context=1, dtype=dtype, layout=layout)
+    dcfg, whole, dt = drafter.model.cfg, NamedSharding(mesh, PartitionSpec()), jnp.dtype(dtype)
+    n = dcfg.num_layers
+    pools = DraftCache(
+        jax.ShapeDtypeStruct((n, shapes.n_pages, shapes.page_size, dcfg.kv_lora_rank), dt, sharding=whole),
+        jax.ShapeDtypeStruct((n, shapes.n_pages, shapes.page_size, dcfg.qk_rope_head_dim), dt, sharding=whole))
+    return dgraph, dparams, pools
+
+
 def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: int, tokens: int, drafter,
                            dtype="bfloat16", implementation: str | None = None, scan_layers: bool = False,
                            quantize: str | None = None, kv_cache: str | None = None, kda_state=None) -> dict:
@@ -211,12 +225,18 @@ def compile_prefill_tapped(cfg, mesh, layout="tp_ep", *, batch: int, context: in
 
 
 def compile_serve(cfg, mesh, layout="tp_ep", *, shapes, dtype="bfloat16", implementation: str | None = None,
-                  scan_layers: bool = False, quantize: str | None = None) -> dict:
+                  scan_layers: bool = False, quantize: str | None = None, drafter=None) -> dict:
     """Compile the serving engine's programs as ``kimi-jax serve --mesh`` runs them (:mod:`kimi_jax.serving.steps`,
     over the paged cache of ``shapes``, a :class:`kimi_jax.serving.stepplan.Shapes`): the decode step over every
     slot reading the widest page table, and a prefill chunk of ``shapes.chunk`` tokens continuing a sequence (the
     chunk that reads the cache; the largest of the chunk buckets). Abstract sharded parameters and cache, nothing
-    allocated. Returns ``{"decode": report, "prefill": report}`` (each as :func:`compile_step` reports)."""
+    allocated. Returns ``{"decode": report, "prefill": report}`` (each as :func:`compile_step` reports).
+
+    ``drafter`` (``kimi-jax serve --speculative``: an n-gram or a DSpark drafter, which may be abstract): also the
+    verify step over every slot (``k + 1`` positions each, returning the tapped hidden states for a DSpark drafter)
+    as ``"verify"``, and for a DSpark drafter its step (the kept positions' context written into its page pools, a
+    block drafted per slot) as ``"draft"``, with its weights split as the engine places them and its pools
+    replicated (:func:`serve_drafter_inputs`)."""
     dt = jnp.dtype(dtype)
     lay = sharding.layout(layout)
     run = RunConfig(dtype=dt, implementation=implementation, scan_layers=scan_layers,
@@ -249,7 +269,35 @@ def compile_serve(cfg, mesh, layout="tp_ep", *, shapes, dtype="bfloat16", implem
                                             arg((1, sh.chunk), i32), arg((), i32), samp(1), fresh=False,
                                             record=False).compile()
         out["prefill"] = _report(prefill, time.perf_counter() - t0, False)
+        if drafter is not None:
+            out.update(_compile_serve_drafting(cfg, mesh, layout, sh, drafter, dt, progs, state, cache, samp))
     return out
+
+
+def _compile_serve_drafting(cfg, mesh, layout, sh, drafter, dt, progs, state, cache, samp) -> dict:
+    """The engine's verify step and a DSpark drafter's step, compiled (:func:`compile_serve`; under its mesh)."""
+    whole = NamedSharding(mesh, PartitionSpec())
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
+    i32, B, K1 = jnp.int32, sh.slots, drafter.k + 1
+    dcfg = drafter.model.cfg if isinstance(drafter, speculative.DSpark) else None
+    tap = None if dcfg is None else (tuple(dcfg.target_layer_ids), dcfg.aux_hidden_stream)
+    table = arg((B, sh.pages_per_seq), i32)
+    t0 = time.perf_counter()
+    verify = progs.verify_step.lower(state, cache, table, arg((B, K1), i32), arg((B,), i32),
+                                     arg((B,), jnp.bool_), samp(B), None, record=False, tap=tap).compile()
+    out = {"verify": _report(verify, time.perf_counter() - t0, False)}
+    if dcfg is None:
+        return out
+    dgraph, dparams, pools = serve_drafter_inputs(drafter, mesh, sh, dtype=dt, layout=layout)
+    leaves = params.leaves(state)
+    head = (leaves["embed_tokens"], leaves["embed_tokens" if cfg.tie_word_embeddings else "lm_head"])
+    taps = arg((B, K1, len(dcfg.target_layer_ids) * dcfg.target_hidden_size), dt)
+    t0 = time.perf_counter()
+    draft = serving_steps.draft_programs(dgraph, drafter.k, whole, whole).draft_step.lower(
+        dparams, pools, *head, taps, table, arg((B,), i32), arg((B,), i32), arg((B, K1), i32), arg((B,), i32)).compile()
+    out["draft"] = _report(draft, time.perf_counter() - t0, False)
+    return out
+
 
 
 def _compiler_options(graphdef, states) -> dict | None:

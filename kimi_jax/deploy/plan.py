@@ -183,7 +183,7 @@ def make_plan(cfg: ModelConfig, sizes: dict, layout="tp_ep", *, batch: int, cont
                                    if _category(m.prefix + n) == "routed experts"))
     return Plan(model_name or cfg.family, sizes, lay.name, batch, context, dt.name, kernels, params, cache, act, read,
                 prefill, notes, kv_cache, state, e_loc, e_dtypes,
-                drafter_bytes(drafter, batch, context, dt.name, sizes, lay) if drafter is not None else {})
+                {} if drafter is None else drafter_bytes(drafter, batch, context, dt.name, sizes, lay, serve=serve))
 
 
 def _mla_read(cfg, mla_bytes: int, context: int, dt, cache_options) -> int:
@@ -207,16 +207,21 @@ def _drafter_weight_bytes(dcfg, dtype: str, sizes: tuple, layout: str) -> int:
                for k, v in params.leaves(nnx.state(model, nnx.Param)).items())
 
 
-def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16", sizes=None, layout="tp_ep") -> dict:
+def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16", sizes=None, layout="tp_ep", serve=None) -> dict:
     """Per chip, a DSpark drafter (``dcfg``, a :class:`~kimi_jax.model.dspark.DSparkConfig`) as ``generate`` holds
     it on a mesh of ``sizes`` (default: one chip): its own weights in ``dtype``, split by their logical axes (the
     target's embedding and lm_head are shared, not counted again), and its context cache
     (:class:`~kimi_jax.model.dspark.DraftCache`: ``c [layers, batch, context, kv_lora_rank]`` and ``kpe [layers,
-    batch, context, qk_rope_head_dim]`` in ``dtype``, rows and positions split as the target's latent cache's)."""
+    batch, context, qk_rope_head_dim]`` in ``dtype``, rows and positions split as the target's latent cache's).
+    ``serve`` (the serving engine's :class:`~kimi_jax.serving.stepplan.Shapes`): its context pools instead, ``[layers,
+    n_pages, page_size, ...]`` replicated on every chip as the target's latent pools are."""
     sizes = {a: int((sizes or {}).get(a, 1)) for a in sharding.MESH_AXES}
     lay = sharding.layout(layout)
-    return {"weights": _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name, tuple(sorted(sizes.items())), lay.name),
-            "context cache": sharding.draft_cache_bytes(dcfg, batch, context, dtype, sizes, lay)}
+    weights = _drafter_weight_bytes(dcfg, jnp.dtype(dtype).name, tuple(sorted(sizes.items())), lay.name)
+    if serve is not None:
+        return {"weights": weights,
+                "context pools (replicated)": dspark.cache_bytes(dcfg, serve.n_pages, serve.page_size, dtype)}
+    return {"weights": weights, "context cache": sharding.draft_cache_bytes(dcfg, batch, context, dtype, sizes, lay)}
 
 
 def tpu_loop_expert_copies(cfg: ModelConfig, sizes: dict, layout="tp_ep", dtype="bfloat16",

@@ -300,11 +300,9 @@ class DSparkModel(nnx.Module):
         cfg = self.cfg
         dtype = dtype or self.run.dtype
         n = cfg.num_layers
-        shapes = DraftCache((n, batch, max_len, cfg.kv_lora_rank), (n, batch, max_len, cfg.qk_rope_head_dim))
-        if sharding is None:
-            return DraftCache(jnp.zeros(shapes.c, dtype), jnp.zeros(shapes.kpe, dtype))
-        return DraftCache(*(jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=h)()
-                            for s, h in zip((shapes.c, shapes.kpe), (sharding.c, sharding.kpe))))
+        zeros = lambda: DraftCache(jnp.zeros((n, batch, max_len, cfg.kv_lora_rank), dtype),  # noqa: E731
+                                   jnp.zeros((n, batch, max_len, cfg.qk_rope_head_dim), dtype))
+        return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 
     def taps(self, target, out):
         """The context input ``[B, T, n_taps * target_hidden]`` from a ``target`` call's ``return_hidden`` outputs
