@@ -15,7 +15,6 @@ from kimi_jax.deploy.plan import (CHIPS, GB, Plan, drafter_workspace, format_pla
                                   tpu_loop_expert_copies)
 from kimi_jax.generation import speculative
 from kimi_jax.model import config as C
-from kimi_jax.model import dspark
 from kimi_jax.model.run import check_offload
 from kimi_jax.parallel import sharding
 from kimi_jax.serving import validate
@@ -230,8 +229,9 @@ def _compile_cli(cfg, target, p: Plan, args, chunk: int, serve=None, drafter=Non
 def _serve_drafting(titles, plan_args, plan_act, p: Plan, args, serve, drafter) -> None:
     """The plan's side of the engine's verify step and a DSpark drafter's step (``plan --serve --speculative``): the
     verify step takes the decode step's arguments and k + 1 positions' activations; the drafter's step its weights
-    (split), its pools (replicated), the target's embedding and lm_head, and its drafting workspace over the pools'
-    gathered view of each slot's pages."""
+    (split), its pools (replicated), the target's embedding and lm_head, and its drafting workspace over each slot's
+    pages gathered from the pools (each chip gathers the rows and positions its share of the MLA op reads, as a
+    static context cache is split)."""
     K1 = drafter.k + 1
     titles["verify"] = f"serving verify step ({serve.slots} slots x {K1} positions, {args.speculative})"
     plan_act["verify"] = p.activation_total * K1
@@ -240,8 +240,8 @@ def _serve_drafting(titles, plan_args, plan_act, p: Plan, args, serve, drafter) 
         titles["draft"] = f"the DSpark drafter's step (context of the kept positions, {drafter.k} drafts per slot)"
         plan_args["draft"] = p.drafter_total + p.params.get("embedding + lm_head", 0)
         L = serve.pages_per_seq * serve.page_size
-        view = dspark.cache_bytes(dcfg, serve.slots, L, args.dtype)  # each slot's pages gathered
-        plan_act["draft"] = view + drafter_workspace(dcfg, serve.slots, L, drafter.k)
+        view = sharding.draft_cache_bytes(dcfg, serve.slots, L, args.dtype, p.sizes, args.layout)
+        plan_act["draft"] = view + drafter_workspace(dcfg, serve.slots, L, drafter.k, p.sizes, args.layout)
 
 
 def format_compiled(title: str, plan_args: int, plan_act: int, r: dict) -> str:
