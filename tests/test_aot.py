@@ -219,7 +219,7 @@ def test_plan_compile_does_not_fit(capsys):
     (["--compile", "gpu:h200"], "expected gpu:NAME:SLICESxHOSTSxGPUS"),
     (["--compile", "tpu:v5e:2x2", "--mesh", "expert=8"], "= 8 devices, but target 'tpu:v5e:2x2' has 4"),
     (["--compile", "gpu:h200:1x2x8", "--mesh", "expert=2,model=4"], "= 8 devices, but target 'gpu:h200:1x2x8' has 16"),
-    (["--speculative", "ngram"], "--speculative compiles generate's speculative decode loop: it needs --compile"),
+    (["--speculative", "ngram"], "--speculative compiles the speculative programs for a target: it needs --compile"),
     (["--compile", "tpu:v5e:2x2", "--speculative", "ngram:k=0"], "ngram k=0"),
 ], ids=["tpu-chip", "gpu-form", "tpu-mesh", "gpu-mesh", "spec-no-compile", "spec-bad"])
 def test_plan_compile_errors(capsys, argv, message):

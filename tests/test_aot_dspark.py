@@ -127,6 +127,7 @@ def test_tpu_loop_expert_copies_count_the_padded_expert_leaves():
     assert tpu_loop_expert_copies(config.preset("kimi-dense"), {"model": 8}) == 0
 
 
+@pytest.mark.slow  # ~15 s (CI time: the default set's 30-minute budget); the loop's compile above runs by default
 def test_plan_compile_serve_with_a_dspark_drafter(capsys, tmp_path, k3_tiny_a):
     """``plan --serve --compile --speculative dspark:PATH``: the serving engine's programs with the drafter -- the
     decode step, a prefill chunk, the verify step over every slot and the drafter's step -- each compiled and fitting
