@@ -22,7 +22,6 @@ from kimi_jax.generation.sampling import DecodeState, Sampling
 from kimi_jax.model import dspark, params
 from kimi_jax.model.cache import cache_shapes, paged_cache_shapes
 from kimi_jax.model.decoder import abstract_model
-from kimi_jax.model.dspark import DraftCache
 from kimi_jax.model.hot_experts import routed_experts
 from kimi_jax.model.offload import HOST, HotExperts, cache_host_shardings
 from kimi_jax.model.quantize import quantize as quantize_model
@@ -177,10 +176,9 @@ def drafter_inputs(drafter, mesh, *, batch: int, context: int, dtype="bfloat16",
     specs = sharding.param_specs(use.model, mesh, lay)
     dparams = params.fill(weights, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
                                     for k, v in params.leaves(weights).items()})
-    cshard = sharding.draft_cache_shardings(dcfg, batch, context, mesh, lay)
-    n = dcfg.num_layers
-    dcache = DraftCache(jax.ShapeDtypeStruct((n, batch, context, dcfg.kv_lora_rank), dt, sharding=cshard.c),
-                        jax.ShapeDtypeStruct((n, batch, context, dcfg.qk_rope_head_dim), dt, sharding=cshard.kpe))
+    dcache = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                          dspark.cache_shapes(dcfg, batch, context, dt),
+                          sharding.draft_cache_shardings(dcfg, batch, context, mesh, lay))
     return static, dgraph, dparams, dcache
 
 
@@ -190,11 +188,9 @@ def serve_drafter_inputs(drafter, mesh, shapes, *, dtype="bfloat16", layout="tp_
     logical axes (as :func:`drafter_inputs`), its context pools ``[layers, n_pages, page_size, ...]`` for the
     engine's ``shapes`` replicated, as the target's latent pools are."""
     _, dgraph, dparams, _ = drafter_inputs(drafter, mesh, batch=1, context=1, dtype=dtype, layout=layout)
-    dcfg, whole, dt = drafter.model.cfg, NamedSharding(mesh, PartitionSpec()), jnp.dtype(dtype)
-    n = dcfg.num_layers
-    pools = DraftCache(
-        jax.ShapeDtypeStruct((n, shapes.n_pages, shapes.page_size, dcfg.kv_lora_rank), dt, sharding=whole),
-        jax.ShapeDtypeStruct((n, shapes.n_pages, shapes.page_size, dcfg.qk_rope_head_dim), dt, sharding=whole))
+    whole = NamedSharding(mesh, PartitionSpec())
+    pools = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole),
+                         dspark.cache_shapes(drafter.model.cfg, shapes.n_pages, shapes.page_size, dtype))
     return dgraph, dparams, pools
 
 

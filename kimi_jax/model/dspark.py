@@ -162,12 +162,20 @@ def abstract(cfg: DSparkConfig, dtype=None, run: RunConfig | None = None) -> DSp
     return nnx.eval_shape(lambda: DSparkModel(cfg, run=run, param_dtype=dtype))
 
 
+def cache_shapes(cfg: DSparkConfig, batch: int, length: int, dtype) -> DraftCache:
+    """The :class:`DraftCache` of ``ShapeDtypeStruct`` that :meth:`DSparkModel.empty_cache` makes for ``batch``
+    sequences (or pages) of ``length`` positions in ``dtype``: ``c [layers, batch, length, kv_lora_rank]`` and
+    ``kpe [layers, batch, length, qk_rope_head_dim]``."""
+    lead = (cfg.num_layers, batch, length)
+    return DraftCache(jax.ShapeDtypeStruct((*lead, cfg.kv_lora_rank), jnp.dtype(dtype)),
+                      jax.ShapeDtypeStruct((*lead, cfg.qk_rope_head_dim), jnp.dtype(dtype)))
+
+
 def cache_bytes(cfg: DSparkConfig, batch: int, length: int, dtype) -> int:
     """Bytes of the :class:`DraftCache` that :meth:`DSparkModel.empty_cache` makes for ``batch`` sequences of
     ``length`` positions in ``dtype``: ``c [layers, batch, length, kv_lora_rank]`` and
     ``kpe [layers, batch, length, qk_rope_head_dim]``."""
-    rows = cfg.num_layers * batch * length
-    return rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(dtype).itemsize
+    return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(cache_shapes(cfg, batch, length, dtype)))
 
 
 @struct.dataclass
@@ -297,11 +305,8 @@ class DSparkModel(nnx.Module):
     def empty_cache(self, batch: int, max_len: int, dtype=None, sharding: DraftCache | None = None) -> DraftCache:
         """A zero context cache (``sharding``: a DraftCache of shardings to make it in, e.g.
         :func:`kimi_jax.parallel.sharding.draft_cache_shardings`)."""
-        cfg = self.cfg
-        dtype = dtype or self.run.dtype
-        n = cfg.num_layers
-        zeros = lambda: DraftCache(jnp.zeros((n, batch, max_len, cfg.kv_lora_rank), dtype),  # noqa: E731
-                                   jnp.zeros((n, batch, max_len, cfg.qk_rope_head_dim), dtype))
+        shapes = cache_shapes(self.cfg, batch, max_len, dtype or self.run.dtype)
+        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
         return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 
     def taps(self, target, out):

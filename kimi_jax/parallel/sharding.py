@@ -423,20 +423,17 @@ def draft_cache_specs(dcfg, batch: int, length: int, mesh_or_sizes, lay: Layout 
     ``batch`` rows and ``length`` positions: its fields' :data:`~kimi_jax.model.dspark.CACHE_AXES` (rows as the
     target's sequences, positions as its MLA latent cache's), by the rules of the module docstring."""
     sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
-    shapes = {"c": (dcfg.num_layers, batch, length, dcfg.kv_lora_rank),
-              "kpe": (dcfg.num_layers, batch, length, dcfg.qk_rope_head_dim)}
-    got = group_specs({f: (dspark.CACHE_AXES[f], shape) for f, shape in shapes.items()}, sizes, layout(lay),
-                      where="draft cache ")
+    shapes = dspark.cache_shapes(dcfg, batch, length, jnp.float32)
+    got = group_specs({f: (dspark.CACHE_AXES[f], getattr(shapes, f).shape) for f in dspark.CACHE_AXES}, sizes,
+                      layout(lay), where="draft cache ")
     return dspark.DraftCache(got["c"], got["kpe"])
 
 
 def draft_cache_bytes(dcfg, batch: int, length: int, dtype, mesh_or_sizes, lay: Layout | str = TP_EP) -> int:
     """Bytes per device of that context cache in ``dtype``, split by :func:`draft_cache_specs`."""
     sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
-    specs = draft_cache_specs(dcfg, batch, length, sizes, lay)
-    shapes = ((dcfg.num_layers, batch, length, dcfg.kv_lora_rank), (dcfg.num_layers, batch, length,
-                                                                    dcfg.qk_rope_head_dim))
-    return sum(shard_bytes(shape, dtype, spec, sizes) for shape, spec in zip(shapes, (specs.c, specs.kpe)))
+    specs, shapes = draft_cache_specs(dcfg, batch, length, sizes, lay), dspark.cache_shapes(dcfg, batch, length, dtype)
+    return sum(shard_bytes(getattr(shapes, f).shape, dtype, getattr(specs, f), sizes) for f in dspark.CACHE_AXES)
 
 
 def cache_bytes(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> int:
