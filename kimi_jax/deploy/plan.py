@@ -201,10 +201,7 @@ def _mla_read(cfg, mla_bytes: int, context: int, dt, cache_options) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _drafter_weight_bytes(dcfg, dtype: str, sizes: tuple, layout: str) -> int:
-    model = dspark.abstract(dcfg, dtype)
-    specs = sharding.param_specs(model, dict(sizes), layout)
-    return sum(sharding.shard_bytes(v.shape, v.dtype, specs[k], dict(sizes))
-               for k, v in params.leaves(nnx.state(model, nnx.Param)).items())
+    return sharding.param_bytes(dspark.abstract(dcfg, dtype), dict(sizes), layout)
 
 
 def drafter_bytes(dcfg, batch: int, context: int, dtype="bfloat16", sizes=None, layout="tp_ep", serve=None) -> dict:

@@ -44,7 +44,6 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.model import dspark, offload
-from kimi_jax.model import params as params_mod
 from kimi_jax.model.cache import Cache, KDACache, cache_shapes, init_cache
 from kimi_jax.model.config import model_dir
 from kimi_jax.generation.sampling import (  # noqa: F401 (re-exported: the engine and tests import them from here)
@@ -528,14 +527,14 @@ class Generator:
         every device), and the copy of its weights that :meth:`_drafter` makes (in the model's dtype; a DSpark
         drafter's split over the mesh): none once this generator holds it, none of a draft model read onto a mesh,
         and none of a weight already in that dtype and place."""
-        specs = None
+        split = False
         if isinstance(drafter, speculative_mod.DSpark):
             dcfg = drafter.model.cfg
             context = dspark.cache_bytes(dcfg, B, self.max_len, self.dtype)
             if self.parallel is not None:  # split over the mesh as the target's sequences and latent cache
                 mesh, lay = self.parallel.mesh, self.parallel.layout
                 context = sharding.draft_cache_bytes(dcfg, B, self.max_len, self.dtype, mesh, lay)
-                specs = sharding.param_specs(drafter.model, mesh, lay)
+                split = True
             who, parts = "the DSpark drafter", {"context cache": context}
             dtype = None if drafter.model.run.dtype == self.dtype else jnp.dtype(self.dtype)  # DSpark.astype
         elif isinstance(drafter, speculative_mod.DraftModel):
@@ -548,9 +547,8 @@ class Generator:
         else:
             return "", {}
         weights = 0
-        if drafter not in self._drafters and specs is not None:  # split on the mesh: every shard a new copy
-            weights = sum(sharding.shard_bytes(a.shape, dtype or a.dtype, specs[k], self.parallel.mesh.shape)
-                          for k, a in params_mod.leaves(nnx.state(drafter.model, nnx.Param)).items())
+        if drafter not in self._drafters and split:  # split on the mesh: every shard a new copy
+            weights = sharding.param_bytes(drafter.model, self.parallel.mesh, self.parallel.layout, dtype)
         elif drafter not in self._drafters and not _on_mesh(drafter):  # (one on a mesh stays where it was read)
             for a in jax.tree.leaves(nnx.state(drafter.model)):
                 placed = isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._last_sharding, a.ndim)

@@ -343,6 +343,15 @@ def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP, *, table=None) 
     return out
 
 
+def param_bytes(model, mesh_or_sizes, lay: Layout | str = TP_EP, dtype=None) -> int:
+    """Bytes per device of ``model``'s parameters (real or abstract) split by :func:`param_specs`, each in ``dtype``
+    where given (a copy cast to it), else its own."""
+    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    specs = param_specs(model, sizes, lay)
+    return sum(shard_bytes(v.shape, dtype or v.dtype, specs[k], sizes)
+               for k, v in params.leaves(nnx.state(model, nnx.Param)).items())
+
+
 def param_shardings(model, mesh, lay: Layout | str = TP_EP) -> dict[str, NamedSharding]:
     return {k: NamedSharding(mesh, s) for k, s in param_specs(model, mesh, lay).items()}
 
