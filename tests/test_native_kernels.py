@@ -167,7 +167,8 @@ def _flat(items):
 def test_group_matches_numpy(S):
     """Every item of one call, plain and stacked, against float64 numpy: the native kernel runs all of them as one
     call, and the reference and the XLA:CPU forms agree. The automatic choice takes the native kernel for items of
-    up to ``SHARED_ROWS`` rows (decode at batch 1, a verify step's few positions) and the XLA:CPU forms for more."""
+    up to ``SHARED_ROWS`` float32 rows (decode at batch 1, a verify step's few positions) and the XLA:CPU forms for
+    more (bfloat16 items: ``test_group_errors``)."""
     rng = np.random.default_rng(S)
     items = _items(rng, S)
     structure = [ids is not None for _, _, ids in items]
@@ -244,11 +245,16 @@ def test_group_errors():
     # no Pallas product kernel: a model run that asks for the Pallas kernels gets the plain products here
     assert f"kimi_jax_{native.SYMBOL}" not in _group_fn([False], implementation="pallas").lower(x, w).as_text()
     # one plain product under the automatic choice goes native, float32 (faster than XLA's) and bfloat16 (XLA:CPU's
-    # one-row bf16 product is 6-20x slower) alike; past SHARED_ROWS rows it is XLA's
+    # one-row bf16 product is 6-20x slower) alike; past SHARED_ROWS float32 rows it is XLA's, past PLAIN_ROWS
+    # bfloat16 rows (a verify step of k = 8 runs its 9-row bfloat16 products natively)
+    bf16 = f"kimi_jax_{native.SYMBOLS[jnp.dtype(jnp.bfloat16)]}"
     assert f"kimi_jax_{native.SYMBOL}" in _group_fn([False]).lower(x, w).as_text()
-    assert f"kimi_jax_{native.SYMBOLS[jnp.dtype(jnp.bfloat16)]}" in _group_fn([False]).lower(x, w.astype(jnp.bfloat16)).as_text()
+    assert bf16 in _group_fn([False]).lower(x, w.astype(jnp.bfloat16)).as_text()
     many = np.repeat(x, matvec.SHARED_ROWS + 1, axis=0)
     assert "kimi_jax_" not in _group_fn([False]).lower(many, w).as_text()
+    for rows, native_call in ((9, True), (matvec.PLAIN_ROWS, True), (matvec.PLAIN_ROWS + 1, False)):
+        xb, wb = (jnp.asarray(a, jnp.bfloat16) for a in (np.repeat(x, rows, axis=0), w))
+        assert (bf16 in _group_fn([False]).lower(xb, wb).as_text()) == native_call, rows
 
 
 def test_model_decode_groups_products(hf_kimi_linear):
@@ -442,11 +448,13 @@ def test_mxfp4_experts_stream_in_the_native_kernel():
         g, r = np.asarray(gather(xg, w, idx), np.float32), np.asarray(ref(xg, w, idx), np.float32)
         np.testing.assert_allclose(g, r, atol=(1e-5 if dt == jnp.float32 else 2e-2) * np.abs(r).max(), rtol=0)
 
-    # packed experts on CPU: gathered up to matvec.PACKED_ROWS pairs, or the experts' count, whichever is more
-    choose = lambda pairs, n: experts.choose_path(pairs, n, float32=False, packed_weights=True)  # noqa: E731
-    assert [choose(p, 8) for p in (2, 10, 16, 17)] == ["gather", "gather", "gather", "sorted"]
+    # packed or bfloat16 experts on CPU: gathered up to experts.GATHER_PAIRS pairs (18 for a verify step of k = 8 at
+    # top 2), or the experts' count, whichever is more
+    choose = lambda pairs, n: experts.choose_path(pairs, n, float32=False)  # noqa: E731
+    assert experts.GATHER_PAIRS == 32
+    assert [choose(p, 8) for p in (2, 10, 18, 32, 33)] == ["gather"] * 4 + ["sorted"]
     assert [choose(p, 896) for p in (640, 897)] == ["gather", "sorted"]
-    assert experts.choose_path(10, 8, float32=False, packed_weights=True, implementation="reference") == "sorted"
+    assert experts.choose_path(10, 8, float32=False, implementation="reference") == "sorted"
 
 
 def test_every_native_source_ships_with_the_package():

@@ -30,6 +30,12 @@ from kernels_pallas._dispatch import Placement, target_platform
 from kernels_pallas.experts import cpu, expert_parallel, reference
 
 PATHS = ("gather", "sorted", "dense")
+# On XLA:CPU with the native kernel, bfloat16 or packed experts are gathered up to this many (token, expert) pairs
+# even where they outnumber the experts: a verify step's k + 1 positions at batch 1 (18 pairs for top-2 at k = 8).
+# A verify forward over 9 positions, top 2 (as matvec.PLAIN_ROWS measures it): the demo model (8 MXFP4 experts) in
+# float32 10.9 -> 5.3 ms; with matvec.PLAIN_ROWS, in bfloat16 the demo 8.5 -> 4.3 ms, the benchmark model (16
+# bfloat16 experts) 52.4 -> 32.8 ms.
+GATHER_PAIRS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +62,7 @@ class Shared(NamedTuple):
     act: Callable
 
 
-def choose_path(pairs: int, num_experts: int, *, float32: bool, packed_weights: bool = False, implementation=None,
+def choose_path(pairs: int, num_experts: int, *, float32: bool, implementation=None,
                 placement=None, requested: str = "auto") -> str:
     """The path for ``pairs`` (token, expert) pairs: ``requested`` unless ``"auto"``; else ``"gather"`` when the
     pairs do not outnumber the experts and ``"sorted"`` otherwise, and on XLA:CPU (automatic kernels, one
@@ -64,8 +70,8 @@ def choose_path(pairs: int, num_experts: int, *, float32: bool, packed_weights: 
     cost less than the per-slot loop. With the plain-jnp gather (which copies each chosen expert) that starts at
     3/4 pairs per expert (measured: 2.5 vs 3.5 ms at 16 pairs / 16 experts); with the native gather kernel, past
     one pair per expert (batch-8 decode of the benchmark model, 16 pairs / 16 experts: 69 vs 79 ms per step
-    gathered vs dense). Packed experts on XLA:CPU with the native kernel: gathered (read in place) up to
-    ``matvec.PACKED_ROWS`` pairs or as many as there are experts, sorted beyond."""
+    gathered vs dense). Other experts (bfloat16, packed) on XLA:CPU with the native kernel: gathered (read in place)
+    up to :data:`GATHER_PAIRS` pairs or as many as there are experts, sorted beyond."""
     if requested != "auto":
         if requested not in PATHS:
             raise ValueError(f"unknown moe_path {requested!r}; choose auto or one of {list(PATHS)}")
@@ -76,10 +82,11 @@ def choose_path(pairs: int, num_experts: int, *, float32: bool, packed_weights: 
     if cpu and float32:
         gather = pairs <= E if matvec.native.KERNEL.ready() else 4 * pairs < 3 * E
         return "gather" if gather else "dense" if pairs <= 2 * E else "sorted"
-    if cpu and packed_weights and matvec.native.KERNEL.ready():
-        # packed experts (MXFP4, int8 / int4) are read in place by the native kernel up to matvec.PACKED_ROWS
-        # pairs (a verify step's few positions over few experts), where the sorted path decodes every expert
-        return "gather" if pairs <= max(E, matvec.PACKED_ROWS) else "sorted"
+    if cpu and matvec.native.KERNEL.ready():
+        # bfloat16 and packed experts (MXFP4, int8 / int4) are read in place by the native kernel up to GATHER_PAIRS
+        # pairs (a verify step's few positions over few experts), where the sorted path converts or decodes every
+        # expert
+        return "gather" if pairs <= max(E, GATHER_PAIRS) else "sorted"
     return "gather" if pairs <= E else "sorted"
 
 
@@ -96,8 +103,7 @@ def routed_experts(z_NL, w: dict, idx_NX, *, act, compute_dtype, precision=None,
         return y, None
     N, X = idx_NX.shape
     chosen = choose_path(N * X, w["w1"].shape[0], float32=_float32(w, compute_dtype),
-                         packed_weights=packed.is_packed(w["w1"]), implementation=implementation, placement=placement,
-                         requested=path)
+                         implementation=implementation, placement=placement, requested=path)
     if chosen == "gather":
         fused = cpu.grouped_gather(z_NL, w, idx_NX, shared, act=act, compute_dtype=compute_dtype,
                                    implementation=implementation, placement=placement)
@@ -110,8 +116,7 @@ def _local(z_NL, w, idx_NX, *, path, placement, act, compute_dtype, precision, i
     """One device's tokens through one path (the whole of ``w`` on this device)."""
     N, X = idx_NX.shape
     path = choose_path(N * X, w["w1"].shape[0], float32=_float32(w, compute_dtype),
-                       packed_weights=packed.is_packed(w["w1"]), implementation=implementation, placement=placement,
-                       requested=path)
+                       implementation=implementation, placement=placement, requested=path)
     kw = dict(act=act, compute_dtype=compute_dtype, implementation=implementation)
     if path == "dense":
         if packed.is_packed(w["w1"]):

@@ -24,24 +24,30 @@ from kernels_pallas._dispatch import INTERPRET, NATIVE, PALLAS, REFERENCE, XLA_C
 from kernels_pallas.matvec import native, reference, xla_cpu
 
 _F32 = jnp.float32
-# Packed items up to this many rows run natively: every 5 rows decode the weight's blocks again (from cache), where
+# Packed plain items up to this many rows run natively (expert stacks at any: their callers gather a few
+# pairs, experts.GATHER_PAIRS): every 5 rows decode the weight's blocks again (from cache), where
 # the reference decodes the whole weight once and then multiplies. Measured at [4096, 1024] (int8, int4 g32, nf4 g64):
 # native 1.4-3.5x faster at 16 rows, even to 1.5x slower at 32; at [32000, 1024] 3-7x faster at 16 rows (both when
 # each row decoded alone; up to 5 rows of one matrix now share the decoded blocks: the benchmark model's products
 # in int4 g32, 7.4 -> 5.4 ms at 5 rows, 11.7 -> 7.2 at 8, 1.7 at 1; XLA's 79-87).
 PACKED_ROWS = 16
-# Plain items up to this many rows run natively: up to 5 rows share each read of a weight block (a verify step's
-# k + 1 = 5 positions, a small batch). The benchmark model's decode products (12 x [3072|1024|1536, 1024] and the
-# [32000, 1024] head, ms per chain, native / XLA): bfloat16 3.3 / 72 at 1 row, 5.0 / 7.3 at 4, 5.5-6.1 / 7.9-8.3 at
-# 5, 6.1 / 8.0 at 6, 8.6 / 8.7 at 8, 9.9 / 9.0 at 10; float32 6.6 / 6.3 at 1, 8.2 / 12.9 at 4, 9.0 / 13.4 at 5.
-# Beyond 5 the native kernel still wins on these weights, but not on cache-resident ones (the demo's 256-wide
-# layers: 63 against 43 us for a KDA layer's six products at 8 rows), where the rows are compute.
-# One float32 product alone too (the lm_head, the output projections; an earlier measurement had the XLA:CPU form,
-# ``xla_cpu``, as fast at one row): [32000, 1024] 3.9 / 5.3 ms at 1 row, 4.6 / 5.2 at 4; [1024, 1024] 26 / 52 us at
-# 1 row, 58 / 95 at 4 (cache-resident [256, 256] is the exception: 13-21 / 9 us at 4 rows).
-# Same-bit rows: a row's result does not depend on the rows it shares the call with, so a verify step's products
-# equal the one-position steps' bit for bit.
+# Rows of x that use one matrix share each read of a weight block, up to this many at a time (native.cc's kShared:
+# a verify step's k + 1 = 5 positions at batch 1). Same-bit rows: a row's result does not depend on the rows it
+# shares the call with, so a verify step's products equal the one-position steps' bit for bit.
 SHARED_ROWS = 5
+# Plain bfloat16 items up to this many rows run natively (blocks of SHARED_ROWS rows each read the weight once),
+# float32 ones up to SHARED_ROWS. The benchmark model's decode products (12 x [3072|1024|1536, 1024] and the
+# [32000, 1024] head, ms per chain, native / XLA): bfloat16 3.3 / 72 at 1 row, 5.0 / 7.3 at 4, 5.5-6.1 / 7.9-8.3 at 5,
+# 6.1 / 8.0 at 6, 8.6 / 8.7 at 8, 9.9 / 9.0 at 10; float32 6.6 / 6.3 at 1, 8.2 / 12.9 at 4, 9.0 / 13.4 at 5. One
+# float32 product alone too (the lm_head, the output projections): [32000, 1024] 3.9 / 5.3 ms at 1 row, 4.6 / 5.2 at
+# 4; [1024, 1024] 26 / 52 us at 1 row, 58 / 95 at 4. Past 5 rows XLA's bfloat16 products, each faster alone on
+# cache-resident weights (the demo's KDA layer: 43 against 63 us for its six products at 8 rows), cost more in a
+# whole forward than they save (each converts its weight on every call): a verify forward over 9 positions (k = 8)
+# with them native, 20 forwards in a loop, medians of 15 alternated with the old rule (5 rows, experts sorted past
+# their count), bfloat16: the demo 8.5 -> 4.3 ms, the benchmark model 52.4 -> 32.8 ms (and experts.GATHER_PAIRS);
+# unchanged at 1, 5 and batch-8 decode (0.65 / 0.68, 2.10 / 2.03, 4.70 / 4.65 ms; the benchmark model's batch 8 32.3 /
+# 32.1). Float32 stays at 5: 8 rows native made the benchmark model's batch-8 decode 42.3 -> 46.2 ms.
+PLAIN_ROWS = 16
 
 
 def _float32(items) -> str | None:
@@ -56,8 +62,9 @@ def _float32(items) -> str | None:
 
 def _native_automatic(items, **_) -> bool:
     if any(packed.is_packed(w) for _, w, _ in items):  # decode-shaped packed items: read the codes in place
-        return all(x.shape[0] <= PACKED_ROWS for x, _, _ in items)
-    return all(ids is not None or x.shape[0] <= SHARED_ROWS for x, _, ids in items)
+        return all(ids is not None or x.shape[0] <= PACKED_ROWS for x, _, ids in items)
+    rows = lambda w: SHARED_ROWS if jnp.dtype(w.dtype) == _F32 else PLAIN_ROWS  # noqa: E731
+    return all(ids is not None or x.shape[0] <= rows(w) for x, w, ids in items)
 
 
 def _group_pallas(items, *, precision=None, platform=None, interpret=False):

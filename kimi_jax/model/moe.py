@@ -72,7 +72,7 @@ class Experts(nnx.Module):
     def path(self, pairs: int, run: RunConfig) -> str:
         """How ``pairs`` (token, expert) pairs run (:func:`kernels_pallas.experts.choose_path`)."""
         float32 = not self.packed and jnp.dtype(run.dtype) == F32
-        return expert_ops.choose_path(pairs, self.cfg.num_experts, float32=float32, packed_weights=self.packed,
+        return expert_ops.choose_path(pairs, self.cfg.num_experts, float32=float32,
                                       implementation=run.implementation,
                                       placement=run.placement, requested=run.moe_path)
 
