@@ -32,9 +32,9 @@ from kernels_pallas.experts import cpu, expert_parallel, reference
 PATHS = ("gather", "sorted", "dense")
 # On XLA:CPU with the native kernel, bfloat16 or packed experts are gathered up to this many (token, expert) pairs
 # even where they outnumber the experts: a verify step's k + 1 positions at batch 1 (18 pairs for top-2 at k = 8).
-# A verify forward over 9 positions, top 2 (as matvec.PLAIN_ROWS measures it): the demo model (8 MXFP4 experts) in
-# float32 10.9 -> 5.3 ms; with matvec.PLAIN_ROWS, in bfloat16 the demo 8.5 -> 4.3 ms, the benchmark model (16
-# bfloat16 experts) 52.4 -> 32.8 ms.
+# A verify forward over 9 positions, top 2 (benchmarks/verify_cost.py, as matvec.PLAIN_ROWS says): the demo model
+# (8 MXFP4 experts) in float32 10.5 -> 5.1 ms; with matvec.PLAIN_ROWS, in bfloat16 the demo 7.0 -> 3.0 ms, the
+# benchmark model (16 bfloat16 experts) 52.2 -> 31.3 ms.
 GATHER_PAIRS = 32
 
 

@@ -43,10 +43,12 @@ SHARED_ROWS = 5
 # 4; [1024, 1024] 26 / 52 us at 1 row, 58 / 95 at 4. Past 5 rows XLA's bfloat16 products, each faster alone on
 # cache-resident weights (the demo's KDA layer: 43 against 63 us for its six products at 8 rows), cost more in a
 # whole forward than they save (each converts its weight on every call): a verify forward over 9 positions (k = 8)
-# with them native, 20 forwards in a loop, medians of 15 alternated with the old rule (5 rows, experts sorted past
-# their count), bfloat16: the demo 8.5 -> 4.3 ms, the benchmark model 52.4 -> 32.8 ms (and experts.GATHER_PAIRS);
-# unchanged at 1, 5 and batch-8 decode (0.65 / 0.68, 2.10 / 2.03, 4.70 / 4.65 ms; the benchmark model's batch 8 32.3 /
-# 32.1). Float32 stays at 5: 8 rows native made the benchmark model's batch-8 decode 42.3 -> 46.2 ms.
+# with them native (``python benchmarks/verify_cost.py --compare 5,16``, results/verify_cost.json: 20 forwards in a
+# loop, medians of 15 alternated with the old rule, 5 rows and experts sorted past their count), bfloat16: the demo
+# 7.0 -> 3.0 ms, the benchmark model 52.2 -> 31.3 ms (with experts.GATHER_PAIRS); at 1 and 5 positions unchanged
+# (0.68 / 0.68 and 1.84 / 1.81 ms; 9.0 / 9.3 and 22.7 / 22.6), batch-8 decode the demo 3.27 -> 2.67, the benchmark
+# model 35.5 / 37.0 (results/verify_cost_b8.json). Float32 stays at 5: 8 rows native made the benchmark model's
+# batch-8 decode 42.3 -> 46.2 ms.
 PLAIN_ROWS = 16
 
 
