@@ -34,9 +34,9 @@ PATHS = ("gather", "sorted", "dense")
 # even where they outnumber the experts: a verify step's k + 1 positions (top 2: 18 pairs at k = 8 and batch 1, 80 at
 # k = 4 and batch 8). A verify forward (benchmarks/verify_cost.py, as matvec.PLAIN_ROWS says), against the sorted
 # path past the experts' count (16 for the packed experts before): at batch 1 over 9 positions the demo model (8
-# MXFP4 experts) in float32 10.5 -> 5.1 ms, and with matvec.PLAIN_ROWS in bfloat16 the demo 7.0 -> 3.0 ms, the
-# benchmark model (16 bfloat16 experts) 52.2 -> 31.3 ms; at batch 8 over 5 positions (80 pairs, against a bound of
-# 32) the demo 16.9 -> 12.7 ms in float32, 14.9 -> 11.2 in bfloat16, the benchmark model 76.2 -> 71.9 ms.
+# MXFP4 experts) in float32 11.5 -> 5.8 ms, and with matvec.PLAIN_ROWS in bfloat16 the demo 6.6 -> 2.6 ms, the
+# benchmark model (16 bfloat16 experts) 50.7 -> 30.4 ms; at batch 8 over 5 positions (80 pairs, against a bound of
+# 32) the demo 16.7 -> 11.3 ms in float32, 10.6 -> 7.6 in bfloat16, the benchmark model 93.4 -> 88.7 ms.
 GATHER_PAIRS = 80
 
 

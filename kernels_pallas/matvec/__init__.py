@@ -45,9 +45,9 @@ SHARED_ROWS = 5
 # whole forward than they save (each converts its weight on every call): a verify forward over 9 positions (k = 8)
 # with them native (``python benchmarks/verify_cost.py --compare 5,16``, results/verify_cost.json: 20 forwards in a
 # loop, medians of 15 alternated with the old rule, 5 rows and experts sorted past their count), bfloat16: the demo
-# 7.0 -> 3.0 ms, the benchmark model 52.2 -> 31.3 ms (with experts.GATHER_PAIRS); at 1 and 5 positions unchanged
-# (0.68 / 0.68 and 1.84 / 1.81 ms; 9.0 / 9.3 and 22.7 / 22.6), batch-8 decode the demo 3.27 -> 2.67, the benchmark
-# model 35.5 / 37.0 (results/verify_cost_b8.json). Float32 stays at 5: 8 rows native made the benchmark model's
+# 6.6 -> 2.6 ms, the benchmark model 50.7 -> 30.4 ms (with experts.GATHER_PAIRS); at 1 and 5 positions unchanged
+# (0.62 / 0.63 and 1.74 / 1.73 ms; 9.4 / 9.1 and 19.1 / 19.3), batch-8 decode within noise (an earlier run: the demo
+# 3.27 -> 2.67, the benchmark model 35.5 / 37.0). Float32 stays at 5: 8 rows native made the benchmark model's
 # batch-8 decode 42.3 -> 46.2 ms.
 PLAIN_ROWS = 16
 
