@@ -239,6 +239,7 @@ def main(argv=None):
     import jax
 
     import kimi_jax
+    from benchmarks.decode import BENCH_CONFIG, build_weights
     from kimi_jax.generation import speculative
     from kimi_jax.generation.generate import Generator
     from kimi_jax.model.config import DEMO_DRAFTER, demo_model_dir
@@ -269,12 +270,7 @@ def main(argv=None):
         if name == "demo":
             path, tok = demo_model_dir(), True
         elif name == "bench":
-            import importlib.util
-
-            spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(HERE, "decode.py"))
-            decode = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(decode)  # benchmarks/decode.py builds the weights
-            path, tok = decode.build_weights(args.weights, decode.BENCH_CONFIG), False
+            path, tok = build_weights(args.weights, BENCH_CONFIG), False
         else:
             raise SystemExit(f"--models: unknown {name!r} (demo, bench)")
         model = kimi_jax.from_pretrained(path, dtype=args.dtype, progress=False)

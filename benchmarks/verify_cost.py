@@ -103,6 +103,7 @@ def main(argv=None):
     import jax
 
     import kimi_jax
+    from benchmarks.decode import BENCH_CONFIG, build_weights
     from kimi_jax.model.config import demo_model_dir
 
     positions = sorted({1, *(int(t) for t in args.positions.split(","))})
@@ -118,12 +119,7 @@ def main(argv=None):
         if name == "demo":
             path = demo_model_dir()
         elif name == "bench":
-            import importlib.util
-
-            spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(HERE, "decode.py"))
-            decode = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(decode)  # benchmarks/decode.py builds the weights
-            path = decode.build_weights(args.weights, decode.BENCH_CONFIG)
+            path = build_weights(args.weights, BENCH_CONFIG)
         else:
             raise SystemExit(f"--models: unknown {name!r} (demo, bench)")
         for dtype in args.dtypes.split(","):

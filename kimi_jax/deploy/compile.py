@@ -295,7 +295,6 @@ def _compile_serve_drafting(cfg, mesh, layout, sh, drafter, dt, progs, state, ca
     return out
 
 
-
 def _compiler_options(graphdef, states) -> dict | None:
     """The model's compiler options (:meth:`kimi_jax.model.run.RunConfig.compiler_options`; under the mesh that the
     program is compiled for)."""

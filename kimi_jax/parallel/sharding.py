@@ -330,12 +330,18 @@ def module_table(model) -> list[ModuleParams]:
     return out
 
 
+def mesh_sizes(mesh_or_sizes) -> dict[str, int]:
+    """``{axis: size}`` of a :class:`jax.sharding.Mesh` (or anything with a ``shape`` mapping), or a copy of a sizes
+    dict as given."""
+    return dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+
+
 def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP, *, table=None) -> dict[str, PartitionSpec]:
     """Partition spec of every parameter leaf of ``model`` (real or abstract), keyed as
     :func:`kimi_jax.model.params.leaves` keys them: "layers.3.self_attn.q_proj", "layers.3.mlp.experts.w1.packed"
     (``table``: a :func:`module_table` of the model, to skip walking it again)."""
     lay = layout(lay)
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     out = {}
     for m in table if table is not None else module_table(model):
         for name, spec in group_specs(m.arrays, sizes, lay, m.virtual, m.prefix).items():
@@ -346,7 +352,7 @@ def param_specs(model, mesh_or_sizes, lay: Layout | str = TP_EP, *, table=None) 
 def param_bytes(model, mesh_or_sizes, lay: Layout | str = TP_EP, dtype=None) -> int:
     """Bytes per device of ``model``'s parameters (real or abstract) split by :func:`param_specs`, each in ``dtype``
     where given (a copy cast to it), else its own."""
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     specs = param_specs(model, sizes, lay)
     return sum(shard_bytes(v.shape, dtype or v.dtype, specs[k], sizes)
                for k, v in params.leaves(nnx.state(model, nnx.Param)).items())
@@ -372,7 +378,7 @@ def cache_specs(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str
     repetition dimension whole. An int8 field (``Int8Rows``) gets one spec per part, codes and scales split alike
     (the scales' trailing 1 whole)."""
     lay = layout(lay)
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     virtual = {KDACache: {"heads": cfg.kda.num_heads} if cfg.kda else {},
                MLACache: {},
                KVCache: {"heads": cfg.gqa.num_heads, "kv_heads": cfg.gqa.num_kv_heads} if cfg.gqa else {}}
@@ -431,7 +437,7 @@ def draft_cache_specs(dcfg, batch: int, length: int, mesh_or_sizes, lay: Layout 
     """A :class:`~kimi_jax.model.dspark.DraftCache` of the specs of a DSpark drafter's (``dcfg``) context cache of
     ``batch`` rows and ``length`` positions: its fields' :data:`~kimi_jax.model.dspark.CACHE_AXES` (rows as the
     target's sequences, positions as its MLA latent cache's), by the rules of the module docstring."""
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     shapes = dspark.cache_shapes(dcfg, batch, length, jnp.float32)
     got = group_specs({f: (dspark.CACHE_AXES[f], getattr(shapes, f).shape) for f in dspark.CACHE_AXES}, sizes,
                       layout(lay), where="draft cache ")
@@ -440,14 +446,14 @@ def draft_cache_specs(dcfg, batch: int, length: int, mesh_or_sizes, lay: Layout 
 
 def draft_cache_bytes(dcfg, batch: int, length: int, dtype, mesh_or_sizes, lay: Layout | str = TP_EP) -> int:
     """Bytes per device of that context cache in ``dtype``, split by :func:`draft_cache_specs`."""
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     specs, shapes = draft_cache_specs(dcfg, batch, length, sizes, lay), dspark.cache_shapes(dcfg, batch, length, dtype)
     return sum(shard_bytes(getattr(shapes, f).shape, dtype, getattr(specs, f), sizes) for f in dspark.CACHE_AXES)
 
 
 def cache_bytes(cfg: ModelConfig, cache: Cache, mesh_or_sizes, lay: Layout | str = TP_EP) -> int:
     """Bytes per device of ``cache`` (real or ``cache_shapes``) split by :func:`cache_specs`."""
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     specs = jax.tree.leaves(cache_specs(cfg, cache, sizes, lay), is_leaf=lambda x: isinstance(x, PartitionSpec))
     return sum(shard_bytes(a.shape, a.dtype, spec, sizes) for a, spec in zip(jax.tree.leaves(cache), specs))
 
@@ -472,7 +478,7 @@ def put_params(state, specs: Mapping[str, PartitionSpec], mesh):
 def batch_spec(shape, mesh_or_sizes, lay: Layout | str = TP_EP) -> PartitionSpec:
     """Spec for a batch-major activation (token ids ``[B, T]``, lengths ``[B]``)."""
     lay = layout(lay)
-    sizes = dict(mesh_or_sizes.shape) if hasattr(mesh_or_sizes, "shape") else dict(mesh_or_sizes)
+    sizes = mesh_sizes(mesh_or_sizes)
     return group_specs({"x": (("batch",) + (None,) * (len(shape) - 1), tuple(shape))}, sizes, lay)["x"]
 
 
