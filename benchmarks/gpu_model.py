@@ -1,7 +1,7 @@
 """Whole-model checks on an NVIDIA GPU: the compiled Pallas kernels against the reference path and Moonshot's golden
 outputs, host offload against the on-device run, and decode speed of the shared benchmark model.
 
-    python benchmarks/gpu_model.py [--fixture DIR] [--json out.json] [--only fixture,offload,speed]
+    python benchmarks/gpu_model.py [--fixture DIR] [--json out.json] [--only fixture,offload,speed,speculative]
 
 Sections (each in its own try/except; one failure is reported and the rest still run):
 
@@ -18,6 +18,12 @@ Sections (each in its own try/except; one failure is reported and the rest still
   prompt, 63 decode steps) and prefill tokens/s at batch 1 and 8, with the kernels (the automatic choice on a GPU:
   Pallas) and with the reference path (XLA), and with int8 / int4 weights; medians of --repeats after a compiling
   call; greedy tokens of kernels vs reference compared.
+* ``speculative``: what speculative decoding can reach on this device at batch 1. The ceilings: a verify forward over
+  ``k + 1`` = 5, 9 and 17 positions against one decode position (``benchmarks/verify_cost.py``'s compiled loop, a
+  200-token cache), for the benchmark config (random bfloat16 weights) and the demo model, and ``(k + 1) / cost``,
+  the speed-up if every draft were accepted. Then the whole loop (``benchmarks/speculative.py``'s paired runs): the
+  demo model plain vs n-gram (k = 8) vs its DSpark drafter, greedy, on that benchmark's code-editing prompt and on a
+  chat question the drafter was not trained on: tokens/s, the ratio, tokens per verify step, equal tokens.
 """
 
 from __future__ import annotations
@@ -177,13 +183,63 @@ def speed(config_path: str, repeats: int, budget_s: float) -> list[dict]:
     return rows
 
 
+def _ceilings(model, repeats: int) -> list[dict]:
+    """A verify forward's cost in decode steps at 5, 9 and 17 positions, batch 1, and the speed-up at full
+    acceptance (``benchmarks/verify_cost.py``)."""
+    from benchmarks.verify_cost import measure, timed_forward
+
+    rows, base = [], None
+    for T in (1, 5, 9, 17):
+        ms = measure({"ms": timed_forward(model, T, 1, 20)}, 20, max(5, repeats))["ms"]
+        base = ms if T == 1 else base
+        rows.append({"positions": T, "ms": round(ms, 4), "cost": round(ms / base, 3),
+                     "ceiling": round(T * base / ms, 3)})
+    return rows
+
+
+def speculative(config_path: str, repeats: int, budget_s: float) -> dict:
+    # imported once jax has its backend: both modules default JAX_PLATFORMS to cpu for their own command lines
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import kimi_jax
+    from benchmarks.speculative import REPEAT_TEXT, paired
+    from kimi_jax import Generator, RunConfig
+    from kimi_jax.generation import speculative as spec
+    from kimi_jax.model.config import DEMO_DRAFTER, demo_model_dir, from_dict
+    from kimi_jax.model.decoder import KimiModel
+    from kimi_jax.text import chat
+    from kimi_jax.text.tokenizer import load_tokenizer
+
+    t_start = time.perf_counter()
+    with open(config_path) as f:
+        bench = KimiModel(from_dict(json.load(f)), run=RunConfig(dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
+    demo = kimi_jax.from_pretrained(demo_model_dir(), dtype="bfloat16", progress=False)
+    out = {"ceilings": {"bench": _ceilings(bench, repeats), "demo": _ceilings(demo, repeats)}, "loops": []}
+    print(json.dumps(out["ceilings"]), flush=True)
+    del bench
+    tok = load_tokenizer(demo_model_dir())
+    question = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
+    drafters = [spec.parse(s, dtype=demo.run.dtype) for s in ("ngram:k=8", f"dspark:{DEMO_DRAFTER}")]
+    for kind, prompt in (("repeat", REPEAT_TEXT), ("chat", question)):
+        if time.perf_counter() - t_start > budget_s:
+            out["loops"].append({"prompt": kind, "skipped": "time budget"})
+            continue
+        gen = Generator(demo, tok, max_len=512)
+        row = {"model": "demo", "prompt": kind, "batch": 1, **paired(gen, [prompt], 64, drafters, repeats)}
+        out["loops"].append(row)
+        print(json.dumps(row, default=str), flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default=os.path.join(HERE, "..", "tests", "fixtures", "k3-tiny-a"))
     ap.add_argument("--config", default=os.path.join(HERE, "configs", "kimi-linear-bench.config.json"))
-    ap.add_argument("--only", default="fixture,offload,speed")
+    ap.add_argument("--only", default="fixture,offload,speed,speculative")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--speed-budget-s", type=float, default=240.0, help="start no new speed variant after this")
+    ap.add_argument("--speed-budget-s", type=float, default=240.0,
+                    help="start no new speed variant (nor speculative loop) after this many seconds of the section")
     ap.add_argument("--json", default=None)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test: the fixture's kernels in interpret mode")
     args = ap.parse_args(argv)
@@ -195,7 +251,8 @@ def main(argv=None):
     results = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__}
     kernels = "pallas_interpret" if args.interpret else "pallas"
     sections = {"fixture": lambda: fixture(args.fixture, kernels), "offload": lambda: offload(args.fixture),
-                "speed": lambda: speed(args.config, args.repeats, args.speed_budget_s)}
+                "speed": lambda: speed(args.config, args.repeats, args.speed_budget_s),
+                "speculative": lambda: speculative(args.config, args.repeats, args.speed_budget_s)}
     ok = True
     for name in args.only.split(","):
         t0 = time.perf_counter()

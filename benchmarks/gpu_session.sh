@@ -34,7 +34,7 @@ run)
   timeout "${KT:-170}" python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" \
     | grep -v "^    "
   echo "kernels done at $(( $(date +%s) - T0 )) s"
-  timeout "${MT:-230}" python3 benchmarks/gpu_model.py --fixture .gpu/k3-tiny-a \
+  timeout "${MT:-330}" python3 benchmarks/gpu_model.py --fixture .gpu/k3-tiny-a \
     --config .gpu/kimi-linear-bench.config.json --speed-budget-s "${SB:-120}" --json "$OUT/model.json" \
     ${MODEL_ARGS:-} > "$OUT/model.log" 2>&1
   echo "model rc $? at $(( $(date +%s) - T0 )) s"
