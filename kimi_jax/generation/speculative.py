@@ -342,15 +342,20 @@ def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> 
     """The speculative loop's state after a prefill: the history holds each prompt and its first new token;
     ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`); the cost 1 (:func:`pacing`'s
     unmeasured value; the generator sets the measured one)."""
+    return SpecState(dec, *_start_rows(prompt_BT, lengths_B, dec.token, dec.count, out_len), dcache)
+
+
+@functools.partial(jax.jit, static_argnames=("out_len",))
+def _start_rows(prompt_BT, lengths_B, token_B, count_B, out_len: int):
+    """:func:`start`'s new fields (history, its lengths, the statistics, the cost) in one compiled call: its dozen
+    operations one at a time took ~3 ms of a 64-token demo request's 40 ms decode here."""
     B, T = prompt_BT.shape
     L = T + out_len
     hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))
-    rows = jnp.arange(B)
-    hist = hist.at[rows, lengths_B].set(dec.token, mode="drop")
-    hlen = lengths_B + dec.count
-    zeros = lambda: jnp.zeros((B,), jnp.int32)
-    return SpecState(dec, hist, hlen.astype(jnp.int32), zeros(), zeros(), zeros(), zeros(), jnp.ones((B,), jnp.float32),
-                     jnp.float32(1.0), dcache)
+    hist = hist.at[jnp.arange(B), lengths_B].set(token_B, mode="drop")
+    zeros = jnp.zeros((B,), jnp.int32)
+    return (hist, (lengths_B + count_B).astype(jnp.int32), zeros, zeros, zeros, zeros, jnp.ones((B,), jnp.float32),
+            jnp.float32(1.0))
 
 
 @dataclasses.dataclass(frozen=True)
