@@ -221,11 +221,13 @@ def speculative(config_path: str, repeats: int, budget_s: float) -> dict:
     tok = load_tokenizer(demo_model_dir())
     question = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
     drafters = [spec.parse(s, dtype=demo.run.dtype) for s in ("ngram:k=8", f"dspark:{DEMO_DRAFTER}")]
-    gen = Generator(demo, tok, max_len=512)  # one for both prompts: its compiled programs are kept between them
     for kind, prompt in (("repeat", REPEAT_TEXT), ("chat", question)):
         if time.perf_counter() - t_start > budget_s:
             out["loops"].append({"prompt": kind, "skipped": "time budget"})
             continue
+        # a generator per prompt: what a drafter's pacing learned (its costs and gains per batch bucket) lives in the
+        # generator, and one prompt's verdict ("drafting does not pay here") must not decide the other's
+        gen = Generator(demo, tok, max_len=512)
         row = {"model": "demo", "prompt": kind, "batch": 1, **paired(gen, [prompt], 64, drafters, repeats)}
         out["loops"].append(row)
         print(json.dumps(row, default=str), flush=True)
