@@ -31,6 +31,7 @@ How it is built (and why):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -62,6 +63,7 @@ from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 F32 = jnp.float32
 EXPLORE = 8  # a batch bucket whose requests have not drafted for this many drafts again (Generator._drafting)
 MEASURE = 8  # the steps a longer timed call adds when a verify step's cost is measured (:meth:`Generator._measure`)
+COST_SAMPLES = 5  # the timings of a batch bucket whose medians pacing weighs (_Timed)
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
 PREFILL_CHUNK = 2048  # the most prompt tokens one prefill call takes by default (vLLM's chunked-prefill default too)
 MIN_CHUNK = 16  # the smallest chunk a memory budget may ask for (the smallest prompt bucket)
@@ -312,6 +314,22 @@ class PrefillPlan:
     # (restart, chunk, first token)
 
 
+@dataclasses.dataclass
+class _Timed:
+    """A batch bucket's timings in seconds, the last ``COST_SAMPLES`` of each: the speculative loop's plain step and a
+    compiled call's own cost from each measure (:meth:`Generator._measure`), a verify step from each measure and each
+    request that drafted (:meth:`Generator._refine`). Their medians are what pacing weighs: one measure alone, on a
+    busy machine, read the same drafter's verify step as 2.8 and 4.7 plain steps in two runs."""
+
+    plain: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
+    call: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
+    verify: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
+
+    def times(self) -> tuple[float, float]:
+        """(a plain step, a verify step): the medians."""
+        return float(np.median(self.plain)), float(np.median(self.verify))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Drafter:
     """A drafter as a :class:`Generator` runs it: the loop's static drafter (:func:`~kimi_jax.generation.speculative.
@@ -323,10 +341,20 @@ class _Drafter:
     params: object = None
     model: object = None
     costs: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> (the loop's plain
-    # step, its verify step) in seconds, as measured (:meth:`Generator._measure`)
+    # step, its verify step) in seconds: the medians of its _Timed samples
+    timed: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> _Timed
     gains: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> drafts accepted per
     # sequence and verify step in its last request that drafted; skipped: requests since it last drafted
     skipped: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def sample(self, B: int, verify: float, plain: float | None = None, call: float | None = None) -> None:
+        """A timing of bucket ``B`` (seconds: a verify step, and from a measure the loop's plain step and a call's
+        own cost); ``costs[B]`` becomes the medians of the last ones."""
+        timed = self.timed.setdefault(B, _Timed())
+        for samples, value in ((timed.verify, verify), (timed.plain, plain), (timed.call, call)):
+            if value is not None:
+                samples.append(value)
+        self.costs[B] = timed.times()
 
     def learn(self, B: int, timings: dict) -> dict:
         """What a request of batch bucket ``B`` showed (its ``timings["speculative"]``, returned), for the next one's
@@ -349,8 +377,8 @@ class Generator:
 
     ``max_len``: cache length S (prompt + new tokens must fit). ``batch_buckets`` / ``prompt_buckets``:
     static shapes requests are padded to (defaults: powers of two; prompts from 16 up to ``max_len``).
-    ``kv_cache`` (None, ``"int8"`` or, K3.1, ``"int8-index"``) and ``kda_state`` (None = float32, or bfloat16): how the cache stores its
-    rows and the KDA state (:mod:`kimi_jax.model.cache`).
+    ``kv_cache`` (None, ``"int8"`` or, K3.1, ``"int8-index"``) and ``kda_state`` (None = float32, or bfloat16): how the
+    cache stores its rows and the KDA state (:mod:`kimi_jax.model.cache`).
     ``prefill_chunk``: the most prompt tokens one prefill call takes; longer prompts are prefilled in chunks of it
     (or of less, when the memory budget asks for it). ``memory_budget``: bytes per device a request may use for its
     cache and its prefill's working memory; 90% of the device's free memory is a limit too, the only one by default.
@@ -696,7 +724,8 @@ class Generator:
             spec, cost = self._paced(spec, samp, drafter, B, user.adapt)
             drafting = self._drafting(drafter, B, cost, spec, len(ids))
             if drafting:  # else the plain loop from here
-                spec = (self._decode_spec(spec, samp, int(budget.max()), drafter) if stream is None else
+                spec = (self._decode_timed(spec, samp, int(budget.max()), drafter, B, user.adapt)
+                        if stream is None else
                         self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter))
             st = spec.dec
             spec = drafter.learn(B, _spec_timings(spec, len(ids), cost, drafting))  # (before the plain loop takes st)
@@ -719,14 +748,16 @@ class Generator:
     def _paced(self, spec, samp: Sampling, drafter: _Drafter, B: int, adapt: str):
         """(``spec`` with its pacing set, a verify step's cost in plain steps or None: not measured). With
         ``adapt="cost"`` the first request of a batch bucket times a verify step and the loop's plain step on its
-        own first steps (:meth:`_measure`); later ones reuse them. The loop weighs drafts against its own plain step
-        (:func:`~kimi_jax.generation.speculative.worth_verifying`; a DSpark drafter's or a draft model's includes
-        keeping the drafter's cache); the cost returned, which decides whether to draft at all, is against the
-        cheaper of that and the plain loop's step where a plain request of the bucket was timed."""
-        if adapt == "cost" and B not in drafter.costs:
+        own first steps (:meth:`_measure`), and so does a request that drafts again after ``EXPLORE`` that did not;
+        the others reuse the medians of those and of the verify steps of the requests that drafted (:meth:`_refine`).
+        The loop weighs drafts against its own plain step (:func:`~kimi_jax.generation.speculative.worth_verifying`;
+        a DSpark drafter's or a draft model's includes keeping the drafter's cache); the cost returned, which decides
+        whether to draft at all, is against the cheaper of that and the plain loop's step where a plain request of
+        the bucket was timed."""
+        if adapt == "cost" and (B not in drafter.costs or drafter.skipped.get(B, 0) >= EXPLORE):
             spec, times = self._measure(spec, samp, drafter)
             if times is not None:
-                drafter.costs[B] = times
+                drafter.sample(B, *times)
         times = drafter.costs.get(B) if adapt == "cost" else None
         spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(times and times[1] / times[0], adapt)))
         return spec, self._cost(drafter, B, adapt)
@@ -753,12 +784,13 @@ class Generator:
         return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
 
     def _measure(self, spec, samp: Sampling, drafter: _Drafter):
-        """(``spec`` after the measuring steps, (a plain step's, a verify step's seconds) or None when a sequence ended
-        before they were measured or the times did not resolve them). After a plain step that compiles the loop and a
-        verify step that warms its other branch, calls of it run 1 and ``1 + MEASURE`` plain steps, then 1 and
-        ``1 + MEASURE`` verify steps (drafts where the drafter has them); a step's time is the difference of the two
-        calls over MEASURE (a call's own cost, a few plain steps' worth on a small model, cancels). The tokens they
-        make are the request's (greedy: the plain ones)."""
+        """(``spec`` after the measuring steps, (a verify step's, a plain step's, a call's own seconds) or None when a
+        sequence ended before they were measured or the times did not resolve them). After a plain step that compiles
+        the loop and a verify step that warms its other branch, calls of it run 1 and ``1 + MEASURE`` plain steps,
+        then 1 and ``1 + MEASURE`` verify steps (drafts where the drafter has them); a step's time is the difference
+        of the two calls over MEASURE (a call's own cost, a few plain steps' worth on a small model, cancels; it is
+        what the one-step calls took beyond their step). The tokens they make are the request's (greedy: the plain
+        ones)."""
         real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
         times = []
         for mode, n in [(speculative_mod.NEVER, 1), (speculative_mod.ALWAYS, 1), (speculative_mod.NEVER, 1),
@@ -770,7 +802,33 @@ class Generator:
                 return spec, None
             times.append(time.perf_counter() - t)
         plain, verify = (times[3] - times[2]) / MEASURE, (times[5] - times[4]) / MEASURE
-        return spec, ((plain, verify) if plain > 0 and verify > 0 else None)
+        call = max(0.0, (times[2] - plain + times[4] - verify) / 2)
+        return spec, ((verify, plain, call) if plain > 0 and verify > 0 else None)
+
+    def _decode_timed(self, spec, samp: Sampling, steps: int, drafter: _Drafter, B: int, adapt: str):
+        """:meth:`_decode_spec` over the rest of a request, its time a sample of bucket ``B``'s verify step
+        (:meth:`_refine`) with ``adapt="cost"``."""
+        before = int(_host(spec.loops)), int(_host(spec.verifies))
+        t = time.perf_counter()
+        spec = self._decode_spec(spec, samp, steps, drafter)
+        loops, verifies = int(_host(spec.loops)) - before[0], int(_host(spec.verifies)) - before[1]
+        if adapt == "cost":
+            self._refine(drafter, B, time.perf_counter() - t, loops, verifies)
+        return spec
+
+    @staticmethod
+    def _refine(drafter: _Drafter, B: int, seconds: float, loops: int, verifies: int) -> None:
+        """A request that drafted took ``seconds`` for ``loops`` steps of the speculative loop, ``verifies`` of them
+        verify steps: less a call's own cost and its plain steps (as measured), the rest over its verify steps is a
+        sample of bucket ``B``'s verify step, where it had ``MEASURE`` of them or more (fewer: the call's and the
+        plain steps' noise would swamp it)."""
+        timed = drafter.timed.get(B)
+        if timed is None or verifies < MEASURE:
+            return
+        plain, call = float(np.median(timed.plain)), float(np.median(timed.call))
+        step = (seconds - call - (loops - verifies) * plain) / verifies
+        if step > 0:
+            drafter.sample(B, step)
 
     def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
                        stream_every: int) -> list[int]:

@@ -249,6 +249,8 @@ class SpecState:
     verified: jax.Array  # [B] int32: verify steps in which the sequence had drafts
     rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
     cost: jax.Array  # [] float32: a verify step's cost in plain steps, as :func:`worth_verifying` weighs it
+    loops: jax.Array  # [] int32: loop steps taken (verify or plain)
+    verifies: jax.Array  # [] int32: of them, verify steps (the generator times them: Generator._refine)
     dcache: object = None  # a DSpark drafter's context entries (DraftCache) or a draft model's cache
 
 
@@ -355,7 +357,7 @@ def _start_rows(prompt_BT, lengths_B, token_B, count_B, out_len: int):
     hist = hist.at[jnp.arange(B), lengths_B].set(token_B, mode="drop")
     zeros = jnp.zeros((B,), jnp.int32)
     return (hist, (lengths_B + count_B).astype(jnp.int32), zeros, zeros, zeros, zeros, jnp.ones((B,), jnp.float32),
-            jnp.float32(1.0))
+            jnp.float32(1.0), jnp.int32(0), jnp.int32(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,7 +495,8 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
             dcache = _follow(dmodel, st.dcache, jnp.concatenate([d.token[:, None], drafts], axis=1), n_new)
         else:
             dcache = None
-        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp, logits)
+        st = _advance(st, cache, t, a, keep, dlen, dcache, samp, logits)
+        return i + 1, st.replace(loops=st.loops + 1, verifies=st.verifies + now.astype(jnp.int32))
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
@@ -538,4 +541,4 @@ def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, log
     return SpecState(DecodeState(cache, token, out, count, done, recorded), hist, st.hlen + n_new,
                      st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
                      st.verified + (dlen > 0).astype(jnp.int32),
-                     rate, st.cost, dcache)
+                     rate, st.cost, st.loops, st.verifies, dcache)
