@@ -495,8 +495,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
             dcache = _follow(dmodel, st.dcache, jnp.concatenate([d.token[:, None], drafts], axis=1), n_new)
         else:
             dcache = None
-        st = _advance(st, cache, t, a, keep, dlen, dcache, samp, logits)
-        return i + 1, st.replace(loops=st.loops + 1, verifies=st.verifies + now.astype(jnp.int32))
+        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp, now, logits)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
@@ -519,9 +518,10 @@ def _kept(d: DecodeState, t, a, active, samp: Sampling):
     return keep & active[:, None]
 
 
-def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, logits=None) -> SpecState:
-    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given; ``logits``
-    ``[B, k + 1, V]``: what each ``t`` was drawn from, recorded beside the kept tokens when the state records)."""
+def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, verified, logits=None) -> SpecState:
+    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given; ``verified``:
+    whether it was a verify step; ``logits`` ``[B, k + 1, V]``: what each ``t`` was drawn from, recorded beside the
+    kept tokens when the state records)."""
     d = st.dec
     B, out_len = d.out.shape
     active = ~d.done
@@ -541,4 +541,4 @@ def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, log
     return SpecState(DecodeState(cache, token, out, count, done, recorded), hist, st.hlen + n_new,
                      st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
                      st.verified + (dlen > 0).astype(jnp.int32),
-                     rate, st.cost, st.loops, st.verifies, dcache)
+                     rate, st.cost, st.loops + 1, st.verifies + verified.astype(jnp.int32), dcache)
