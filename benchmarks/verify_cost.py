@@ -3,14 +3,15 @@ mode, continuing a 200-token cache) against one decode position, for the demo mo
 and the speed-up a drafter could reach if every draft were accepted, ``(k + 1) / cost``.
 
     python benchmarks/verify_cost.py [--models demo,bench] [--dtypes bfloat16,float32] [--positions 1,5,9,17]
-                                     [--batch 1] [--compare PLAIN_ROWS,GATHER_PAIRS]
+                                     [--batch 1] [--compare PLAIN_ROWS,GATHER_PAIRS] [--replay]
 
 Each measurement is a compiled loop of ``--loop`` forwards (the host out of it), timed ``--repeats`` times; the
 table gives medians in ms per forward. ``--compare 5,16`` also runs, alternated with the default in the same
 process, the automatic kernel choice with ``kernels_pallas.matvec.PLAIN_ROWS`` and ``kernels_pallas.experts.
 GATHER_PAIRS`` set to those values (the rule before this benchmark's commit: 5 and 16 -- a packed experts' bound,
 bfloat16 experts were sorted past their count -- so the table shows what the rule bought); the constants are read
-when a forward is traced. The speculative loop adds its own work to a verify forward (drafting, acceptance, the KDA
+when a forward is traced. ``--replay`` also times each verify forward followed by its KDA commit over every position
+(the rollback's replay of the recorded recurrence inputs), alternated with the forward alone. The speculative loop adds its own work to a verify forward (drafting, acceptance, the KDA
 commit): ``benchmarks/speculative.py`` measures the whole, with text. Results go to
 ``benchmarks/results/verify_cost.json`` with the commit.
 """
@@ -33,9 +34,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 CONTEXT = 200
 
 
-def timed_forward(model, T: int, B: int, loop: int, rules=None):
+def timed_forward(model, T: int, B: int, loop: int, rules=None, commit: bool = False):
     """A compiled function running ``loop`` forwards over ``T`` positions from a ``CONTEXT``-token cache, with
-    ``rules`` = (PLAIN_ROWS, GATHER_PAIRS) set while it is traced (None: as they are); and its arguments."""
+    ``rules`` = (PLAIN_ROWS, GATHER_PAIRS) set while it is traced (None: as they are); and its arguments. ``commit``:
+    each verify forward's cache is committed over all ``T`` positions too (the KDA layers' replay,
+    :func:`kimi_jax.model.attention.commit_verified`), its states summed into the result so that the replay runs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -43,7 +46,8 @@ def timed_forward(model, T: int, B: int, loop: int, rules=None):
 
     import kernels_pallas.experts as experts
     import kernels_pallas.matvec as matvec
-    from kimi_jax.model.cache import for_verify, init_cache
+    from kimi_jax.model.attention import commit_verified
+    from kimi_jax.model.cache import KDACache, for_verify, init_cache
 
     ids = jnp.asarray(np.random.default_rng(0).integers(5, model.cfg.vocab_size, (B, CONTEXT)), jnp.int32)
     prefill = nnx.jit(lambda m, x, c: m(x, cache=c, lengths=jnp.full((B,), CONTEXT), prefix=False).cache)
@@ -57,7 +61,11 @@ def timed_forward(model, T: int, B: int, loop: int, rules=None):
         def one(i, acc):
             c = cache if T == 1 else for_verify(cache, T)
             out = m(x + i % 2, cache=c, lengths=jnp.full((B,), T), prefix=True)
-            return acc + out.logits[0, -1, 0].astype(jnp.float32)
+            acc = acc + out.logits[0, -1, 0].astype(jnp.float32)
+            if commit and T > 1:
+                kept = commit_verified(out.cache, cache.lengths, jnp.full((B,), T), m.run)
+                acc = acc + sum(e.state[..., 0, 0, 0].sum() for e in kept.layers if isinstance(e, KDACache))
+            return acc
 
         return jax.lax.fori_loop(0, loop, one, jnp.float32(0))
 
@@ -96,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--compare", default=None, metavar="PLAIN_ROWS,GATHER_PAIRS",
                     help="also run the automatic choice with these bounds, alternated with the default")
+    ap.add_argument("--replay", action="store_true",
+                    help="also time each verify forward with its KDA commit (the rollback's replay), alternated")
     ap.add_argument("--weights", default=os.path.join(os.path.expanduser("~"), ".cache", "kimi-jax", "kimi-linear-bench"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "verify_cost.json"))
     args = ap.parse_args(argv)
@@ -129,6 +139,8 @@ def main(argv=None):
                 fns = {"ms": timed_forward(model, T, args.batch, args.loop)}
                 if compare:
                     fns["compared_ms"] = timed_forward(model, T, args.batch, args.loop, compare)
+                if args.replay and T > 1:
+                    fns["replay_ms"] = timed_forward(model, T, args.batch, args.loop, commit=True)
                 row = {"model": name, "dtype": dtype, "batch": args.batch, "positions": T,
                        **measure(fns, args.loop, args.repeats)}
                 base = row if T == 1 else base
@@ -138,6 +150,7 @@ def main(argv=None):
                     row["compared_cost"] = row["compared_ms"] / base["compared_ms"]
                 rows.append(row)
                 shown = f", compared {row['compared_ms']:.3f} ms" if compare else ""
+                shown += f", with the KDA commit {row['replay_ms']:.3f} ms" if "replay_ms" in row else ""
                 print(f"{name:5s} {dtype:8s} b={args.batch} {T:2d} positions: {row['ms']:.3f} ms{shown}; "
                       f"{row['cost']:.2f} decode steps, full acceptance at most {row['ceiling']:.2f}x", flush=True)
     extra = "compared ms | " if compare else ""
@@ -150,7 +163,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"commit": commit, "batch": args.batch, "context": CONTEXT, "loop": args.loop,
-                   "repeats": args.repeats, "compare": compare, "cores": os.cpu_count(), "load_average": load[0],
+                   "repeats": args.repeats, "compare": compare, "replay": args.replay, "cores": os.cpu_count(), "load_average": load[0],
                    "when": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
