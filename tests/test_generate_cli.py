@@ -50,6 +50,17 @@ def test_demo_command(capsys):
     assert "add --random" in capsys.readouterr().err
 
 
+def test_demo_speculative_reports_a_measured_verify_step(capsys):
+    """``kimi-jax demo --speculative``: the demo's DSpark drafter over 128 new tokens, plain and speculative alike,
+    and what its verify step was measured to cost (over the demo's own budget, 32 tokens by default, the measure of a
+    verify step hardly finished, and the comparison reported its cost: 0.33x)."""
+    assert cli.main(["demo", "--max-new-tokens", "6", "--speculative"]) == 0
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("speculative (")]
+    assert len(line) == 1 and "128 new tokens, DSpark drafter k3-demo-dspark, k=4" in line[0], err
+    assert "a verify step costs" in line[0] and "tok/s plain" in line[0], line
+
+
 def test_generate_command(demo_dir, capsys):
     assert cli.main(["generate", "--model", demo_dir, "--prompt", "The capital of France is",
                      "--max-new-tokens", "5", "--no-stream"]) == 0

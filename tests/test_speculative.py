@@ -140,18 +140,15 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
 
 
-def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
-    """``adapt="cost"`` (the default): the first request of a batch bucket measures a verify step against a plain
-    step on its own first steps (the greedy tokens stay the plain ones), later requests reuse the measure, refined
-    by the verify steps of the requests that draft; where a verify step costs k + 1 plain steps or more the request
-    decodes plainly after it, and where it is cheap the drafts are used. The clock is replaced by one where a
-    compiled call costs 5 plain steps of its own and a verify step 2.5 (so the measure must cancel the calls' own
-    cost); real times are the benchmark's."""
-    clock = [0.0]
+def _fake_clock(monkeypatch) -> list:
+    """A clock for the generator where a compiled call of the speculative loop costs 5, a plain step 1 and a verify
+    step 2.5; returns the list of the calls' (pacing cost, steps)."""
+    clock, calls = [0.0], []
     spec_loop = Generator._decode_spec
 
     def timed_loop(self, st, samp, steps, drafter):
         before = int(st.loops), int(st.verifies)  # (read before the loop takes st)
+        calls.append((float(st.cost), steps))
         out = spec_loop(self, st, samp, steps, drafter)
         verifies = int(out.verifies) - before[1]
         clock[0] += 5.0 + (int(out.loops) - before[0] - verifies) * 1.0 + verifies * 2.5
@@ -159,6 +156,42 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
 
     monkeypatch.setattr(Generator, "_decode_spec", timed_loop)
     monkeypatch.setattr(generate_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return calls
+
+
+def test_short_requests_complete_a_measure_between_them(families, monkeypatch):
+    """A request that ends before its measure did keeps what was timed: the next request of its batch bucket times
+    only what is missing, without warming the loop up again (short requests each paying for a whole measure made the
+    demo's 32-token speculative request 3x slower than its plain one)."""
+    calls = _fake_clock(monkeypatch)
+    model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, model.cfg.vocab_size, 6).tolist() * 5, rng.integers(3, model.cfg.vocab_size, 9).tolist()]
+    gen = Generator(model, None, max_len=128)
+    plain = gen.generate(prompts, 64, stop=())
+    B, never, always = plain.timings["batch_bucket"], speculative.NEVER, speculative.ALWAYS
+    # 20 tokens: the warm-up (2 steps) and the plain steps' pair (10) leave fewer than the verify steps' pair's 10
+    short = gen.generate(prompts, 20, stop=(), speculative="ngram:k=4")
+    assert short.tokens == [t[:20] for t in plain.tokens]
+    record = gen._ngrams[speculative.NGram(k=4)]
+    assert short.timings["speculative"]["verify_cost"] is None and B not in record.costs
+    assert list(record.timed[B].plain) == [1.0] and not record.timed[B].verify
+    assert calls[:4] == [(never, 1), (always, 1), (never, 1), (never, 9)], calls
+    calls.clear()
+    second = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
+    assert second.tokens == plain.tokens
+    assert calls[:2] == [(always, 1), (always, 9)], calls  # no warm-up, no plain steps timed again
+    assert record.costs[B] == (1.0, 2.5) and second.timings["speculative"]["verify_cost"] == 2.5
+
+
+def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
+    """``adapt="cost"`` (the default): the first request of a batch bucket measures a verify step against a plain
+    step on its own first steps (the greedy tokens stay the plain ones), later requests reuse the measure, refined
+    by the verify steps of the requests that draft; where a verify step costs k + 1 plain steps or more the request
+    decodes plainly after it, and where it is cheap the drafts are used. The clock is replaced by one where a
+    compiled call costs 5 plain steps of its own and a verify step 2.5 (so the measure must cancel the calls' own
+    cost); real times are the benchmark's."""
+    _fake_clock(monkeypatch)
     model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
     rng = np.random.default_rng(5)
     base = rng.integers(3, model.cfg.vocab_size, 6).tolist()
@@ -172,7 +205,7 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     record = gen._ngrams[speculative.NGram(k=4)]
     assert s["verify_cost"] == pytest.approx(2.5) and record.costs == {B: (1.0, 2.5)}, s  # kept for bucket B
     timed = record.timed[B]  # the measure's samples (a call's own cost: 5; its steps made all 64 tokens here)
-    assert list(timed.plain) == [1.0] and list(timed.call) == [5.0] and list(timed.verify) == [2.5], (timed, s)
+    assert list(timed.plain) == [1.0] and list(timed.call) == [5.0, 5.0] and list(timed.verify) == [2.5], (timed, s)
     record.gains[B] = 4.0  # (as if the last request's drafts had paid: this one drafts past the measure)
     longer = gen.generate(prompts, 96, stop=(), speculative="ngram:k=4")  # ... and its verify steps are a sample
     assert longer.tokens == gen.generate(prompts, 96, stop=()).tokens
@@ -192,7 +225,8 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     record.skipped[B] = generate_mod.EXPLORE
     again = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     assert again.tokens == plain.tokens and again.timings["speculative"]["drafting"] and record.skipped[B] == 0
-    assert list(timed.verify) == [6.0, 2.5, 2.5, 2.5] and record.costs[B] == (1.0, 2.5), timed
+    assert list(timed.verify) == [6.0, 2.5, 2.5, 2.5] and list(timed.plain) == [1.0, 1.0], timed
+    assert record.costs[B] == (1.0, 2.5)
     monkeypatch.setattr(Generator, "_measure", lambda *a: pytest.fail("measured twice"))
     record.costs[B], record.gains[B] = (1.0, 3.0), 1.5  # 3 > 1 + 1.5: the last request's drafts gained too little
     assert not gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").timings["speculative"]["drafting"]

@@ -343,18 +343,20 @@ class _Drafter:
     costs: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> (the loop's plain
     # step, its verify step) in seconds: the medians of its _Timed samples
     timed: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> _Timed
+    warm: set = dataclasses.field(default_factory=set, compare=False)  # the loop shapes a measure has run (warmed)
     gains: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> drafts accepted per
     # sequence and verify step in its last request that drafted; skipped: requests since it last drafted
     skipped: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def sample(self, B: int, verify: float, plain: float | None = None, call: float | None = None) -> None:
-        """A timing of bucket ``B`` (seconds: a verify step, and from a measure the loop's plain step and a call's
-        own cost); ``costs[B]`` becomes the medians of the last ones."""
+    def sample(self, B: int, verify: float | None = None, plain: float | None = None, call: float | None = None):
+        """Timings of bucket ``B`` in seconds (a verify step, the loop's plain step, a call's own cost: those given);
+        ``costs[B]`` becomes the medians of the last ones once a plain and a verify step were timed."""
         timed = self.timed.setdefault(B, _Timed())
         for samples, value in ((timed.verify, verify), (timed.plain, plain), (timed.call, call)):
             if value is not None:
                 samples.append(value)
-        self.costs[B] = timed.times()
+        if timed.plain and timed.verify:
+            self.costs[B] = timed.times()
 
     def learn(self, B: int, timings: dict) -> dict:
         """What a request of batch bucket ``B`` showed (its ``timings["speculative"]``, returned), for the next one's
@@ -754,10 +756,9 @@ class Generator:
         a DSpark drafter's or a draft model's includes keeping the drafter's cache); the cost returned, which decides
         whether to draft at all, is against the cheaper of that and the plain loop's step where a plain request of
         the bucket was timed."""
-        if adapt == "cost" and (B not in drafter.costs or drafter.skipped.get(B, 0) >= EXPLORE):
-            spec, times = self._measure(spec, samp, drafter)
-            if times is not None:
-                drafter.sample(B, *times)
+        again = drafter.skipped.get(B, 0) >= EXPLORE
+        if adapt == "cost" and (B not in drafter.costs or again):
+            spec = self._measure(spec, samp, drafter, B, again)
         times = drafter.costs.get(B) if adapt == "cost" else None
         spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(times and times[1] / times[0], adapt)))
         return spec, self._cost(drafter, B, adapt)
@@ -783,27 +784,38 @@ class Generator:
             gain = _gain(*(int(_host(a)[:n].sum()) for a in (spec.accepted, spec.verified)))
         return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
 
-    def _measure(self, spec, samp: Sampling, drafter: _Drafter):
-        """(``spec`` after the measuring steps, (a verify step's, a plain step's, a call's own seconds) or None when a
-        sequence ended before they were measured or the times did not resolve them). After a plain step that compiles
-        the loop and a verify step that warms its other branch, calls of it run 1 and ``1 + MEASURE`` plain steps,
-        then 1 and ``1 + MEASURE`` verify steps (drafts where the drafter has them); a step's time is the difference
-        of the two calls over MEASURE (a call's own cost, a few plain steps' worth on a small model, cancels; it is
-        what the one-step calls took beyond their step). The tokens they make are the request's (greedy: the plain
-        ones)."""
+    def _measure(self, spec, samp: Sampling, drafter: _Drafter, B: int, again: bool = False):
+        """``spec`` after the steps that time bucket ``B``'s plain and verify steps, their times the drafter's samples
+        (:meth:`_Drafter.sample`). Where the loop's shapes are new, a plain step that compiles it and a verify step
+        that warms its other branch come first; then calls of 1 and ``1 + MEASURE`` plain steps (unless the bucket's
+        plain step was timed before, and this is not a measure ``again``), then of 1 and ``1 + MEASURE`` verify steps
+        (drafts where the drafter has them): a step's time is the difference of the two calls over MEASURE (a call's
+        own cost, a few plain steps' worth on a small model, cancels; it is what the one-step call took beyond its
+        step). A request that ends first keeps what was timed, so short requests complete a measure between them
+        rather than each paying for one. The tokens they make are the request's (greedy: the plain ones)."""
         real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
-        times = []
-        for mode, n in [(speculative_mod.NEVER, 1), (speculative_mod.ALWAYS, 1), (speculative_mod.NEVER, 1),
-                        (speculative_mod.NEVER, 1 + MEASURE), (speculative_mod.ALWAYS, 1),
-                        (speculative_mod.ALWAYS, 1 + MEASURE)]:
-            t = time.perf_counter()
-            spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
-            if bool(np.any(_host(spec.dec.done)[real])):
-                return spec, None
-            times.append(time.perf_counter() - t)
-        plain, verify = (times[3] - times[2]) / MEASURE, (times[5] - times[4]) / MEASURE
-        call = max(0.0, (times[2] - plain + times[4] - verify) / 2)
-        return spec, ((verify, plain, call) if plain > 0 and verify > 0 else None)
+        shapes = (spec.hist.shape, spec.dec.out.shape)
+        warm_up = shapes not in drafter.warm
+        runs = [[(speculative_mod.NEVER, 1), (speculative_mod.ALWAYS, 1)]] if warm_up else []
+        timed = drafter.timed.get(B)
+        if again or timed is None or not timed.plain:
+            runs.append([(speculative_mod.NEVER, 1), (speculative_mod.NEVER, 1 + MEASURE)])
+        runs.append([(speculative_mod.ALWAYS, 1), (speculative_mod.ALWAYS, 1 + MEASURE)])
+        for i, pair in enumerate(runs):
+            times = []
+            for mode, n in pair:
+                t = time.perf_counter()
+                spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
+                if bool(np.any(_host(spec.dec.done)[real])):
+                    return spec
+                times.append(time.perf_counter() - t)
+            step = (times[1] - times[0]) / MEASURE
+            if warm_up and i == 0:
+                drafter.warm.add(shapes)
+            elif step > 0:
+                verify = pair[0][0] == speculative_mod.ALWAYS
+                drafter.sample(B, **{"verify" if verify else "plain": step, "call": max(0.0, times[0] - step)})
+        return spec
 
     def _decode_timed(self, spec, samp: Sampling, steps: int, drafter: _Drafter, B: int, adapt: str):
         """:meth:`_decode_spec` over the rest of a request, its time a sample of bucket ``B``'s verify step
@@ -823,7 +835,7 @@ class Generator:
         sample of bucket ``B``'s verify step, where it had ``MEASURE`` of them or more (fewer: the call's and the
         plain steps' noise would swamp it)."""
         timed = drafter.timed.get(B)
-        if timed is None or verifies < MEASURE:
+        if timed is None or not timed.plain or verifies < MEASURE:
             return
         plain, call = float(np.median(timed.plain)), float(np.median(timed.call))
         step = (seconds - call - (loops - verifies) * plain) / verifies
