@@ -142,16 +142,15 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
 
 def _fake_clock(monkeypatch) -> list:
     """A clock for the generator where a compiled call of the speculative loop costs 5, a plain step 1 and a verify
-    step 2.5; returns the list of the calls' (pacing cost, steps)."""
+    step 2.5 (a call's steps are verify steps where its pacing says ALWAYS); returns the list of the calls' (pacing
+    cost, steps)."""
     clock, calls = [0.0], []
     spec_loop = Generator._decode_spec
 
     def timed_loop(self, st, samp, steps, drafter):
-        before = int(st.loops), int(st.verifies)  # (read before the loop takes st)
-        calls.append((float(st.cost), steps))
+        calls.append((float(st.cost), steps))  # (read before the loop takes st)
         out = spec_loop(self, st, samp, steps, drafter)
-        verifies = int(out.verifies) - before[1]
-        clock[0] += 5.0 + (int(out.loops) - before[0] - verifies) * 1.0 + verifies * 2.5
+        clock[0] += 5.0 + steps * (2.5 if calls[-1][0] < 0 else 1.0)
         return out
 
     monkeypatch.setattr(Generator, "_decode_spec", timed_loop)
@@ -175,7 +174,7 @@ def test_short_requests_complete_a_measure_between_them(families, monkeypatch):
     assert short.tokens == [t[:20] for t in plain.tokens]
     record = gen._ngrams[speculative.NGram(k=4)]
     assert short.timings["speculative"]["verify_cost"] is None and B not in record.costs
-    assert list(record.timed[B].plain) == [1.0] and not record.timed[B].verify
+    assert not record.timed[B].plain and record.timed[B].pending == 1.0  # the plain steps' time, kept
     assert calls[:4] == [(never, 1), (always, 1), (never, 1), (never, 9)], calls
     calls.clear()
     second = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
@@ -186,9 +185,9 @@ def test_short_requests_complete_a_measure_between_them(families, monkeypatch):
 
 def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
     """``adapt="cost"`` (the default): the first request of a batch bucket measures a verify step against a plain
-    step on its own first steps (the greedy tokens stay the plain ones), later requests reuse the measure, refined
-    by the verify steps of the requests that draft; where a verify step costs k + 1 plain steps or more the request
-    decodes plainly after it, and where it is cheap the drafts are used. The clock is replaced by one where a
+    step on its own first steps (the greedy tokens stay the plain ones), as do the next requests until the bucket
+    has MEASURES measures, and later requests reuse their medians; where a verify step costs k + 1 plain steps or
+    more the request decodes plainly after it, and where it is cheap the drafts are used. The clock is replaced by one where a
     compiled call costs 5 plain steps of its own and a verify step 2.5 (so the measure must cancel the calls' own
     cost); real times are the benchmark's."""
     _fake_clock(monkeypatch)
@@ -204,13 +203,12 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     assert first.tokens == plain.tokens
     record = gen._ngrams[speculative.NGram(k=4)]
     assert s["verify_cost"] == pytest.approx(2.5) and record.costs == {B: (1.0, 2.5)}, s  # kept for bucket B
-    timed = record.timed[B]  # the measure's samples (a call's own cost: 5; its steps made all 64 tokens here)
-    assert list(timed.plain) == [1.0] and list(timed.call) == [5.0, 5.0] and list(timed.verify) == [2.5], (timed, s)
-    record.gains[B] = 4.0  # (as if the last request's drafts had paid: this one drafts past the measure)
-    longer = gen.generate(prompts, 96, stop=(), speculative="ngram:k=4")  # ... and its verify steps are a sample
-    assert longer.tokens == gen.generate(prompts, 96, stop=()).tokens
-    assert longer.timings["speculative"]["verify_steps"] >= generate_mod.MEASURE, longer.timings["speculative"]
-    assert list(timed.verify) == [2.5, 2.5] and record.costs[B] == (1.0, 2.5), timed
+    timed = record.timed[B]
+    assert list(timed.plain) == [1.0] and list(timed.ratio) == [2.5] and timed.pending is None, timed
+    for _ in range(generate_mod.MEASURES - 1):  # the bucket's next requests that draft measure too
+        record.gains[B] = 4.0  # (as if the last request's drafts had paid)
+        assert gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").tokens == plain.tokens
+    assert list(timed.ratio) == [2.5] * generate_mod.MEASURES and record.costs[B] == (1.0, 2.5), timed
     measure = Generator._measure
     monkeypatch.setattr(Generator, "_measure", lambda *a: pytest.fail("measured twice"))
     record.costs[B] = (1.0, 6.0)  # a verify step dearer than k + 1 = 5 plain steps: drafting cannot pay
@@ -221,12 +219,11 @@ def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(fam
     # ... but a bucket that has not drafted for a while tries again, measuring anew: one measure on a busy machine
     # that read a verify step as 6 plain steps is outvoted in the medians of the samples
     monkeypatch.setattr(Generator, "_measure", measure)
-    timed.verify.appendleft(6.0)
+    timed.ratio.appendleft(6.0)
     record.skipped[B] = generate_mod.EXPLORE
     again = gen.generate(prompts, 64, stop=(), speculative="ngram:k=4")
     assert again.tokens == plain.tokens and again.timings["speculative"]["drafting"] and record.skipped[B] == 0
-    assert list(timed.verify) == [6.0, 2.5, 2.5, 2.5] and list(timed.plain) == [1.0, 1.0], timed
-    assert record.costs[B] == (1.0, 2.5)
+    assert list(timed.ratio) == [6.0, 2.5, 2.5, 2.5, 2.5] and record.costs[B] == (1.0, 2.5), timed
     monkeypatch.setattr(Generator, "_measure", lambda *a: pytest.fail("measured twice"))
     record.costs[B], record.gains[B] = (1.0, 3.0), 1.5  # 3 > 1 + 1.5: the last request's drafts gained too little
     assert not gen.generate(prompts, 64, stop=(), speculative="ngram:k=4").timings["speculative"]["drafting"]

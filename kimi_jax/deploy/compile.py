@@ -148,8 +148,7 @@ def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, 
                                                      layout=layout)
     dec = DecodeState(cache, arg((B,), i32), arg((B, context), i32), arg((B,), i32), arg((B,), jnp.bool_))
     state = speculative.SpecState(dec, arg((B, 2 * context), i32), arg((B,), i32), arg((B,), i32), arg((B,), i32),
-                                  arg((B,), i32), arg((B,), i32), arg((B,), f32), arg((), f32), arg((), i32),
-                                  arg((), i32), dcache)
+                                  arg((B,), i32), arg((B,), i32), arg((B,), f32), arg((), f32), dcache)
     samp = Sampling(arg((B,), f32), arg((B,), i32), arg((B,), f32), arg((B,), i32), arg((4,), i32),
                     arg((), jnp.uint32))
     t0 = time.perf_counter()

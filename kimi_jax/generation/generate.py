@@ -63,7 +63,8 @@ from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 F32 = jnp.float32
 EXPLORE = 8  # a batch bucket whose requests have not drafted for this many drafts again (Generator._drafting)
 MEASURE = 8  # the steps a longer timed call adds when a verify step's cost is measured (:meth:`Generator._measure`)
-COST_SAMPLES = 5  # the timings of a batch bucket whose medians pacing weighs (_Timed)
+COST_SAMPLES = 5  # the measures of a batch bucket whose medians pacing weighs (_Timed) ...
+MEASURES = 3  # ... of which the first requests of a bucket take this many (one each)
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this (-1 = unused) so stop lists do not recompile
 PREFILL_CHUNK = 2048  # the most prompt tokens one prefill call takes by default (vLLM's chunked-prefill default too)
 MIN_CHUNK = 16  # the smallest chunk a memory budget may ask for (the smallest prompt bucket)
@@ -316,18 +317,20 @@ class PrefillPlan:
 
 @dataclasses.dataclass
 class _Timed:
-    """A batch bucket's timings in seconds, the last ``COST_SAMPLES`` of each: the speculative loop's plain step and a
-    compiled call's own cost from each measure (:meth:`Generator._measure`), a verify step from each measure and each
-    request that drafted (:meth:`Generator._refine`). Their medians are what pacing weighs: one measure alone, on a
-    busy machine, read the same drafter's verify step as 2.8 and 4.7 plain steps in two runs."""
+    """A batch bucket's measures (:meth:`Generator._measure`), the last ``COST_SAMPLES``: each a plain step of the
+    speculative loop and a verify step's cost in plain steps (timed in one request, or in two where the first ended
+    before its verify steps were timed: ``pending``, its plain step). Their medians are what pacing weighs: one
+    measure alone read the same drafter's verify step as 2.8 and 4.7 plain steps in two runs on a busy machine, and
+    the first after the loop compiled timed the demo's plain step at 2.7x what it takes warm."""
 
     plain: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
-    call: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
-    verify: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
+    ratio: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_SAMPLES))
+    pending: float | None = None
 
     def times(self) -> tuple[float, float]:
-        """(a plain step, a verify step): the medians."""
-        return float(np.median(self.plain)), float(np.median(self.verify))
+        """(a plain step, a verify step) in seconds: the median plain step, and that times the median cost."""
+        plain = float(np.median(self.plain))
+        return plain, plain * float(np.median(self.ratio))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,14 +351,14 @@ class _Drafter:
     # sequence and verify step in its last request that drafted; skipped: requests since it last drafted
     skipped: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def sample(self, B: int, verify: float | None = None, plain: float | None = None, call: float | None = None):
-        """Timings of bucket ``B`` in seconds (a verify step, the loop's plain step, a call's own cost: those given);
-        ``costs[B]`` becomes the medians of the last ones once a plain and a verify step were timed."""
+    def sample(self, B: int, plain: float, verify: float | None) -> None:
+        """A measure of bucket ``B`` (seconds: the loop's plain step and its verify step, or None where the request
+        ended before the verify step was timed: kept pending for the next measure); ``costs[B]``: the medians."""
         timed = self.timed.setdefault(B, _Timed())
-        for samples, value in ((timed.verify, verify), (timed.plain, plain), (timed.call, call)):
-            if value is not None:
-                samples.append(value)
-        if timed.plain and timed.verify:
+        timed.pending = None if verify is not None else plain
+        if verify is not None:
+            timed.plain.append(plain)
+            timed.ratio.append(verify / plain)
             self.costs[B] = timed.times()
 
     def learn(self, B: int, timings: dict) -> dict:
@@ -726,8 +729,7 @@ class Generator:
             spec, cost = self._paced(spec, samp, drafter, B, user.adapt)
             drafting = self._drafting(drafter, B, cost, spec, len(ids))
             if drafting:  # else the plain loop from here
-                spec = (self._decode_timed(spec, samp, int(budget.max()), drafter, B, user.adapt)
-                        if stream is None else
+                spec = (self._decode_spec(spec, samp, int(budget.max()), drafter) if stream is None else
                         self._decode_streaming(spec, samp, len(ids), stop, stream, stream_every, drafter))
             st = spec.dec
             spec = drafter.learn(B, _spec_timings(spec, len(ids), cost, drafting))  # (before the plain loop takes st)
@@ -749,16 +751,15 @@ class Generator:
 
     def _paced(self, spec, samp: Sampling, drafter: _Drafter, B: int, adapt: str):
         """(``spec`` with its pacing set, a verify step's cost in plain steps or None: not measured). With
-        ``adapt="cost"`` the first request of a batch bucket times a verify step and the loop's plain step on its
-        own first steps (:meth:`_measure`), and so does a request that drafts again after ``EXPLORE`` that did not;
-        the others reuse the medians of those and of the verify steps of the requests that drafted (:meth:`_refine`).
-        The loop weighs drafts against its own plain step (:func:`~kimi_jax.generation.speculative.worth_verifying`;
+        ``adapt="cost"`` the first ``MEASURES`` requests of a batch bucket time a verify step and the loop's plain
+        step on their own first steps (:meth:`_measure`), and so does a request that drafts again after ``EXPLORE``
+        that did not; the others reuse the medians of those measures. The loop weighs drafts against its own plain step (:func:`~kimi_jax.generation.speculative.worth_verifying`;
         a DSpark drafter's or a draft model's includes keeping the drafter's cache); the cost returned, which decides
         whether to draft at all, is against the cheaper of that and the plain loop's step where a plain request of
         the bucket was timed."""
-        again = drafter.skipped.get(B, 0) >= EXPLORE
-        if adapt == "cost" and (B not in drafter.costs or again):
-            spec = self._measure(spec, samp, drafter, B, again)
+        timed = drafter.timed.get(B)
+        if adapt == "cost" and (timed is None or len(timed.ratio) < MEASURES or drafter.skipped.get(B, 0) >= EXPLORE):
+            spec = self._measure(spec, samp, drafter, B)
         times = drafter.costs.get(B) if adapt == "cost" else None
         spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(times and times[1] / times[0], adapt)))
         return spec, self._cost(drafter, B, adapt)
@@ -784,63 +785,42 @@ class Generator:
             gain = _gain(*(int(_host(a)[:n].sum()) for a in (spec.accepted, spec.verified)))
         return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
 
-    def _measure(self, spec, samp: Sampling, drafter: _Drafter, B: int, again: bool = False):
-        """``spec`` after the steps that time bucket ``B``'s plain and verify steps, their times the drafter's samples
-        (:meth:`_Drafter.sample`). Where the loop's shapes are new, a plain step that compiles it and a verify step
-        that warms its other branch come first; then calls of 1 and ``1 + MEASURE`` plain steps (unless the bucket's
-        plain step was timed before, and this is not a measure ``again``), then of 1 and ``1 + MEASURE`` verify steps
-        (drafts where the drafter has them): a step's time is the difference of the two calls over MEASURE (a call's
-        own cost, a few plain steps' worth on a small model, cancels; it is what the one-step call took beyond its
-        step). A request that ends first keeps what was timed, so short requests complete a measure between them
-        rather than each paying for one. The tokens they make are the request's (greedy: the plain ones)."""
+    def _measure(self, spec, samp: Sampling, drafter: _Drafter, B: int):
+        """``spec`` after the steps that time bucket ``B``'s plain and verify steps (a measure: the drafter's sample,
+        :meth:`_Drafter.sample`). Where the loop's shapes are new, a plain step that compiles it and a verify step
+        that warms its other branch come first; then calls of 1 and ``1 + MEASURE`` plain steps (unless the last
+        request timed them and ended before its verify steps), then of 1 and ``1 + MEASURE`` verify steps (drafts
+        where the drafter has them): a step's time is the difference of the two calls over MEASURE (a call's own
+        cost, a few plain steps' worth on a small model, cancels). A request that ends first keeps its plain step for
+        the next, so short requests complete a measure between them rather than each paying for one. The tokens they
+        make are the request's (greedy: the plain ones)."""
         real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
-        shapes = (spec.hist.shape, spec.dec.out.shape)
-        warm_up = shapes not in drafter.warm
-        runs = [[(speculative_mod.NEVER, 1), (speculative_mod.ALWAYS, 1)]] if warm_up else []
+        shapes = tuple(a.shape for a in jax.tree.leaves((spec.hist, spec.dec.out, spec.dec.logits, samp.stop)))
+        never, always = speculative_mod.NEVER, speculative_mod.ALWAYS
+        runs = [] if shapes in drafter.warm else [((never, 1), (always, 1))]
         timed = drafter.timed.get(B)
-        if again or timed is None or not timed.plain:
-            runs.append([(speculative_mod.NEVER, 1), (speculative_mod.NEVER, 1 + MEASURE)])
-        runs.append([(speculative_mod.ALWAYS, 1), (speculative_mod.ALWAYS, 1 + MEASURE)])
-        for i, pair in enumerate(runs):
+        plain = None if timed is None else timed.pending
+        runs += [((mode, 1), (mode, 1 + MEASURE)) for mode in ([never] if plain is None else []) + [always]]
+        for run in runs:
             times = []
-            for mode, n in pair:
+            for mode, n in run:
                 t = time.perf_counter()
                 spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
                 if bool(np.any(_host(spec.dec.done)[real])):
+                    if plain is not None:
+                        drafter.sample(B, plain, None)
                     return spec
                 times.append(time.perf_counter() - t)
             step = (times[1] - times[0]) / MEASURE
-            if warm_up and i == 0:
+            if run[0][0] != run[1][0]:  # the warm-up
                 drafter.warm.add(shapes)
-            elif step > 0:
-                verify = pair[0][0] == speculative_mod.ALWAYS
-                drafter.sample(B, **{"verify" if verify else "plain": step, "call": max(0.0, times[0] - step)})
+            elif step <= 0:  # the clock did not resolve it
+                return spec
+            elif run[0][0] == never:
+                plain = step
+            else:
+                drafter.sample(B, plain, step)
         return spec
-
-    def _decode_timed(self, spec, samp: Sampling, steps: int, drafter: _Drafter, B: int, adapt: str):
-        """:meth:`_decode_spec` over the rest of a request, its time a sample of bucket ``B``'s verify step
-        (:meth:`_refine`) with ``adapt="cost"``."""
-        before = int(_host(spec.loops)), int(_host(spec.verifies))
-        t = time.perf_counter()
-        spec = self._decode_spec(spec, samp, steps, drafter)
-        loops, verifies = int(_host(spec.loops)) - before[0], int(_host(spec.verifies)) - before[1]
-        if adapt == "cost":
-            self._refine(drafter, B, time.perf_counter() - t, loops, verifies)
-        return spec
-
-    @staticmethod
-    def _refine(drafter: _Drafter, B: int, seconds: float, loops: int, verifies: int) -> None:
-        """A request that drafted took ``seconds`` for ``loops`` steps of the speculative loop, ``verifies`` of them
-        verify steps: less a call's own cost and its plain steps (as measured), the rest over its verify steps is a
-        sample of bucket ``B``'s verify step, where it had ``MEASURE`` of them or more (fewer: the call's and the
-        plain steps' noise would swamp it)."""
-        timed = drafter.timed.get(B)
-        if timed is None or not timed.plain or verifies < MEASURE:
-            return
-        plain, call = float(np.median(timed.plain)), float(np.median(timed.call))
-        step = (seconds - call - (loops - verifies) * plain) / verifies
-        if step > 0:
-            drafter.sample(B, step)
 
     def _check_request(self, ids: list[list[int]], budget, stop: Sequence[int] | None, seed: int,
                        stream_every: int) -> list[int]:

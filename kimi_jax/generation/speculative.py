@@ -249,8 +249,6 @@ class SpecState:
     verified: jax.Array  # [B] int32: verify steps in which the sequence had drafts
     rate: jax.Array  # [B] float32: recent share of drafted tokens accepted (moving average)
     cost: jax.Array  # [] float32: a verify step's cost in plain steps, as :func:`worth_verifying` weighs it
-    loops: jax.Array  # [] int32: loop steps taken (verify or plain)
-    verifies: jax.Array  # [] int32: of them, verify steps (the generator times them: Generator._refine)
     dcache: object = None  # a DSpark drafter's context entries (DraftCache) or a draft model's cache
 
 
@@ -357,7 +355,7 @@ def _start_rows(prompt_BT, lengths_B, token_B, count_B, out_len: int):
     hist = hist.at[jnp.arange(B), lengths_B].set(token_B, mode="drop")
     zeros = jnp.zeros((B,), jnp.int32)
     return (hist, (lengths_B + count_B).astype(jnp.int32), zeros, zeros, zeros, zeros, jnp.ones((B,), jnp.float32),
-            jnp.float32(1.0), jnp.int32(0), jnp.int32(0))
+            jnp.float32(1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,7 +493,7 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
             dcache = _follow(dmodel, st.dcache, jnp.concatenate([d.token[:, None], drafts], axis=1), n_new)
         else:
             dcache = None
-        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp, now, logits)
+        return i + 1, _advance(st, cache, t, a, keep, dlen, dcache, samp, logits)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
@@ -518,10 +516,9 @@ def _kept(d: DecodeState, t, a, active, samp: Sampling):
     return keep & active[:, None]
 
 
-def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, verified, logits=None) -> SpecState:
-    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given; ``verified``:
-    whether it was a verify step; ``logits`` ``[B, k + 1, V]``: what each ``t`` was drawn from, recorded beside the
-    kept tokens when the state records)."""
+def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, logits=None) -> SpecState:
+    """The loop's state after a step that kept ``t[keep]`` (the new cache and drafter context given; ``logits``
+    ``[B, k + 1, V]``: what each ``t`` was drawn from, recorded beside the kept tokens when the state records)."""
     d = st.dec
     B, out_len = d.out.shape
     active = ~d.done
@@ -541,4 +538,4 @@ def _advance(st: SpecState, cache, t, a, keep, dlen, dcache, samp: Sampling, ver
     return SpecState(DecodeState(cache, token, out, count, done, recorded), hist, st.hlen + n_new,
                      st.steps + active.astype(jnp.int32), st.drafted + dlen, st.accepted + jnp.minimum(a, n_new),
                      st.verified + (dlen > 0).astype(jnp.int32),
-                     rate, st.cost, st.loops + 1, st.verifies + verified.astype(jnp.int32), dcache)
+                     rate, st.cost, dcache)
