@@ -182,7 +182,9 @@ def paired(gen, ps, new: int, drafters: list, repeats: int) -> dict:
     """Plain and each drafter, paired per repeat (the order rotated): the plain median and per drafter its median
     tokens/s, the median of the paired ratios, its acceptance and whether its tokens equal the plain ones. The first
     drafter's fields at the top level, a DSpark drafter's under ``dspark``."""
-    for _ in range(2):  # compile; adapt=cost measures on the first request and decides on the second
+    from kimi_jax.generation.generate import MEASURES
+
+    for _ in range(MEASURES):  # compile; adapt=cost measures on the first MEASURES requests that draft
         for s in [None, *drafters]:
             run_once(gen, ps, new, s)
     plain, runs = [], {i: [] for i in range(len(drafters))}
