@@ -11,8 +11,9 @@ process, the automatic kernel choice with ``kernels_pallas.matvec.PLAIN_ROWS`` a
 GATHER_PAIRS`` set to those values (the rule before this benchmark's commit: 5 and 16 -- a packed experts' bound,
 bfloat16 experts were sorted past their count -- so the table shows what the rule bought); the constants are read
 when a forward is traced. ``--replay`` also times each verify forward followed by its KDA commit over every position
-(the rollback's replay of the recorded recurrence inputs), alternated with the forward alone. The speculative loop adds its own work to a verify forward (drafting, acceptance, the KDA
-commit): ``benchmarks/speculative.py`` measures the whole, with text. Results go to
+(the rollback's replay of the recorded recurrence inputs), alternated with the forward alone. The speculative loop
+adds its own work to a verify forward (drafting, acceptance, the KDA commit): ``benchmarks/speculative.py`` measures
+the whole, with text. Results go to
 ``benchmarks/results/verify_cost.json`` with the commit.
 """
 
@@ -163,7 +164,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"commit": commit, "batch": args.batch, "context": CONTEXT, "loop": args.loop,
-                   "repeats": args.repeats, "compare": compare, "replay": args.replay, "cores": os.cpu_count(), "load_average": load[0],
+                   "repeats": args.repeats, "compare": compare, "replay": args.replay, "cores": os.cpu_count(),
+                   "load_average": load[0],
                    "when": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 

@@ -183,13 +183,13 @@ def test_short_requests_complete_a_measure_between_them(families, monkeypatch):
     assert record.costs[B] == (1.0, 2.5) and second.timings["speculative"]["verify_cost"] == 2.5
 
 
-def test_cost_pacing_is_measured_once_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
+def test_cost_pacing_is_measured_per_bucket_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
     """``adapt="cost"`` (the default): the first request of a batch bucket measures a verify step against a plain
     step on its own first steps (the greedy tokens stay the plain ones), as do the next requests until the bucket
     has MEASURES measures, and later requests reuse their medians; where a verify step costs k + 1 plain steps or
-    more the request decodes plainly after it, and where it is cheap the drafts are used. The clock is replaced by one where a
-    compiled call costs 5 plain steps of its own and a verify step 2.5 (so the measure must cancel the calls' own
-    cost); real times are the benchmark's."""
+    more the request decodes plainly after it, and where it is cheap the drafts are used. The clock is replaced by one
+    where a compiled call costs 5 plain steps of its own and a verify step 2.5 (so the measure must cancel the calls'
+    own cost); real times are the benchmark's."""
     _fake_clock(monkeypatch)
     model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
     rng = np.random.default_rng(5)

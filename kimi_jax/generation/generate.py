@@ -751,12 +751,13 @@ class Generator:
 
     def _paced(self, spec, samp: Sampling, drafter: _Drafter, B: int, adapt: str):
         """(``spec`` with its pacing set, a verify step's cost in plain steps or None: not measured). With
-        ``adapt="cost"`` the first ``MEASURES`` requests of a batch bucket time a verify step and the loop's plain
-        step on their own first steps (:meth:`_measure`), and so does a request that drafts again after ``EXPLORE``
-        that did not; the others reuse the medians of those measures. The loop weighs drafts against its own plain step (:func:`~kimi_jax.generation.speculative.worth_verifying`;
-        a DSpark drafter's or a draft model's includes keeping the drafter's cache); the cost returned, which decides
-        whether to draft at all, is against the cheaper of that and the plain loop's step where a plain request of
-        the bucket was timed."""
+        ``adapt="cost"`` the first ``MEASURES`` speculative requests of a batch bucket time a verify step and the
+        loop's plain step on their own first steps (:meth:`_measure`), and so does one that drafts again after
+        ``EXPLORE`` requests that did not; the others reuse the medians of those measures. The loop weighs drafts
+        against its own plain step (:func:`~kimi_jax.generation.speculative.worth_verifying`; a DSpark drafter's or a
+        draft model's includes keeping the drafter's cache); the cost returned, which decides whether to draft at
+        all, is against the cheaper of that and the plain loop's step where a plain request of the bucket was
+        timed."""
         timed = drafter.timed.get(B)
         if adapt == "cost" and (timed is None or len(timed.ratio) < MEASURES or drafter.skipped.get(B, 0) >= EXPLORE):
             spec = self._measure(spec, samp, drafter, B)
