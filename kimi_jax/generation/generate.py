@@ -796,28 +796,34 @@ class Generator:
         the next, so short requests complete a measure between them rather than each paying for one. The tokens they
         make are the request's (greedy: the plain ones)."""
         real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
-        shapes = tuple(a.shape for a in jax.tree.leaves((spec.hist, spec.dec.out, spec.dec.logits, samp.stop)))
         never, always = speculative_mod.NEVER, speculative_mod.ALWAYS
-        runs = [] if shapes in drafter.warm else [((never, 1), (always, 1))]
+
+        def call(spec, mode, n: int):
+            """(``spec`` after ``n`` steps paced by ``mode``, their seconds or None where a sequence ended)."""
+            t = time.perf_counter()
+            spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
+            return spec, None if bool(np.any(_host(spec.dec.done)[real])) else time.perf_counter() - t
+
+        shapes = tuple(a.shape for a in jax.tree.leaves((spec.hist, spec.dec.out, spec.dec.logits, samp.stop)))
+        if shapes not in drafter.warm:  # compile the loop, warm its verify branch
+            for mode in (never, always):
+                spec, seconds = call(spec, mode, 1)
+                if seconds is None:
+                    return spec
+            drafter.warm.add(shapes)
         timed = drafter.timed.get(B)
         plain = None if timed is None else timed.pending
-        runs += [((mode, 1), (mode, 1 + MEASURE)) for mode in ([never] if plain is None else []) + [always]]
-        for run in runs:
-            times = []
-            for mode, n in run:
-                t = time.perf_counter()
-                spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
-                if bool(np.any(_host(spec.dec.done)[real])):
-                    if plain is not None:
-                        drafter.sample(B, plain, None)
-                    return spec
-                times.append(time.perf_counter() - t)
-            step = (times[1] - times[0]) / MEASURE
-            if run[0][0] != run[1][0]:  # the warm-up
-                drafter.warm.add(shapes)
-            elif step <= 0:  # the clock did not resolve it
+        for mode in ([never] if plain is None else []) + [always]:
+            spec, one = call(spec, mode, 1)
+            spec, more = (spec, None) if one is None else call(spec, mode, 1 + MEASURE)
+            if more is None:  # the request ended: a plain step timed waits for the next one's verify steps
+                if plain is not None:
+                    drafter.sample(B, plain, None)
                 return spec
-            elif run[0][0] == never:
+            step = (more - one) / MEASURE
+            if step <= 0:  # the clock did not resolve it
+                return spec
+            if mode == never:
                 plain = step
             else:
                 drafter.sample(B, plain, step)
