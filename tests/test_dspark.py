@@ -178,6 +178,23 @@ def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     assert spec.timings["speculative"]["tokens_per_step"] > 1.5, spec.timings["speculative"]
 
 
+def test_dspark_demo_names_the_shipped_drafter(tmp_path, monkeypatch):
+    """``dspark:demo`` (as ``--model demo``) is the drafter shipped for the demo model: its weights, its block size
+    unless ``k`` is given; a local directory named ``demo`` wins over the name, as for models."""
+    shipped = load_drafter(DEMO_DRAFTER)
+    named = speculative.parse("dspark:demo,k=3")
+    assert named.k == 3 and named.model.cfg == shipped.cfg
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(shipped, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(named.model, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=str(path))
+    assert speculative.parse("dspark:demo", weights=False).k == shipped.cfg.block_size
+    speculative.check("dspark:demo")  # what a command checks before it loads anything
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("demo")
+    with pytest.raises(FileNotFoundError, match=r"demo/config.json: no config.json"):
+        speculative.parse("dspark:demo")
+
+
 # scanned -m slow (CI time: 16 s): the scanned model's hidden states are the unrolled one's (tests/test_scan.py)
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unrolled", "scanned"])
 def test_attn_res_stream_is_what_the_next_layer_reads(k3_tiny_a, monkeypatch, scan):

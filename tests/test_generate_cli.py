@@ -198,6 +198,21 @@ def test_chat_session(demo_dir, capsys, monkeypatch):
     assert err.count("reply cut at 4 tokens") == sum(end not in r.tokens[0] for r in results)
 
 
+def test_chat_speculative_replies_as_plain(capsys):
+    """``kimi-jax chat --speculative dspark:demo``: the shipped model with its shipped drafter (float32, greedy, every
+    drafted step verified) replies exactly as plain chat, turn after turn, and says each turn's acceptance."""
+    lines = "What is the zipfile module?\nAnd the for statement?\n"
+    base = ["chat", "--max-new-tokens", "24", "--dtype", "float32", "--max-len", "256"]
+    outs = []
+    for extra in ([], ["--speculative", "dspark:demo,adapt=acceptance"]):
+        generate_cli.run_chat(cli.build_parser().parse_args(base + extra), stdin=io.StringIO(lines))
+        outs.append(capsys.readouterr())
+    (plain, _), (spec, err) = outs
+    assert spec == plain and plain.count("kimi> ") == 2
+    said = re.findall(r"speculative \(dspark:demo,adapt=acceptance\): (\d+) of (\d+) drafted tokens accepted", err)
+    assert len(said) == 2 and all(0 < int(a) <= int(d) for a, d in said), err
+
+
 def test_compile_cache_location(monkeypatch, tmp_path):
     monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", str(tmp_path / "c"))
     assert common.default_compile_cache() == str(tmp_path / "c")

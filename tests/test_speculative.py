@@ -140,6 +140,23 @@ def test_greedy_speculative_equals_plain(families, family, batch, monkeypatch):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=2e-5)
 
 
+def test_one_loop_program_serves_every_prompt_bucket(families):
+    """The loop's history is as long as the cache, whatever the prompt's bucket: a longer prompt (a chat's next turn)
+    compiles its prefill, never the speculative loop again (it did: the history was the bucket plus the cache)."""
+    model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
+    gen = Generator(model, None, max_len=96)
+    drafter = speculative.NGram(k=3, adapt="acceptance")
+    rng = np.random.default_rng(0)
+    seen = []
+    for n in (5, 40, 70):  # prompt buckets 16, 64 and 96
+        prompt = rng.integers(3, model.cfg.vocab_size, n).tolist()
+        spec = gen.generate([prompt], 12, stop=(), speculative=drafter)
+        assert spec.tokens == gen.generate([prompt], 12, stop=()).tokens
+        assert spec.timings["speculative"]["verify_steps"] > 0  # (the loop ran)
+        seen.append(speculative.decode._cache_size())
+    assert seen[0] >= 1 and seen[0] == seen[1] == seen[2], seen
+
+
 def _fake_clock(monkeypatch) -> list:
     """A clock for the generator where a compiled call of the speculative loop costs 5, a plain step 1 and a verify
     step 2.5 (a call's steps are verify steps where its pacing says ALWAYS); returns the list of the calls' (pacing

@@ -20,7 +20,7 @@ from flax import nnx
 from kimi_jax.checkpoint.names import DSPARK_SHARED, WeightError, dspark_target, finite
 from kimi_jax.checkpoint.safetensors import DTYPES, Checkpoint
 from kimi_jax.checkpoint.safetensors_write import Entry, write_file
-from kimi_jax.model.config import read_json
+from kimi_jax.model.config import drafter_dir, read_json
 from kimi_jax.model.dspark import DSparkModel, abstract, config_from_dict
 from kimi_jax.model.params import fill, leaves
 
@@ -31,8 +31,8 @@ def abstract_drafter(path, dtype=None, *, target_cfg=None) -> DSparkModel:
     """The drafter that ``path``'s ``config.json`` describes, abstract (``nnx.eval_shape``: its parameters are
     ``jax.ShapeDtypeStruct`` in ``dtype``, default float32; nothing allocated, no weights read): what planning and
     deviceless compiles need (``kimi-jax plan --compile ... --speculative dspark:PATH``). ``target_cfg``: checked as
-    :func:`load_drafter` checks it."""
-    cfg = config_from_dict(read_json(path))
+    :func:`load_drafter` checks it. ``path`` ``"demo"``: the drafter shipped for the demo model."""
+    cfg = config_from_dict(read_json(drafter_dir(path)))
     if target_cfg is not None:
         cfg.check_target(target_cfg)
     return abstract(cfg, dtype)
@@ -41,7 +41,8 @@ def abstract_drafter(path, dtype=None, *, target_cfg=None) -> DSparkModel:
 def load_drafter(path, *, dtype=None, target_cfg=None) -> DSparkModel:
     """The drafter in ``path``, its weights in ``dtype`` (default: float32). ``target_cfg``: the target's
     :class:`~kimi_jax.model.config.ModelConfig`, checked against the drafter (vocabulary, hidden size, tapped layers,
-    stored shared tensors)."""
+    stored shared tensors). ``path`` ``"demo"``: the drafter shipped for the demo model."""
+    path = drafter_dir(path)
     model = abstract_drafter(path, dtype, target_cfg=target_cfg)
     cfg, dtype = model.cfg, model.run.dtype
     slots = leaves(nnx.state(model, nnx.Param))

@@ -53,6 +53,18 @@ def _sampling_arguments(p: argparse.ArgumentParser, max_new: int):
     common.scan_argument(p)
 
 
+def _speculative_argument(p: argparse.ArgumentParser):
+    p.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and output so "
+                        "far (prompt lookup); 'dspark:PATH[,k=N]' drafts with a DSpark drafter (k3_dspark layout) "
+                        "from the model's hidden states ('dspark:demo': the one shipped for the demo model); "
+                        "'draft:PATH[,k=N]' with a smaller model of the family (same vocabulary); each also takes "
+                        "adapt=cost (the default: verify only where the drafts are expected to repay a verify step's "
+                        "cost on this device, measured in plain steps) or adapt=acceptance (verify whenever a "
+                        "sequence drafted); greedy output is the plain greedy output, sampled output (--temperature) "
+                        "has the plain sampler's distribution (rejection sampling) (default: off)")
+
+
 def add_demo_arguments(p: argparse.ArgumentParser):
     p.formatter_class = common.HelpFormatter
     p.add_argument("--prompt", default=DEMO_PROMPT, help="text to continue")
@@ -81,15 +93,7 @@ def add_generate_arguments(p: argparse.ArgumentParser):
                         "thinking first")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: thinking mode off")
     p.add_argument("--hide-thinking", action="store_true", help="with --chat: print the answer only")
-    p.add_argument("--speculative", default=None, metavar="SPEC",
-                   help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts from the prompt and output so "
-                        "far (prompt lookup); 'dspark:PATH[,k=N]' drafts with a DSpark drafter (k3_dspark layout) "
-                        "from the model's hidden states; 'draft:PATH[,k=N]' with a smaller model of the family (same "
-                        "vocabulary); each also takes adapt=cost (the default: verify only where the drafts are "
-                        "expected to repay a verify step's cost on this device, measured in plain steps) or "
-                        "adapt=acceptance (verify whenever a sequence drafted); greedy output is the plain greedy "
-                        "output, sampled output (--temperature) has the plain sampler's distribution (rejection "
-                        "sampling) (default: off)")
+    _speculative_argument(p)
     p.add_argument("--stop", type=int, action="append", help="stop token id (repeatable; default: the "
                    "tokenizer's <|end_of_msg|> / EOS, else config eos_token_id)")
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end instead of as it comes")
@@ -105,6 +109,7 @@ def add_chat_arguments(p: argparse.ArgumentParser):
     p.add_argument("--hide-thinking", action="store_true",
                    help="do not print the thinking channel (by default it streams before the answer, dimmed on a "
                         "terminal)")
+    _speculative_argument(p)
     p.set_defaults(func=run_chat)
 
 
@@ -317,15 +322,35 @@ def _check_generate_flags(args) -> None:
         raise ValueError("--no-thinking and --hide-thinking describe a chat reply: add --chat")
     if args.chat and args.ids:
         raise ValueError("--chat wraps text prompts as user messages: give --prompt, not --ids")
+    _check_speculative(args)
+    if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
+        print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
+
+
+def _check_speculative(args) -> None:
+    """``--speculative`` checked, and a drafter read, before the model loads (``args.drafter``: None without one, and
+    for a draft model on ``--mesh``, which is read onto the model's mesh once it is up: :func:`_drafter`)."""
     args.drafter = None
     if args.speculative:
         speculative.check(args.speculative)  # a wrong spec is named before anything loads
-        if not (args.mesh and args.speculative.startswith("draft:")):  # (a draft model for --mesh: read onto it)
+        if not (args.mesh and args.speculative.startswith("draft:")):
             # read and checked before the model loads, in the dtype the model will most likely run in (generate
             # casts a DSpark drafter to the model's and places it on the model's mesh)
             args.drafter = speculative.parse(args.speculative, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
-    if not args.prompt and not args.ids:  # the default prompt, said: a reply to a prompt nobody sees is a puzzle
-        print(f"kimi-jax generate: no --prompt given; using {DEFAULT_PROMPT!r}", file=sys.stderr)
+
+
+def _drafter(args, model):
+    """The drafter of ``--speculative`` for the loaded ``model`` (None without the flag)."""
+    if args.speculative and args.drafter is None:
+        return speculative.parse(args.speculative, dtype=model.run.dtype, parallel=model.run.parallel)
+    return args.drafter
+
+
+def _say_speculative(args, r) -> None:
+    if args.speculative:
+        s = r.timings["speculative"]
+        print(f"speculative ({args.speculative}): {s['accepted']} of {s['drafted']} drafted tokens accepted; "
+              f"{s['tokens_per_step']:.2f} new tokens per forward{_paced(s)}", file=sys.stderr)
 
 
 def run_generate(args):
@@ -337,9 +362,7 @@ def run_generate(args):
         n = len(args.prompt or args.ids or [None])
         got = _load_for(args, path, batch=n, context=args.max_len or 4096)
         model, tok = got.model, got.tokenizer
-        drafter = args.drafter  # a draft model for --mesh is read onto the model's mesh, in its dtype
-        if args.speculative and drafter is None:
-            drafter = speculative.parse(args.speculative, dtype=model.run.dtype, parallel=model.run.parallel)
+        drafter = _drafter(args, model)
         prompts = _prompts(args, tok)
         speak = common.leader()  # several processes compute together; process 0 prints
         # one prompt, one process: streamed; several processes print whole replies (the tokens are gathered)
@@ -356,10 +379,7 @@ def run_generate(args):
         if speak:
             _print_generated(args, r, tok, prompts, reply, streamed)
             _say_compiled(watch)
-            if args.speculative:
-                s = r.timings["speculative"]
-                print(f"speculative ({args.speculative}): {s['accepted']} of {s['drafted']} drafted tokens accepted; "
-                      f"{s['tokens_per_step']:.2f} new tokens per forward{_paced(s)}", file=sys.stderr)
+            _say_speculative(args, r)
 
 
 def _print_generated(args, r, tok, prompts, reply, streamed: bool) -> None:
@@ -424,7 +444,7 @@ class _ChatReply:
         self._close_thought()
 
 
-def _turn(args, model, tok, history, thinking: bool, live: bool, first: bool):
+def _turn(args, model, tok, history, thinking: bool, live: bool, first: bool, drafter=None):
     """One reply of the conversation ``history`` (streamed when ``live``): its :class:`Generation` (None when the
     conversation outgrew the cache: said, and the session goes on), the :class:`_ChatReply` and the compile watch."""
     ids = chat.encode(tok, history, thinking=thinking)
@@ -441,7 +461,8 @@ def _turn(args, model, tok, history, thinking: bool, live: bool, first: bool):
             held = _Held(show, status) if live else None
             r = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, stop=sorted(reply.stop), seed=args.seed, tokenizer=tok, stream=held,
-                         max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state)
+                         max_len=args.max_len, kv_cache=args.kv_cache, kda_state=args.kda_state,
+                         speculative=drafter)
             if held is not None:
                 held.flush()
     except ValueError as e:  # e.g. the conversation outgrew the cache: keep the session alive
@@ -463,6 +484,7 @@ def _chat_lines(stdin, speak: bool):
 
 def run_chat(args, stdin=None):
     check_flags(args)
+    _check_speculative(args)
     common.setup_compile_cache(args)
     common.setup_processes(args)
 
@@ -477,6 +499,7 @@ def run_chat(args, stdin=None):
         if tok is None:
             raise ValueError(f"{path}: chat needs tokenizer files (tiktoken.model + tokenizer_config.json)")
         _require_chat(tok)
+        drafter = _drafter(args, model)
         history = [{"role": "system", "content": args.system}] if args.system else []
         if speak:
             print("kimi-jax chat: type a message; /reset clears the conversation, /exit (or EOF) quits.",
@@ -489,7 +512,7 @@ def run_chat(args, stdin=None):
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line})
-            r, shown, watch = _turn(args, model, tok, history, thinking, live, first=not replied)
+            r, shown, watch = _turn(args, model, tok, history, thinking, live, not replied, drafter)
             replied = True
             if r is None:
                 history.pop()
@@ -500,6 +523,7 @@ def run_chat(args, stdin=None):
             if speak:
                 _end_turn(args, r, reply, shown, live)
                 _say_compiled(watch)
+                _say_speculative(args, r)
 
 
 def _end_turn(args, r, reply, shown: _ChatReply, live: bool) -> None:

@@ -60,9 +60,10 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--speculative", default=None, metavar="SPEC",
                    help="speculative decoding: 'ngram[:k=4,max_n=3,min_n=1]' drafts each reply's next tokens from its "
                         "prompt and reply so far; 'dspark:PATH[,k=N]' runs a DSpark drafter (the released k3_dspark "
-                        "layout) on the device beside the model; 'draft:PATH[,k=N]' a smaller model of the family "
-                        "(same vocabulary) with its own paged cache; a step where some request drafted checks every "
-                        "slot's drafts in one forward (greedy replies unchanged; default: off)")
+                        "layout; 'dspark:demo': the one shipped for the demo model) on the device beside the model; "
+                        "'draft:PATH[,k=N]' a smaller model of the family (same vocabulary) with its own paged cache; "
+                        "a step where some request drafted checks every slot's drafts in one forward (greedy replies "
+                        "unchanged; default: off)")
     p.add_argument("--structured-outputs", choices=["auto", "on", "off"], default="auto",
                    help="constrained decoding (response_format, a forced tool_choice, structured_outputs): every "
                         "compiled step takes a token bitmask per row; auto (default): on when the model has a "

@@ -129,8 +129,8 @@ def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, 
     """Compile ``generate``'s speculative decode loop (:func:`kimi_jax.generation.speculative.decode`: the
     ``drafter``, the verify forward over ``k + 1`` positions with the KDA layers in verify mode, the acceptance and
     the cache commit, and the plain one-position step for when no row drafts, in one ``while_loop``) for ``batch``
-    sequences in a cache of ``context`` positions, a history of ``2 * context`` tokens (prompt + output). Reports as
-    :func:`compile_step` does.
+    sequences in a cache of ``context`` positions, a history of ``context`` tokens (prompt + output, as ``generate``
+    keeps it). Reports as :func:`compile_step` does.
 
     ``drafter``: an :class:`~kimi_jax.generation.speculative.NGram`, or a
     :class:`~kimi_jax.generation.speculative.DSpark` (loaded or abstract: only its config and ``k`` are used), whose
@@ -147,7 +147,7 @@ def compile_speculative(cfg, mesh, layout="tp_ep", *, batch: int, context: int, 
     static, dgraph, dparams, dcache = drafter_inputs(drafter, mesh, batch=batch, context=context, dtype=dtype,
                                                      layout=layout)
     dec = DecodeState(cache, arg((B,), i32), arg((B, context), i32), arg((B,), i32), arg((B,), jnp.bool_))
-    state = speculative.SpecState(dec, arg((B, 2 * context), i32), arg((B,), i32), arg((B,), i32), arg((B,), i32),
+    state = speculative.SpecState(dec, arg((B, context), i32), arg((B,), i32), arg((B,), i32), arg((B,), i32),
                                   arg((B,), i32), arg((B,), i32), arg((B,), f32), arg((), f32), dcache)
     samp = Sampling(arg((B,), f32), arg((B,), i32), arg((B,), f32), arg((B,), i32), arg((4,), i32),
                     arg((), jnp.uint32))

@@ -171,7 +171,7 @@ def parse(spec, *, dtype=None, weights: bool = True, parallel=None) -> NGram | D
     """``speculative=`` as given to ``generate``: None, an :class:`NGram`, :class:`DSpark` or :class:`DraftModel`,
     or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``,
     each of which also takes ``adapt=cost|acceptance`` (:data:`ADAPT`) (``dtype``: the drafter's, when it is loaded
-    here). ``weights=False``: a DSpark drafter from its ``config.json`` alone, abstract
+    here; ``dspark:demo``: the drafter shipped for the demo model). ``weights=False``: a DSpark drafter from its ``config.json`` alone, abstract
     (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles). ``parallel``: the
     target's mesh and layout (:class:`~kimi_jax.parallel.sharding.Parallel`): a draft model named here is read
     straight into its shards on it and runs there, as the target does (a DSpark drafter is placed on it by
@@ -339,9 +339,10 @@ def accept(logits_BKV, drafts_BK, dlen_B, temperature_B, top_k_B, top_p_B, keys)
 
 
 def start(dec: DecodeState, prompt_BT, lengths_B, out_len: int, dcache=None) -> SpecState:
-    """The speculative loop's state after a prefill: the history holds each prompt and its first new token;
-    ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`); the cost 1 (:func:`pacing`'s
-    unmeasured value; the generator sets the measured one)."""
+    """The speculative loop's state after a prefill: the history holds each prompt and its first new token, in
+    ``max(T, out_len)`` positions (prompt and output fit the cache, whose length ``out_len`` is: one loop program
+    whatever the prompt's bucket ``T``); ``dcache``: the drafter's cache after the prompts (:func:`follow_prefill`);
+    the cost 1 (:func:`pacing`'s unmeasured value; the generator sets the measured one)."""
     return SpecState(dec, *_start_rows(prompt_BT, lengths_B, dec.token, dec.count, out_len), dcache)
 
 
@@ -350,7 +351,7 @@ def _start_rows(prompt_BT, lengths_B, token_B, count_B, out_len: int):
     """:func:`start`'s new fields (history, its lengths, the statistics, the cost) in one compiled call: its dozen
     operations one at a time took ~3 ms of a 64-token demo request's 40 ms decode here."""
     B, T = prompt_BT.shape
-    L = T + out_len
+    L = max(T, out_len)
     hist = jnp.zeros((B, L), jnp.int32).at[:, :T].set(prompt_BT.astype(jnp.int32))
     hist = hist.at[jnp.arange(B), lengths_B].set(token_B, mode="drop")
     zeros = jnp.zeros((B,), jnp.int32)

@@ -842,6 +842,19 @@ def model_dir(path: str | os.PathLike) -> str:
     return path
 
 
+def drafter_dir(path: str | os.PathLike) -> str:
+    """``path`` as given, or the directory of the DSpark drafter shipped for the demo model for the name ``"demo"``
+    (``--speculative dspark:demo``) -- unless a directory of that name exists where the path points."""
+    path = os.fspath(path)
+    if path != DEMO or os.path.isdir(path):
+        return path
+    missing = [f for f in ("config.json", "model.safetensors") if not (DEMO_DRAFTER / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{DEMO_DRAFTER}: the shipped demo drafter lacks {missing} (reinstall kimi-jax, or "
+                                f"re-create it: python scripts/make_demo_drafter.py --work DIR --install)")
+    return str(DEMO_DRAFTER)
+
+
 # -- presets: full-size configs, to build abstract models without files ----------------------------------
 
 
