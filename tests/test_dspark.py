@@ -103,7 +103,8 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
                              target_hidden_size=model.cfg.hidden_size, target_layer_ids=[1, 4, 8],
                              num_target_layers=3, block_size=3)
     tensors = oracle.random_checkpoint(cfg, seed=1)
-    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, tensors)), 3, "acceptance")
+    path = _write(tmp_path, cfg, tensors)
+    drafter = speculative.DSpark(load_drafter(path), 3, "acceptance")
     seen = []
     base_logits = dspark.DSparkModel.base_logits
 
@@ -133,6 +134,13 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
     held = gen._drafters[drafter]  # split and placed once per drafter: the next request takes the same
     assert gen.generate([prompt], 12, stop=(), speculative=drafter).tokens == spec.tokens
     assert gen._drafters[drafter] is held
+    # named by its directory, read once per generator (and so placed and measured once), not once per request
+    reads = []
+    monkeypatch.setattr(speculative, "load_drafter", lambda *a, **kw: reads.append(a) or load_drafter(*a, **kw))
+    for _ in range(2):
+        assert gen.generate([prompt], 12, stop=(), speculative=f"dspark:{path},k=3,adapt=acceptance").tokens == \
+            spec.tokens
+    assert len(reads) == 1
 
 
 def test_the_memory_check_counts_the_drafter(tmp_path):

@@ -194,6 +194,9 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
     raise GenerationError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
 
 
+NAMED_KEPT = 4  # drafters named by a string that a generator keeps read (Generator._parse)
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -422,6 +425,7 @@ class Generator:
         # drafter's record (its measured costs) per setting
         self._drafters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ngrams: dict = {}
+        self._named: dict[str, object] = {}  # drafters named by a string, read once (:meth:`_parse`)
         self._plain_steps: dict[int, float] = {}  # batch bucket -> the least seconds per step of a plain request
         # what the compiled prefill programs depend on besides the request's shapes (:meth:`_compiled`)
         self._signature = (self.graph, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
@@ -596,6 +600,21 @@ class Generator:
         a drafter's loop to the plain one)."""
         return jax.device_put(x) if self.parallel is None else jax.device_put(x, self._last_sharding)
 
+    def _parse(self, speculative):
+        """``speculative`` as :func:`~kimi_jax.generation.speculative.parse` reads it, except that a drafter named by
+        its directory (``"dspark:PATH"``, ``"draft:PATH"``) is read once and kept while this generator lives (the
+        last :data:`NAMED_KEPT` named): each call would otherwise read its weights, place them and measure its cost
+        afresh (:meth:`_drafter` keeps all three per drafter object)."""
+        if not isinstance(speculative, str) or speculative.partition(":")[0] == "ngram":
+            return speculative_mod.parse(speculative, dtype=self.dtype, parallel=self.parallel)
+        got = self._named.pop(speculative, None)
+        if got is None:
+            got = speculative_mod.parse(speculative, dtype=self.dtype, parallel=self.parallel)
+        self._named[speculative] = got  # the most recent last
+        while len(self._named) > NAMED_KEPT:
+            del self._named[next(iter(self._named))]
+        return got
+
     def _drafter(self, drafter) -> _Drafter | None:
         """``drafter`` as the compiled loops take it: a DSpark drafter (in the model's dtype) or a draft model split
         and its weights placed once, kept for the next request while ``drafter`` lives."""
@@ -706,7 +725,7 @@ class Generator:
         ids = encode_prompts(prompts, self.tokenizer, self.cfg.vocab_size)
         budget, temp, topk, topp = _per_prompt_values(len(ids), max_new_tokens, temperature, top_k, top_p)
         stop = self._check_request(ids, budget, stop, seed, stream_every)
-        user = speculative_mod.parse(speculative, dtype=self.dtype, parallel=self.parallel)
+        user = self._parse(speculative)
         self._check_drafter(user)
         B, T, tokens, lengths, samp = self._batch(ids, budget, temp, topk, topp, stop, seed)
         # refuses what cannot fit, a drafter's cache and weights counted
