@@ -143,6 +143,34 @@ def test_drafts_in_generate_come_from_the_targets_context(tmp_path, k3_tiny_a, m
     assert len(reads) == 1
 
 
+def test_a_step_that_does_not_verify_runs_no_drafter(tmp_path, k3_tiny_a, monkeypatch):
+    """A DSpark drafter's block is drafted only for a step that verifies: with pacing that never verifies, the loop
+    never runs the drafter (it drafted every step and threw the block away: its plain steps, which pacing weighs a
+    verify step against, cost the demo's 2.5-3x the plain loop's), and the output is the plain output."""
+    model = kimi_jax.from_pretrained(k3_tiny_a, dtype="float32", progress=False)
+    cfg = oracle.tiny_config(model.cfg.vocab_size, hidden_size=model.cfg.hidden_size,
+                             target_hidden_size=model.cfg.hidden_size, target_layer_ids=[1, 4, 8],
+                             num_target_layers=3, block_size=2)
+    drafter = speculative.DSpark(load_drafter(_write(tmp_path, cfg, oracle.random_checkpoint(cfg, seed=2))), 2,
+                                 "acceptance")
+    ran, real = [], dspark.DSparkModel.draft
+
+    def counted(self, *a, **kw):
+        out = real(self, *a, **kw)
+        jax.debug.callback(lambda: ran.append(1))
+        return out
+
+    monkeypatch.setattr(dspark.DSparkModel, "draft", counted)
+    # (a drafter setting no other test uses, k = 2: the loop is traced afresh with the patches)
+    monkeypatch.setattr(speculative, "worth_verifying", lambda *a, **kw: jnp.bool_(False))
+    prompt = np.random.default_rng(3).integers(3, model.cfg.vocab_size, 9).tolist()
+    gen = Generator(model, None, max_len=64)
+    plain = gen.generate([prompt], 10, stop=())
+    spec = gen.generate([prompt], 10, stop=(), speculative=drafter)
+    assert spec.tokens == plain.tokens and spec.timings["speculative"]["drafted"] == 0
+    assert spec.timings["speculative"]["verify_steps"] > 0 and ran == []
+
+
 def test_the_memory_check_counts_the_drafter(tmp_path):
     """Before allocating, a Generator counts a DSpark drafter's context cache and the copy of its weights it makes
     (in the model's dtype): a budget the target's cache and prefill fit but not with the drafter's is refused,

@@ -483,8 +483,13 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
         # drafts do not repay a verify forward is the plain one-position step: a bad drafter, or a dear verify step,
         # costs little
         hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
-        drafts, dlen = draft(st, jnp.where(active & hopeful, room, 0))
-        now = worth_verifying(st.cost, st.rate, dlen, st.steps, active)
+        want = jnp.where(active & hopeful, room, 0)
+        if dmodel is None:  # prompt lookup: what it finds decides (and costs little)
+            drafts, dlen = draft(st, want)
+            now = worth_verifying(st.cost, st.rate, dlen, st.steps, active)
+        else:  # a drafter model drafts all it is asked for: decided first, and run only for a verify step
+            now = worth_verifying(st.cost, st.rate, want, st.steps, active)
+            drafts, dlen = draft(st, jnp.where(now, want, 0))
         dlen = jnp.where(now, dlen, 0)
         cache, t, a, keep, x, logits = jax.lax.cond(now, verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
