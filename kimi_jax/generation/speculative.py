@@ -171,11 +171,11 @@ def parse(spec, *, dtype=None, weights: bool = True, parallel=None) -> NGram | D
     """``speculative=`` as given to ``generate``: None, an :class:`NGram`, :class:`DSpark` or :class:`DraftModel`,
     or a string ``"ngram"`` / ``"ngram:k=4,max_n=3,min_n=1"`` / ``"dspark:PATH[,k=N]"`` / ``"draft:PATH[,k=N]"``,
     each of which also takes ``adapt=cost|acceptance`` (:data:`ADAPT`) (``dtype``: the drafter's, when it is loaded
-    here; ``dspark:demo``: the drafter shipped for the demo model). ``weights=False``: a DSpark drafter from its ``config.json`` alone, abstract
-    (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and deviceless compiles). ``parallel``: the
-    target's mesh and layout (:class:`~kimi_jax.parallel.sharding.Parallel`): a draft model named here is read
-    straight into its shards on it and runs there, as the target does (a DSpark drafter is placed on it by
-    ``generate`` and the engine)."""
+    here; ``dspark:demo``: the drafter shipped for the demo model). ``weights=False``: a DSpark drafter from its
+    ``config.json`` alone, abstract (:func:`kimi_jax.checkpoint.drafter.abstract_drafter`: for planning and
+    deviceless compiles). ``parallel``: the target's mesh and layout (:class:`~kimi_jax.parallel.sharding.Parallel`):
+    a draft model named here is read straight into its shards on it and runs there, as the target does (a DSpark
+    drafter is placed on it by ``generate`` and the engine)."""
     if spec is None or isinstance(spec, (NGram, DSpark, DraftModel)):
         return spec
     if not isinstance(spec, str):
