@@ -251,6 +251,12 @@ def test_cost_pacing_is_measured_per_bucket_and_stops_drafting_where_it_cannot_p
     # next request of a bucket where verifying costs anything decodes plainly
     record.learn(B, {"drafting": True, "verified": 0, "accepted": 0})
     assert record.gains[B] == 0.0 and not gen._drafting(record, B, 1.5) and gen._drafting(record, B, 1.0)
+    # a request that measured and then decoded plainly leaves its measuring steps' gain (not the optimistic k) for
+    # the next request's choice before its prefill; one that neither drafted nor measured leaves the last one
+    record.learn(B, {"drafting": False, "verify_steps": 9, "verified": 4, "accepted": 2})
+    assert record.gains[B] == 0.5 and not gen._drafting(record, B, 2.0) and gen._drafting(record, B, 1.5)
+    record.learn(B, {"drafting": False, "verify_steps": 0, "verified": 0, "accepted": 0})
+    assert record.gains[B] == 0.5
     # the plain loop's step, where a plain request was timed, is the baseline when it is the cheaper (the
     # speculative loop's plain step also keeps a model drafter's cache): 2.5 / 0.4 > k + 1 here, drafting stops
     record.costs[B], gen._plain_steps[B] = (1.0, 2.5), 0.4
