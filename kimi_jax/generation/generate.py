@@ -797,9 +797,8 @@ class Generator:
         """Whether a request drafts, where a verify step costs ``cost`` plain steps (None: not measured, yes). A
         verify step in which a sequence's drafts gain ``g`` accepted tokens gives it ``1 + g``, so drafting pays while
         ``cost <= 1 + g``: ``g`` of the bucket's last request that drafted or measured, else of ``spec``'s measuring
-        steps (``n``
-        sequences; 0 where they drafted nothing; neither: k, all accepted). A bucket that has not drafted for
-        ``EXPLORE`` requests drafts again (the gain changes with the prompts)."""
+        steps (``n`` sequences; 0 where they drafted nothing; neither: k, all accepted). A bucket that has not drafted
+        for ``EXPLORE`` requests drafts again (the gain changes with the prompts)."""
         if cost is None:
             return True
         gain = drafter.gains.get(B)

@@ -417,18 +417,15 @@ def _follow(dmodel, dcache, x_BK, n_new_B):
 
 
 def _drafts(model, dmodel, drafter, st: SpecState, want_B):
-    """(drafts ``[B, k]``, lengths ``[B]``) of one step of :func:`decode`: at most ``want`` tokens per row (prompt
-    lookup: what it finds; a DSpark drafter or a draft model: all it is asked for, run only where a row asks)."""
-    if dmodel is None:
-        return ngram_draft(st.hist, st.hlen, want_B, drafter)
+    """A DSpark drafter's or a draft model's drafts ``[B, k]`` for one step of :func:`decode`: all ``want`` tokens
+    of each row, the drafter run only where some row asks."""
     d, k = st.dec, drafter.k
     if isinstance(drafter, ModelDraft):
         make = lambda: _model_drafts(dmodel, st.dcache, d.token, want_B, k)  # noqa: E731
     else:
         table, head = shared_head(model)
         make = lambda: dmodel.draft(st.dcache, table, head, d.token, d.cache.lengths, k)  # noqa: E731
-    drafts = jax.lax.cond(jnp.any(want_B > 0), make, lambda: jnp.zeros((d.token.shape[0], k), jnp.int32))
-    return drafts, want_B
+    return jax.lax.cond(jnp.any(want_B > 0), make, lambda: jnp.zeros((d.token.shape[0], k), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "dgraph"), donate_argnames=("state",))
@@ -487,12 +484,13 @@ def decode(graphdef, params, state: SpecState, samp: Sampling, max_steps, *,
         hopeful = (st.rate >= MIN_RATE) | (st.steps % PROBE == 0)
         want = jnp.where(active & hopeful, room, 0)
         if dmodel is None:  # prompt lookup: what it finds decides (and costs little)
-            drafts, dlen = _drafts(model, dmodel, drafter, st, want)
-            now = worth_verifying(st.cost, st.rate, dlen, st.steps, active)
+            drafts, found = ngram_draft(st.hist, st.hlen, want, drafter)
+            now = worth_verifying(st.cost, st.rate, found, st.steps, active)
+            dlen = jnp.where(now, found, 0)
         else:  # a drafter model drafts all it is asked for: decided first, and run only for a verify step
             now = worth_verifying(st.cost, st.rate, want, st.steps, active)
-            drafts, dlen = _drafts(model, dmodel, drafter, st, jnp.where(now, want, 0))
-        dlen = jnp.where(now, dlen, 0)
+            dlen = jnp.where(now, want, 0)
+            drafts = _drafts(model, dmodel, drafter, st, dlen)
         cache, t, a, keep, x, logits = jax.lax.cond(now, verify, plain, d, drafts, dlen, active)
         n_new = jnp.sum(keep.astype(jnp.int32), axis=1)
         if isinstance(drafter, BlockDraft):

@@ -824,13 +824,19 @@ DEMO_DRAFTER = DEMO_MODEL.parent / "k3-demo-dspark"  # the DSpark drafter traine
 DEMO_FILES = ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json", "RECIPE.json")
 
 
+def _shipped(where: pathlib.Path, files, what: str, script: str) -> str:
+    """``where``, an asset shipped with the package, as a path (a FileNotFoundError names what is missing from an
+    incomplete install and the script that re-creates it)."""
+    missing = [f for f in files if not (where / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{where}: the shipped {what} lacks {missing} (reinstall kimi-jax, or "
+                                f"re-create it: python scripts/{script} --work DIR --install)")
+    return str(where)
+
+
 def demo_model_dir() -> str:
     """The shipped demo model's directory (a FileNotFoundError names what is missing from an incomplete install)."""
-    missing = [f for f in DEMO_FILES if not (DEMO_MODEL / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{DEMO_MODEL}: the shipped demo model lacks {missing} (reinstall kimi-jax, or "
-                                f"re-create it: python scripts/make_demo_model.py --work DIR --install)")
-    return str(DEMO_MODEL)
+    return _shipped(DEMO_MODEL, DEMO_FILES, "demo model", "make_demo_model.py")
 
 
 def model_dir(path: str | os.PathLike) -> str:
@@ -846,13 +852,9 @@ def drafter_dir(path: str | os.PathLike) -> str:
     """``path`` as given, or the directory of the DSpark drafter shipped for the demo model for the name ``"demo"``
     (``--speculative dspark:demo``) -- unless a directory of that name exists where the path points."""
     path = os.fspath(path)
-    if path != DEMO or os.path.isdir(path):
-        return path
-    missing = [f for f in ("config.json", "model.safetensors") if not (DEMO_DRAFTER / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{DEMO_DRAFTER}: the shipped demo drafter lacks {missing} (reinstall kimi-jax, or "
-                                f"re-create it: python scripts/make_demo_drafter.py --work DIR --install)")
-    return str(DEMO_DRAFTER)
+    if path == DEMO and not os.path.isdir(path):
+        return _shipped(DEMO_DRAFTER, ("config.json", "model.safetensors"), "demo drafter", "make_demo_drafter.py")
+    return path
 
 
 # -- presets: full-size configs, to build abstract models without files ----------------------------------
