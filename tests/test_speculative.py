@@ -166,8 +166,10 @@ def _fake_clock(monkeypatch) -> list:
 
     def timed_loop(self, st, samp, steps, drafter):
         calls.append((float(st.cost), steps))  # (read before the loop takes st)
+        before = int(np.max(st.steps))
         out = spec_loop(self, st, samp, steps, drafter)
-        clock[0] += 5.0 + steps * (2.5 if calls[-1][0] < 0 else 1.0)
+        ran = int(np.max(out.steps)) - before  # the steps the loop ran (it stops where every sequence has ended)
+        clock[0] += 5.0 + ran * (2.5 if calls[-1][0] < 0 else 1.0)
         return out
 
     monkeypatch.setattr(Generator, "_decode_spec", timed_loop)
@@ -186,9 +188,10 @@ def test_short_requests_complete_a_measure_between_them(families, monkeypatch):
     gen = Generator(model, None, max_len=128)
     plain = gen.generate(prompts, 64, stop=())
     B, never, always = plain.timings["batch_bucket"], speculative.NEVER, speculative.ALWAYS
-    # 20 tokens: the warm-up (2 steps) and the plain steps' pair (10) leave fewer than the verify steps' pair's 10
-    short = gen.generate(prompts, 20, stop=(), speculative="ngram:k=4")
-    assert short.tokens == [t[:20] for t in plain.tokens]
+    # 17 tokens: the warm-up (2 steps) and the plain steps' pair (10) leave too few for the verify steps' pair to
+    # time MEASURE // 2 added steps
+    short = gen.generate(prompts, 17, stop=(), speculative="ngram:k=4")
+    assert short.tokens == [t[:17] for t in plain.tokens]
     record = gen._ngrams[speculative.NGram(k=4)]
     assert short.timings["speculative"]["verify_cost"] is None and B not in record.costs
     assert not record.timed[B].plain and record.timed[B].pending == 1.0  # the plain steps' time, kept
@@ -198,6 +201,26 @@ def test_short_requests_complete_a_measure_between_them(families, monkeypatch):
     assert second.tokens == plain.tokens
     assert calls[:2] == [(always, 1), (always, 9)], calls  # no warm-up, no plain steps timed again
     assert record.costs[B] == (1.0, 2.5) and second.timings["speculative"]["verify_cost"] == 2.5
+
+
+def test_accepted_drafts_do_not_keep_a_short_request_from_measuring(families, monkeypatch):
+    """A verify step whose drafts are accepted makes up to k + 1 tokens, so a sequence of a short request can end
+    within the measure's verify steps; the others still step (the loop runs while one has not ended), and the measure
+    divides by the steps that ran: the cost is the clock's 2.5 (a measure that gave up whenever a sequence ended left a
+    batch of 8 asking for 32 tokens unmeasured, drafting where it did not pay: 0.36-0.42x of plain)."""
+    calls = _fake_clock(monkeypatch)
+    model = kimi_jax.from_pretrained(families["llama"], dtype="float32", progress=False)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, model.cfg.vocab_size, 9).tolist() for _ in range(2)]
+    gen = Generator(model, None, max_len=128)
+    budgets = [24, 40]  # the first sequence ends during the verify steps, the second steps on
+    plain = gen.generate(prompts, budgets, stop=())
+    _oracle(monkeypatch, plain.tokens, [len(p) for p in prompts], plain.timings["batch_bucket"], 4)
+    spec = gen.generate(prompts, budgets, stop=(), speculative="ngram:k=4")
+    assert spec.tokens == plain.tokens
+    long_verify = [n for cost, n in calls if cost == speculative.ALWAYS][-1]
+    assert long_verify == 1 + generate_mod.MEASURE, calls
+    assert spec.timings["speculative"]["verify_cost"] == 2.5, (spec.timings, calls)
 
 
 def test_cost_pacing_is_measured_per_bucket_and_stops_drafting_where_it_cannot_pay(families, monkeypatch):
@@ -249,14 +272,35 @@ def test_cost_pacing_is_measured_per_bucket_and_stops_drafting_where_it_cannot_p
     assert cheap.tokens == plain.tokens and cheap.timings["speculative"]["drafted"] > 0
     # a request whose drafter proposed nothing (no verify step had drafts: random text) leaves a gain of 0, so the
     # next request of a bucket where verifying costs anything decodes plainly
-    record.learn(B, {"drafting": True, "verified": 0, "accepted": 0})
+    record.learn(B, {"drafting": True, "verified": 0, "accepted": 0, "verify_cost": 1.5})
     assert record.gains[B] == 0.0 and not gen._drafting(record, B, 1.5) and gen._drafting(record, B, 1.0)
     # a request that measured and then decoded plainly leaves its measuring steps' gain (not the optimistic k) for
     # the next request's choice before its prefill; one that neither drafted nor measured leaves the last one
     record.learn(B, {"drafting": False, "verify_steps": 9, "verified": 4, "accepted": 2})
     assert record.gains[B] == 0.5 and not gen._drafting(record, B, 2.0) and gen._drafting(record, B, 1.5)
-    record.learn(B, {"drafting": False, "verify_steps": 0, "verified": 0, "accepted": 0})
+    plain_timings = {"drafting": False, "verify_steps": 0, "verified": 0, "accepted": 0}
+    record.learn(B, plain_timings)
     assert record.gains[B] == 0.5
+    # a try after EXPLORE plain requests whose drafts did not pay makes the bucket wait twice as many before the next
+    # (up to EXPLORE_MAX); a request whose drafts paid brings the wait back to EXPLORE
+    explore, most = generate_mod.EXPLORE, generate_mod.EXPLORE_MAX
+    record.skipped[B] = explore
+    assert record.exploring(B) and gen._drafting(record, B, 9.0)
+    waits = []
+    for _ in range(5):
+        record.learn(B, {"drafting": True, "verified": 4, "accepted": 2, "verify_cost": 3.0})  # 3 > 1 + 0.5
+        waits.append(record.explore[B])
+        for _ in range(record.explore[B] - 1):
+            record.learn(B, plain_timings)
+        assert not record.exploring(B) and not gen._drafting(record, B, 3.0)
+        record.learn(B, plain_timings)
+        assert record.exploring(B) and gen._drafting(record, B, 3.0)
+    assert waits == [2 * explore, 4 * explore, 8 * explore, most, most] and most == 8 * explore, waits
+    record.learn(B, {"drafting": True, "verified": 4, "accepted": 12, "verify_cost": 3.0})  # 3 <= 1 + 3: paid
+    assert record.explore[B] == explore and record.skipped[B] == 0 and record.gains[B] == 3.0
+    record.skipped[B] = 2  # a request that drafts without being a try (its drafts were expected to pay) and did not
+    record.learn(B, {"drafting": True, "verified": 4, "accepted": 0, "verify_cost": 3.0})  # pay: the wait stays
+    assert record.explore[B] == explore and record.skipped[B] == 0
     # the plain loop's step, where a plain request was timed, is the baseline when it is the cheaper (the
     # speculative loop's plain step also keeps a model drafter's cache): 2.5 / 0.4 > k + 1 here, drafting stops
     record.costs[B], gen._plain_steps[B] = (1.0, 2.5), 0.4

@@ -61,7 +61,8 @@ from kimi_jax.parallel import distributed, sharding
 from kimi_jax.text.tokenizer import END_OF_MSG, Tokenizer, load_tokenizer
 
 F32 = jnp.float32
-EXPLORE = 8  # a batch bucket whose requests have not drafted for this many drafts again (Generator._drafting)
+EXPLORE = 8  # a batch bucket whose requests have not drafted for this many drafts again (Generator._drafting) ...
+EXPLORE_MAX = 64  # ... the count doubled, up to this, after each such try whose drafts did not repay their cost
 MEASURE = 8  # the steps a longer timed call adds when a verify step's cost is measured (:meth:`Generator._measure`)
 COST_SAMPLES = 5  # the measures of a batch bucket whose medians pacing weighs (_Timed) ...
 MEASURES = 3  # ... of which the first requests of a bucket take this many (one each)
@@ -351,8 +352,14 @@ class _Drafter:
     timed: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> _Timed
     warm: set = dataclasses.field(default_factory=set, compare=False)  # the loop shapes a measure has run (warmed)
     gains: dict = dataclasses.field(default_factory=dict, compare=False)  # batch bucket -> drafts accepted per
-    # sequence and verify step in its last request that drafted or measured; skipped: requests since it last drafted
+    # sequence and verify step in its last request that drafted or measured; skipped: requests since it last drafted;
+    # explore: how many it skips before it drafts again (EXPLORE, doubled by each try that did not pay)
     skipped: dict = dataclasses.field(default_factory=dict, compare=False)
+    explore: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def exploring(self, B: int) -> bool:
+        """Whether bucket ``B``'s next request drafts again to measure anew (:meth:`Generator._drafting`)."""
+        return self.skipped.get(B, 0) >= self.explore.get(B, EXPLORE)
 
     def sample(self, B: int, plain: float, verify: float | None) -> None:
         """A measure of bucket ``B`` (seconds: the loop's plain step and its verify step, or None where the request
@@ -368,13 +375,20 @@ class _Drafter:
         """What a request of batch bucket ``B`` showed (its ``timings["speculative"]``, returned), for the next one's
         choice. The gain of one that measured and then decoded plainly counts too: the next request weighs that, not
         the optimistic ``k``, before its prefill (a bucket whose drafts never paid prefilled every request for the
-        drafter and then decoded plainly: the demo's repeating prompt at 0.73-0.80x of plain)."""
-        if timings["drafting"]:
-            self.skipped[B] = 0
-        else:
-            self.skipped[B] = self.skipped.get(B, 0) + 1
+        drafter and then decoded plainly: the demo's repeating prompt at 0.73-0.80x of plain). A request that drafted
+        sets how many plain ones the bucket waits before it tries again: ``EXPLORE`` where its drafts paid, twice the
+        last wait where it was such a try and they did not."""
         if timings["drafting"] or timings["verify_steps"]:  # (it drafted, or its measuring steps verified)
             self.gains[B] = _gain(timings["accepted"], timings["verified"])
+        if not timings["drafting"]:
+            self.skipped[B] = self.skipped.get(B, 0) + 1
+            return timings
+        cost, gain = timings["verify_cost"], self.gains.get(B)
+        if cost is None or gain is None or cost <= 1 + gain:  # (its drafts paid)
+            self.explore[B] = EXPLORE
+        elif self.exploring(B):  # a try after EXPLORE or more plain requests that did not pay: wait longer next time
+            self.explore[B] = min(EXPLORE_MAX, 2 * self.explore.get(B, EXPLORE))
+        self.skipped[B] = 0
         return timings
 
 
@@ -775,13 +789,13 @@ class Generator:
         """(``spec`` with its pacing set, a verify step's cost in plain steps or None: not measured). With
         ``adapt="cost"`` the first ``MEASURES`` speculative requests of a batch bucket time a verify step and the
         loop's plain step on their own first steps (:meth:`_measure`), and so does one that drafts again after
-        ``EXPLORE`` requests that did not; the others reuse the medians of those measures. The loop weighs drafts
-        against its own plain step (:func:`~kimi_jax.generation.speculative.worth_verifying`; a DSpark drafter's or a
-        draft model's includes keeping the drafter's cache); the cost returned, which decides whether to draft at
-        all, is against the cheaper of that and the plain loop's step where a plain request of the bucket was
-        timed."""
+        ``EXPLORE`` requests that did not (or more: :meth:`_Drafter.learn`); the others reuse the medians of those
+        measures. The loop weighs drafts against its own plain step (:func:`~kimi_jax.generation.speculative.
+        worth_verifying`; a DSpark drafter's or a draft model's includes keeping the drafter's cache); the cost
+        returned, which decides whether to draft at all, is against the cheaper of that and the plain loop's step
+        where a plain request of the bucket was timed."""
         timed = drafter.timed.get(B)
-        if adapt == "cost" and (timed is None or len(timed.ratio) < MEASURES or drafter.skipped.get(B, 0) >= EXPLORE):
+        if adapt == "cost" and (timed is None or len(timed.ratio) < MEASURES or drafter.exploring(B)):
             spec = self._measure(spec, samp, drafter, B)
         times = drafter.costs.get(B) if adapt == "cost" else None
         spec = spec.replace(cost=jnp.float32(speculative_mod.pacing(times and times[1] / times[0], adapt)))
@@ -798,7 +812,9 @@ class Generator:
         verify step in which a sequence's drafts gain ``g`` accepted tokens gives it ``1 + g``, so drafting pays while
         ``cost <= 1 + g``: ``g`` of the bucket's last request that drafted or measured, else of ``spec``'s measuring
         steps (``n`` sequences; 0 where they drafted nothing; neither: k, all accepted). A bucket that has not drafted
-        for ``EXPLORE`` requests drafts again (the gain changes with the prompts)."""
+        for ``EXPLORE`` requests drafts again (the gain changes with the prompts), and after each such try whose
+        drafts did not pay it waits twice as many, up to ``EXPLORE_MAX`` (a try measures anew: ~20 forced steps, 20 ms
+        of a 35 ms request of the demo's in bfloat16, where a verify step costs more than k + 1 plain steps)."""
         if cost is None:
             return True
         gain = drafter.gains.get(B)
@@ -806,43 +822,52 @@ class Generator:
             gain = drafter.kind.k
         elif gain is None:
             gain = _gain(*(int(_host(a)[:n].sum()) for a in (spec.accepted, spec.verified)))
-        return cost <= 1 + gain or drafter.skipped.get(B, 0) >= EXPLORE
+        return cost <= 1 + gain or drafter.exploring(B)
 
     def _measure(self, spec, samp: Sampling, drafter: _Drafter, B: int):
         """``spec`` after the steps that time bucket ``B``'s plain and verify steps (a measure: the drafter's sample,
         :meth:`_Drafter.sample`). Where the loop's shapes are new, a plain step that compiles it and a verify step
         that warms its other branch come first; then calls of 1 and ``1 + MEASURE`` plain steps (unless the last
         request timed them and ended before its verify steps), then of 1 and ``1 + MEASURE`` verify steps (drafts
-        where the drafter has them): a step's time is the difference of the two calls over MEASURE (a call's own
-        cost, a few plain steps' worth on a small model, cancels). A request that ends first keeps its plain step for
-        the next, so short requests complete a measure between them rather than each paying for one. The tokens they
-        make are the request's (greedy: the plain ones)."""
+        where the drafter has them): a step's time is the difference of the two calls over the steps the second one
+        adds (a call's own cost, a few plain steps' worth on a small model, cancels). A call runs its steps while
+        some sequence has not ended (a sequence that has ended still takes part in the batch's forward); the second
+        call times at least ``MEASURE // 2`` added steps, or the request ended before the measure did (a verify step
+        whose drafts are accepted ends a short request fast: a batch of 8 asking for 32 tokens never finished one
+        before and drafted unmeasured, at 0.36-0.42x of plain). A request that ends first keeps its plain step for the
+        next, so short requests complete a measure between them rather than each paying for one. The tokens they make
+        are the request's (greedy: the plain ones)."""
         real = np.asarray(samp.budget) > 0  # (a batch bucket's padding rows are done from the start)
         never, always = speculative_mod.NEVER, speculative_mod.ALWAYS
 
         def call(spec, mode, n: int):
-            """(``spec`` after ``n`` steps paced by ``mode``, their seconds or None where a sequence ended)."""
+            """(``spec`` after up to ``n`` steps paced by ``mode``, their seconds, how many ran)."""
+            before = int(_host(spec.steps).max())
             t = time.perf_counter()
             spec = self._decode_spec(spec.replace(cost=jnp.float32(mode)), samp, n, drafter)
-            return spec, None if bool(np.any(_host(spec.dec.done)[real])) else time.perf_counter() - t
+            ran = int(_host(spec.steps).max()) - before  # (the loop runs while a sequence has not ended)
+            return spec, time.perf_counter() - t, ran
+
+        def ended(spec) -> bool:
+            return bool(np.all(_host(spec.dec.done)[real]))
 
         shapes = tuple(a.shape for a in jax.tree.leaves((spec.hist, spec.dec.out, spec.dec.logits, samp.stop)))
         if shapes not in drafter.warm:  # compile the loop, warm its verify branch
             for mode in (never, always):
-                spec, seconds = call(spec, mode, 1)
-                if seconds is None:
+                spec, _, _ = call(spec, mode, 1)
+                if ended(spec):
                     return spec
             drafter.warm.add(shapes)
         timed = drafter.timed.get(B)
         plain = None if timed is None else timed.pending
         for mode in ([never] if plain is None else []) + [always]:
-            spec, one = call(spec, mode, 1)
-            spec, more = (spec, None) if one is None else call(spec, mode, 1 + MEASURE)
-            if more is None:  # the request ended: a plain step timed waits for the next one's verify steps
+            spec, one, _ = call(spec, mode, 1)
+            spec, more, ran = (spec, 0.0, 0) if ended(spec) else call(spec, mode, 1 + MEASURE)
+            if ran - 1 < MEASURE // 2:  # the request ended: a plain step timed waits for the next one's verify steps
                 if plain is not None:
                     drafter.sample(B, plain, None)
                 return spec
-            step = (more - one) / MEASURE
+            step = (more - one) / (ran - 1)
             if step <= 0:  # the clock did not resolve it
                 return spec
             if mode == never:
