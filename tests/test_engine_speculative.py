@@ -176,6 +176,31 @@ def test_the_scheduler_verifies_where_the_timed_cost_is_repaid(models, monkeypat
         assert st["spec_steps"] > st["decode_steps"] / 2 and st["spec_accepted"] > 0, st
 
 
+def test_a_draft_model_drafts_only_before_a_step_that_may_verify(models, monkeypatch):
+    """A model drafter (here the Llama-shaped model drafting for itself) drafts its block after a plain step only
+    where the scheduler may verify next (:meth:`Scheduler._draft_next`: the plan's ``Decode.draft``); it follows
+    every step either way. The verify step's cost is dear (10 plain steps, more than the k + 1 tokens it can gain)
+    for the first 20 steps, then free: the plain steps before draft no block, the drafter still follows them exactly
+    (every draft after is accepted), and the replies are the plain engine's."""
+    model, plain = models("llama")
+    prompts = _prompts(model.cfg.vocab_size, (23, 11), seed=8)
+    want = plain.generate(prompts, max_tokens=40, stop_ids=())
+    monkeypatch.setattr(scheduler_mod.Scheduler, "_cost",
+                        lambda self, n: 10.0 if self.counters["decode_steps"] < 20 else 1.0)
+    eng = Engine(model, **SHAPES, speculative=speculative.DraftModel(model, k=K))
+    eng.warmup()
+    plans = []
+    emit = scheduler_mod.Scheduler._emit
+    monkeypatch.setattr(scheduler_mod.Scheduler, "_emit", lambda self, op: (plans.append(op), emit(self, op))[1])
+    got = eng.generate(prompts, max_tokens=40, stop_ids=())
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    decodes = [op for op in plans if isinstance(op, scheduler_mod.Decode)]
+    skipped = [op for op in decodes if not op.draft]
+    assert len(skipped) >= 17, [op.draft for op in decodes]  # the dear steps but the probe's
+    st = eng.stats()
+    assert st["spec_accepted"] == st["spec_drafted"] > 0 and st["spec_steps"] > 3, st
+
+
 def test_refusals(model, capsys):
     with pytest.raises(speculative.SpeculativeError, match="k=0"):
         Engine(model, **SHAPES, speculative="ngram:k=0")
@@ -238,9 +263,9 @@ def test_dspark_drafter_in_the_engine_drafts_from_the_targets_context(model, mod
 
     original = steps.draft_step
 
-    def recorded(dgraph, dparams, pools, embed, head, taps, table, lengths, rows, tokens, written, *, k, **kw):
-        pools, _ = original(dgraph, dparams, pools, embed, head, taps, table, lengths, rows, tokens, written, k=k,
-                            **kw)
+    def recorded(dgraph, dparams, pools, embed, head, taps, table, lengths, rows, tokens, written, want, *, k, **kw):
+        pools, _ = original(dgraph, dparams, pools, embed, head, taps, table, lengths, rows, tokens, written, want,
+                            k=k, **kw)
         dmodel = nnx.merge(dgraph, dparams)
         ctx_len = jnp.take(lengths, rows, mode="clip")
         anchor = jnp.take_along_axis(tokens, jnp.clip(written - 1, 0, tokens.shape[1] - 1)[:, None], axis=1)[:, 0]

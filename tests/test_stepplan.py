@@ -14,7 +14,8 @@ def _every_op():
             sp.Snapshot(3, 12), sp.PutState(2, 12, 45), sp.SpillState(12), sp.DropState(12), sp.CopyPage(4, 5),
             sp.SpillPages(13, (1, 2)), sp.RestorePages(13, (6, 7)), sp.DropPages(13),
             sp.Prefill(3, 32, 64, 4, tuple(range(100, 140))),
-            sp.Decode.make(16, [0, 2, 8, 8], [11, 12, 0, 0], [3, 1, 0, 0], [True, True, False, False], all_rows=False),
+            sp.Decode.make(16, [0, 2, 8, 8], [11, 12, 0, 0], [3, 1, 0, 0], [True, True, False, False], all_rows=False,
+                           draft=False),
             sp.Verify.make(4, [0, 3, 2], [[11, 5, 6, 0], [0, 0, 0, 0], [12, 7, 0, 0]], [2, 0, 1], [3, 0, 9],
                            [True, False, True], all_rows=False),
             sp.Stop(), sp.Mask.make([2, 0], [[[-1, 0, 5]], [[2**31 - 1, -2**31, 7]]]))
@@ -31,6 +32,7 @@ def test_a_plan_of_every_op_round_trips_exactly():
     assert (admit.temperature, admit.top_p, admit.seed) == (0.75, 0.5, 2**32 - 1)
     rows, tokens, counts, live = plan.ops[12].columns()
     assert rows.tolist() == [0, 2, 8, 8] and live.tolist() == [True, True, False, False]
+    assert sp.StepPlan.from_bytes(data).ops[12].draft == 0 and sp.Decode.make(1, [0], [1], [0], [True], False).draft
     assert plan.compute is plan.ops[11]  # the first compute op: the one whose results the plan returns
     rows, tokens, dlen, counts, live = sp.StepPlan.from_bytes(data).ops[13].columns()
     assert rows.tolist() == [0, 3, 2] and tokens.tolist() == [[11, 5, 6, 0], [0, 0, 0, 0], [12, 7, 0, 0]] and dlen.tolist() == [2, 0, 1]
@@ -44,7 +46,7 @@ def test_a_decode_plan_is_small():
     """What a busy engine sends per step: a decode over 64 slots, a page for each, is a few hundred int32 words."""
     ops = tuple(sp.SetPages(i, 10, (100 + i,)) for i in range(64))
     ops += (sp.Decode.make(16, list(range(64)), [5] * 64, [9] * 64, [True] * 64, all_rows=True),)
-    assert len(sp.StepPlan(7, ops).to_words()) == 3 + 64 * 5 + 4 + 4 * 64
+    assert len(sp.StepPlan(7, ops).to_words()) == 3 + 64 * 5 + 5 + 4 * 64  # a decode: code, size, 3 fields, table
 
 
 @pytest.mark.parametrize("words,fragment", [

@@ -290,7 +290,8 @@ def _compile_serve_drafting(cfg, mesh, layout, sh, drafter, dt, progs, state, ca
     taps = arg((B, K1, len(dcfg.target_layer_ids) * dcfg.target_hidden_size), dt)
     t0 = time.perf_counter()
     draft = serving_steps.draft_programs(dgraph, drafter.k, whole, whole).draft_step.lower(
-        dparams, pools, *head, taps, table, arg((B,), i32), arg((B,), i32), arg((B, K1), i32), arg((B,), i32)).compile()
+        dparams, pools, *head, taps, table, arg((B,), i32), arg((B,), i32), arg((B, K1), i32), arg((B,), i32),
+        arg((), jnp.bool_)).compile()
     out["draft"] = _report(draft, time.perf_counter() - t0, False)
     return out
 

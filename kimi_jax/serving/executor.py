@@ -346,27 +346,28 @@ class Executor:
         chunk and, when it ends the prompt, its drafts after the first token; None without a drafter."""
         rows = np.array([slot], np.int32)
         if self.dcache is None:
-            return self._draft(taps, table, rows, tok[:, None], n[None])
+            return self._draft(taps, table, rows, tok[:, None], n[None], True)
         self.dcache, *_ = self.dprograms.prefill_chunk(self.dparams, self.dcache, table, slot, ids, n, samp, None,
                                                        fresh=fresh)
         # its cache holds the chunk already: it follows nothing, and drafts from the token the target drew
         return self._model_draft(rows, np.zeros((1, 1), np.int32), np.zeros((1,), np.int32), tok[:, None],
-                                 np.ones((1,), bool)) if ends else None
+                                 np.ones((1,), bool), True) if ends else None
 
-    def _draft(self, taps, table, rows, tokens, written):
+    def _draft(self, taps, table, rows, tokens, written, want: bool):
         """A DSpark drafter's step after a compute op (:func:`kimi_jax.serving.steps.draft_step`): its drafts
-        ``[B, k]``, or None without one."""
+        ``[B, k]`` (zeros where not ``want``: its context written, no block drafted), or None without one."""
         if self.pools is None:
             return None
         self.pools, drafts = self.dprograms.draft_step(self.dparams, self.pools, *self.head, taps, table,
-                                                       self.cache.lengths, rows, tokens, written)
+                                                       self.cache.lengths, rows, tokens, written, np.bool_(want))
         return drafts
 
-    def _model_draft(self, rows, fed, kept, out, start):
+    def _model_draft(self, rows, fed, kept, out, start, want: bool):
         """:func:`kimi_jax.serving.steps.model_draft_step` over ``rows`` (their table rows as wide as the widest
         row's pages, which the scheduler has allocated k positions ahead): the draft model's cache follows ``fed
-        [B, K1]`` (the step's input tokens) over ``kept`` positions; rows that kept some, or ``start``, draft k tokens
-        after the last token the step kept of ``out [B, K1]`` (its output tokens: the next input)."""
+        [B, K1]`` (the step's input tokens) over ``kept`` positions; where ``want``, rows that kept some, or
+        ``start``, draft k tokens after the last token the step kept of ``out [B, K1]`` (its output tokens: the next
+        input)."""
         sh = self.shapes
         rows = np.asarray(rows, np.int32)
         live = rows < sh.slots
@@ -376,7 +377,7 @@ class Executor:
         fed = np.pad(np.asarray(fed, np.int32), [(0, 0), (0, sh.spec_k + 1 - fed.shape[1])])
         if out.shape[1] < sh.spec_k + 1:  # a decode step's or a prefill's one token
             out = jnp.pad(out, [(0, 0), (0, sh.spec_k + 1 - out.shape[1])])
-        return self._dstep(table, rows, fed, kept, out, start)
+        return self._dstep(table, rows, fed, kept, out, start, np.bool_(want))
 
     def _dstep(self, *args):
         """The draft model's step on ``args`` (numpy or device arrays alike: each is placed beside the drafter's
@@ -393,14 +394,15 @@ class Executor:
         self.cache, tok, logp, logits, taps = self.programs.decode_step(
             self.params, self.cache, table, tokens, live, samp, None if op.all_rows else rows,
             self._take_mask(len(rows)), record=self.record, tap=self.tap)
-        return tok, logp, logits, self._decode_drafts(taps, table, rows, tokens, live, tok)
+        return tok, logp, logits, self._decode_drafts(taps, table, rows, tokens, live, tok, bool(op.draft))
 
-    def _decode_drafts(self, taps, table, rows, tokens, live, tok):
-        """The drafter after a decode step that fed ``tokens`` and drew ``tok`` (None without one)."""
+    def _decode_drafts(self, taps, table, rows, tokens, live, tok, want: bool):
+        """The drafter after a decode step that fed ``tokens`` and drew ``tok`` (None without one; its block only
+        where ``want``: the plan's :class:`~kimi_jax.serving.stepplan.Decode` ``draft``)."""
         if self.dcache is not None:
             return self._model_draft(rows, tokens[:, None], live.astype(np.int32), tok[:, None],
-                                     np.zeros(live.shape, bool))
-        return self._draft(taps, table, rows, tok[:, None], live.astype(np.int32))
+                                     np.zeros(live.shape, bool), want)
+        return self._draft(taps, table, rows, tok[:, None], live.astype(np.int32), want)
 
     def _verify(self, op: Verify):
         rows, tokens, dlen, counts, live = op.columns()
@@ -415,8 +417,8 @@ class Executor:
     def _verify_drafts(self, taps, table, rows, tokens, kept, tok):
         """The drafter after a verify step that fed ``tokens`` and kept ``tok[b, :kept[b]]`` (None without one)."""
         if self.dcache is not None:
-            return self._model_draft(rows, tokens, kept, tok, np.zeros(kept.shape, bool))
-        return self._draft(taps, table, rows, tok, kept)
+            return self._model_draft(rows, tokens, kept, tok, np.zeros(kept.shape, bool), True)
+        return self._draft(taps, table, rows, tok, kept, True)
 
     def _stop(self, op: Stop):
         pass
@@ -467,7 +469,7 @@ class Executor:
                 np.zeros((b,), bool), self._sampling([None] * b, [0] * b), rows, mask(b),
                 record=self.record, tap=self.tap)
             rows = np.arange(b, dtype=np.int32) if rows is None else rows
-            self._decode_drafts(taps, table, rows, np.zeros((b,), np.int32), np.zeros((b,), bool), tok)
+            self._decode_drafts(taps, table, rows, np.zeros((b,), np.int32), np.zeros((b,), bool), tok, True)
 
         def verify(b, width):
             k1 = sh.spec_k + 1
@@ -515,7 +517,8 @@ class Executor:
 
         def step(b, width):
             zeros, k1 = np.zeros((b,), np.int32), np.zeros((b, sh.spec_k + 1), np.int32)
-            self._dstep(np.zeros((b, width), np.int32), np.full((b,), sh.slots, np.int32), k1, zeros, k1, zeros > 0)
+            self._dstep(np.zeros((b, width), np.int32), np.full((b,), sh.slots, np.int32), k1, zeros, k1, zeros > 0,
+                        np.bool_(True))
 
         for b in sorted({1, *sh.row_buckets, *sh.verify_buckets}):
             for width in sh.widths:

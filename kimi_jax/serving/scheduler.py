@@ -255,9 +255,9 @@ class Scheduler:
 
     @staticmethod
     def _drafted(s: Slot, drafts, row: int) -> None:
-        """Keep row ``row`` of a DSpark drafter's ``drafts`` (None: no such drafter) as slot ``s``'s next block."""
-        if drafts is not None:
-            s.drafts = [int(t) for t in drafts[row]]
+        """Keep row ``row`` of a model drafter's ``drafts`` as slot ``s``'s next block (None: no such drafter, or it
+        drafted no block after this step)."""
+        s.drafts = [] if drafts is None else [int(t) for t in drafts[row]]
 
     def decode_plan(self) -> StepPlan | None:
         """One decode step for the decoding slots: over all slots, or, when few decode, over a bucket of rows
@@ -285,9 +285,32 @@ class Scheduler:
         if masks:
             at = [k for k, r in enumerate(rows) if r in masks]
             self._emit(Mask.make(at, [[masks[rows[k]]] for k in at]))
-        self._emit(Decode.make(width, rows, tokens, counts, live, all_rows=b == sh.slots))
+        self._emit(Decode.make(width, rows, tokens, counts, live, all_rows=b == sh.slots,
+                               draft=self._draft_next(active)))
         self.counters["decode_steps"] += 1
         return self._plan()
+
+    def _draft_next(self, active: list[int]) -> bool:
+        """Whether a model drafter (DSpark, a draft model) drafts a block after this plain step of ``active``: whether
+        :meth:`_worth` may choose a verify step next, with each slot's rate as it stands (a plain step changes none),
+        the next step's probes and the timed cost. A step that drafts no block saves the drafter's k-position work
+        (it follows the step either way); a step that did not expect to verify and drafted nothing leaves the next
+        one plain. n-gram drafts are looked up on the host when a step is planned: always (True)."""
+        d, k = self.drafter, self.shapes.spec_k
+        if d is None or isinstance(d, speculative.NGram) or self.shapes.batch_invariant or d.adapt == "acceptance":
+            return True
+        step, cost = self.counters["decode_steps"] + 1, self._cost(len(active))  # (the next step's count)
+        if cost is None:  # not timed yet: as _worth, which then verifies to time a verify step
+            return True
+        if not speculative.can_pay(cost, k):
+            return step % speculative.PROBE ** 2 == 0
+        slots = [self.running[i] for i in active]
+        hopeful = [s.handle.request.speculative and (s.rate >= speculative.MIN_RATE or
+                                                     (s.steps + 1) % speculative.PROBE == 0) for s in slots]
+        room = [min(k, s.handle.request.max_tokens - len(s.out) - 2) for s in slots]  # (after this step's token)
+        dlen = np.array([max(r, 0) if h else 0 for r, h in zip(room, hopeful)])
+        return bool(speculative.worth_verifying(cost, np.array([s.rate for s in slots]), dlen,
+                                                np.full(len(slots), step), np.ones(len(slots), bool), xp=np))
 
     def _verify_plan(self, active: list[int]) -> StepPlan | None:
         """A verify step over the decoding slots (one row for a lone one, else every slot) when some has drafts
@@ -382,6 +405,7 @@ class Scheduler:
         if isinstance(plan.compute, Verify):
             return self._verified(plan, *out)
         tok, logp, logits, drafts = out
+        drafts = drafts if plan.compute.draft else None  # (zeros where the drafter drafted no block)
         rows, _, _, live = plan.compute.columns()
         for k in np.flatnonzero(live):
             i = int(rows[k])

@@ -226,18 +226,21 @@ class Prefill(Op):
 class Decode(Op):
     """One decode step over ``rows`` (slot indices; past the last slot: padding) or, with ``all_rows``, over every
     slot in order. Per row: the input token, the tokens its request has drawn (its sampling stream position) and
-    whether it is live. ``width``: page-table entries read."""
+    whether it is live. ``width``: page-table entries read. ``draft``: whether a model drafter (a DSpark drafter, a
+    draft model) drafts the next block after the step (it follows the step either way); 0 where the scheduler does
+    not expect the next step to verify."""
 
     code: ClassVar[int] = 13
     tail: ClassVar[str] = "table"
     width: int
     all_rows: int
+    draft: int
     table: tuple[int, ...]  # [4, B] flattened: rows, tokens, counts, live
 
     @classmethod
-    def make(cls, width: int, rows, tokens, counts, live, all_rows: bool) -> "Decode":
+    def make(cls, width: int, rows, tokens, counts, live, all_rows: bool, draft: bool = True) -> "Decode":
         table = np.stack([np.asarray(rows), np.asarray(tokens), np.asarray(counts), np.asarray(live)]).astype(np.int64)
-        return cls(width, int(all_rows), tuple(table.reshape(-1).tolist()))
+        return cls(width, int(all_rows), int(draft), tuple(table.reshape(-1).tolist()))
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(rows, tokens, counts int32 ``[B]``, live bool ``[B]``)."""

@@ -148,30 +148,35 @@ def taps(model, res, tap):
 
 
 def draft_step(dgraph, dparams, pools: DraftCache, embed_VD, head_VD, taps_BTX, page_table, lengths, rows_B, tokens_BK,
-               written_B, *, k: int, constrain=lambda c: c, replicate=lambda x: x):
+               written_B, want, *, k: int, constrain=lambda c: c, replicate=lambda x: x):
     """A DSpark drafter after a compute step over rows ``rows`` (their page-table rows ``page_table``; ``lengths``:
     every slot's cache length after the step): the context entries of the ``written`` positions the step kept,
-    from its ``taps``, into the drafter's page pools; then each row's next block of ``k`` drafts, anchored on the
-    last token the row kept (``tokens[b, written[b] - 1]``, the next one it feeds) at its cache length. Returns
+    from its ``taps``, into the drafter's page pools; then, where ``want`` (a bool), each row's next block of ``k``
+    drafts, anchored on the last token the row kept (``tokens[b, written[b] - 1]``, the next one it feeds) at its
+    cache length (else zeros: the next step is not expected to verify, and the block's forward is skipped). Returns
     (pools, drafts [B, k]); rows that kept nothing write nothing (their drafts are not used)."""
     dmodel = nnx.merge(dgraph, dparams)
     ctx_len = jnp.take(lengths, rows_B, mode="clip")
     pools = dmodel.write_pages(pools, taps_BTX, page_table, ctx_len - written_B, written_B)
     at = jnp.clip(written_B - 1, 0, tokens_BK.shape[1] - 1)
     anchor = jnp.take_along_axis(tokens_BK, at[:, None], axis=1)[:, 0]
-    drafts = dmodel.draft(dmodel.page_view(pools, page_table), embed_VD, head_VD, anchor, ctx_len, k)
+    drafts = jax.lax.cond(
+        want, lambda: dmodel.draft(dmodel.page_view(pools, page_table), embed_VD, head_VD, anchor, ctx_len,
+                                   k).astype(jnp.int32),
+        lambda: jnp.zeros((anchor.shape[0], k), jnp.int32))
     return constrain(pools), replicate(drafts)
 
 
-def model_draft_step(dgraph, dparams, dcache: Cache, page_table, rows_B, tokens_BK, kept_B, out_BK, start_B, *,
+def model_draft_step(dgraph, dparams, dcache: Cache, page_table, rows_B, tokens_BK, kept_B, out_BK, start_B, want, *,
                      k: int, constrain=lambda c: c, replicate=lambda x: x):
     """A draft model (a smaller model of the family, its own paged cache on the target's page table) after a
     compute step over rows ``rows``: its cache follows the first ``kept[b]`` of ``tokens [B, K1]`` (the positions
-    the target kept: one forward in verify mode, committed over those, :func:`verify_step`'s rule), then rows that
-    kept some (or with ``start``: a prompt's end, whose tokens its own prefill wrote) take ``k`` greedy one-token
-    steps from ``out[b, kept[b] - 1]`` (the last token the target kept, the next input) -- their drafts. The drafting steps' KDA states are dropped (the cache keeps the followed ones) and their attention
-    entries lie past every row's length, where nothing reads them before a step overwrites them (the scheduler
-    allocates the pages they land in). Returns (cache, drafts [B, k])."""
+    the target kept: one forward in verify mode, committed over those, :func:`verify_step`'s rule), then, where
+    ``want`` (a bool; else the drafts are zeros and the steps skipped), rows that kept some (or with ``start``: a
+    prompt's end, whose tokens its own prefill wrote) take ``k`` greedy one-token steps from ``out[b, kept[b] - 1]``
+    (the last token the target kept, the next input) -- their drafts. The drafting steps' KDA states are dropped (the
+    cache keeps the followed ones) and their attention entries lie past every row's length, where nothing reads them
+    before a step overwrites them (the scheduler allocates the pages they land in). Returns (cache, drafts [B, k])."""
     dmodel = nnx.merge(dgraph, dparams)
     view = _rows_view(dcache, rows_B)
     res = dmodel(tokens_BK, cache=for_verify(view, tokens_BK.shape[1]), lengths=kept_B, prefix=True, last_only=True,
@@ -188,7 +193,9 @@ def model_draft_step(dgraph, dparams, dcache: Cache, page_table, rows_B, tokens_
         tok = jnp.argmax(r.logits[:, 0].astype(jnp.float32), axis=-1).astype(jnp.int32)
         return tok, r.cache, drafts.at[:, i].set(tok)
 
-    _, c, drafts = jax.lax.fori_loop(0, k, one, (tok, followed, jnp.zeros((tok.shape[0], k), jnp.int32)))
+    none = jnp.zeros((tok.shape[0], k), jnp.int32)
+    c, drafts = jax.lax.cond(want, lambda: jax.lax.fori_loop(0, k, one, (tok, followed, none))[1:],
+                             lambda: (followed, none))
     # the drafting steps' attention pools (a superset of the followed ones), the followed KDA states and lengths
     states = iter([e for e, _ in _entries(followed) if isinstance(e, KDACache)])
     part = _rebuild(c, lambda e, axis: next(states) if isinstance(e, KDACache) else e).replace(
