@@ -176,6 +176,51 @@ def test_the_scheduler_verifies_where_the_timed_cost_is_repaid(models, monkeypat
         assert st["spec_steps"] > st["decode_steps"] / 2 and st["spec_accepted"] > 0, st
 
 
+def test_new_requests_start_at_the_acceptance_of_the_finished_ones(models, monkeypatch):
+    """A slot starts at the acceptance rate of the requests before it (``Scheduler.prior``: 1 at first, then a moving
+    average of finished requests' last rates), so a drafter whose drafts keep failing stops costing verify steps at
+    each new request's start (every request started at 1: the demo's chat replies with the n-gram drafter in the
+    engine, 13% accepted, ran 8 verify steps per 64-token request, 0.80-0.90x of plain). A request's first step may
+    verify whatever the rate (a probe), so a request whose drafts are right is found at once. A verify step costs 2
+    plain steps here (timed so). Replies are the plain engine's."""
+    model, plain = models("llama")
+    V = model.cfg.vocab_size
+    prompts = _prompts(V, (23, 11, 30, 17), seed=10)
+    want = plain.generate(prompts, max_tokens=40, stop_ids=())
+    timed = scheduler_mod.Scheduler.timed
+    fake = lambda self, plan, seconds: timed(  # noqa: E731
+        self, plan, 2.0 if isinstance(plan.compute, scheduler_mod.Verify) else 1.0)
+    monkeypatch.setattr(scheduler_mod.Scheduler, "timed", fake)
+    eng = Engine(model, **SHAPES, speculative=speculative.NGram(k=K))
+    eng.warmup()
+    replies = {tuple(p): w.tokens for p, w in zip(prompts, want)}
+
+    def drafts(off: int):
+        def draft(hist, room, drafter):  # each request's next tokens (+ off)
+            for prompt, reply in replies.items():
+                if tuple(hist[: len(prompt)]) == prompt and len(hist) > len(prompt):
+                    c = len(hist) - len(prompt)
+                    return [(t + off) % V for t in reply[c: c + min(room, drafter.k)]]
+            return []
+        return draft
+
+    monkeypatch.setattr(speculative, "ngram_draft_host", drafts(1))  # every one wrong: all rejected
+    steps, priors = [], [eng.scheduler.prior]
+    for p, w in zip(prompts[:3], want):
+        before = eng.stats()["spec_steps"]
+        assert eng.generate([p], max_tokens=40, stop_ids=())[0].tokens == w.tokens
+        steps.append(eng.stats()["spec_steps"] - before)
+        priors.append(eng.scheduler.prior)
+    assert priors[0] == 1.0 and priors[1] > priors[2] > priors[3], priors
+    assert steps[0] > steps[1] > steps[2] > 0, steps
+    monkeypatch.setattr(speculative, "ngram_draft_host", drafts(0))  # right drafts: found at the first step
+    before = eng.stats()
+    assert eng.generate([prompts[3]], max_tokens=40, stop_ids=())[0].tokens == want[3].tokens
+    after = eng.stats()
+    assert after["spec_steps"] - before["spec_steps"] > steps[0], (steps, before, after)
+    assert after["spec_accepted"] - before["spec_accepted"] > 25, (before, after)
+
+
 def test_a_draft_model_drafts_only_before_a_step_that_may_verify(models, monkeypatch):
     """A model drafter (here the Llama-shaped model drafting for itself) drafts its block after a plain step only
     where the scheduler may verify next (:meth:`Scheduler._draft_next`: the plan's ``Decode.draft``); it follows

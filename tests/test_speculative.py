@@ -50,11 +50,13 @@ def test_spec_strings_and_errors():
 def test_a_step_verifies_where_the_drafts_repay_its_cost(xp):
     """``worth_verifying``, the one rule of the compiled loop (jax.numpy) and the engine's scheduler (numpy): a step
     verifies when the tokens its drafts are expected to add (acceptance rate x draft length, over the active rows)
-    reach the verify step's extra cost (cost - 1 plain steps per active row), or a drafting row probes."""
-    def worth(cost, rate, dlen, steps, active=(True, True)):
+    reach the verify step's extra cost (cost - 1 plain steps per active row; in the compiled loop, the steps they
+    take off the longest row: cost - 1), or a drafting row probes."""
+    def worth(cost, rate, dlen, steps, active=(True, True), remaining=None):
         a = lambda v, dt: xp.asarray(v, dt)  # noqa: E731
         return bool(speculative.worth_verifying(cost, a(rate, xp.float32), a(dlen, xp.int32), a(steps, xp.int32),
-                                                a(active, bool), xp=xp))
+                                                a(active, bool), xp=xp,
+                                                remaining_B=None if remaining is None else a(remaining, xp.int32)))
 
     P = speculative.PROBE
     assert worth(1.0, (0.0, 0.0), (1, 0), (1, 1))  # free (adapt="acceptance", or not measured): whenever drafted
@@ -70,6 +72,15 @@ def test_a_step_verifies_where_the_drafts_repay_its_cost(xp):
     assert not worth(speculative.NEVER, (1.0, 1.0), (4, 4), (P, P))
     assert worth(speculative.ALWAYS, (0.0, 0.0), (0, 0), (1, 1))
     assert speculative.can_pay(4.9, 4) and not speculative.can_pay(5.0, 4)  # k drafts add at most k tokens
+    # the compiled loop (the tokens each row may still make given): it ends with its last row, so a verify step
+    # counts the steps it takes off the longest row, not the tokens summed
+    assert not worth(3.0, (1.0, 0.0), (4, 0), (1, 1), remaining=(10, 10))  # the other row, as long, gains nothing
+    assert worth(3.0, (1.0, 0.0), (4, 0), (1, 1), remaining=(20, 10))  # ... unless the drafting row is the longest
+    assert worth(3.0, (0.5, 0.5), (4, 4), (1, 1), remaining=(10, 9))  # the longest 2 ahead, the next 1: 10 - 8
+    assert not worth(3.0, (0.5, 0.2), (4, 4), (1, 1), remaining=(10, 10))  # 0.8 off the longest
+    assert worth(3.0, (1.0, 0.0), (4, 0), (1, 1), (True, False), remaining=(10, 30))  # an ended row: none left
+    assert not worth(3.0, (1.0, 1.0), (4, 4), (1, 1), remaining=(1, 1))  # one token left: nothing to take off
+    assert worth(3.0, (1.0, 1.0), (4, 4), (1, every), remaining=(1, 1))  # (probes as ever)
 
 
 def _oracle(monkeypatch, plain_new: list[list[int]], prompt_lens: list[int], B: int, k: int):

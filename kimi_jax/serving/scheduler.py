@@ -36,6 +36,7 @@ from kimi_jax.serving.stepplan import (Admit, ClearRow, CopyPage, Decode, Mask, 
 from kimi_jax.text.grammar import ConstraintError, Guide
 
 TIMED = 16  # step times kept per kind and row count (:meth:`Scheduler.timed`)
+PRIOR = 0.5  # weight of a finished request's acceptance rate in the rate new requests start at (Scheduler.prior)
 COUNTERS = ("prefix_hits", "prefix_misses", "prefix_hit_tokens", "prefill_chunks", "prefill_tokens", "decode_steps",
             "finished", "spec_steps", "spec_drafted", "spec_accepted")
 
@@ -55,6 +56,7 @@ class Slot:
     out: list[int] = dataclasses.field(default_factory=list)
     extra: int = 0  # positions the cache holds past the tokens handed out (a verify step's, after a stop)
     rate: float = 1.0  # recent share of its drafts accepted (speculative decoding)
+    tried: bool = False  # whether a verify step checked drafts of its
     steps: int = 0  # decode and verify steps it took part in
     guide: Guide | None = None  # its constraint's state (structured outputs)
     drafts: list[int] = dataclasses.field(default_factory=list)  # a DSpark drafter's block after its last step
@@ -75,6 +77,9 @@ class Scheduler:
         self._steps = itertools.count()
         # recent wall times of decode and verify steps per row count (:meth:`timed`), for a verify step's cost
         self._times: dict[tuple[str, int], collections.deque] = {}
+        # the acceptance rate a new request starts at: a moving average of the last rates of finished requests whose
+        # drafts were checked (1 before any). A request's first decode step may verify whatever the rate (a probe)
+        self.prior = 1.0
         self.reset()
 
     def reset(self) -> None:
@@ -154,7 +159,8 @@ class Scheduler:
             self.waiting.popleft()
             i = self.running.index(None)
             s = self.running[i] = Slot(handle, req.prompt, TextStream(self.tokenizer, req.stop_strings),
-                                       reserved=need, guide=None if req.constraint is None else req.constraint.guide())
+                                       reserved=need, guide=None if req.constraint is None else req.constraint.guide(),
+                                       rate=self.prior)
             self._emit(Admit(i, req.temperature, req.top_k, req.top_p, req.seed))
             s.pages = held[: hit // ps]
             if entry is not None:
@@ -443,10 +449,12 @@ class Scheduler:
             return bool(self._times.get(("decode", self.shapes.rows(len(active)))))
         if not speculative.can_pay(cost, self.shapes.spec_k):
             return step % speculative.PROBE ** 2 == 0
-        # probes on the engine's step count (one verify step for all slots, not one per slot's own count)
+        # probes on the engine's step count (one verify step for all slots, not one per slot's own count), and a
+        # request's first step (it starts at the rate of the requests before it, which may not be its own)
+        slots = [self.running[i] for i in active]
         return bool(speculative.worth_verifying(
-            cost, np.array([self.running[i].rate for i in active]), np.array([len(drafts.get(i, ())) for i in active]),
-            np.full(len(active), step), np.ones(len(active), bool), xp=np))
+            cost, np.array([s.rate for s in slots]), np.array([len(drafts.get(i, ())) for i in active]),
+            np.array([0 if s.steps == 0 else step for s in slots]), np.ones(len(active), bool), xp=np))
 
     def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts, logits=None) -> None:
         rows, _, dlen, _, live = plan.compute.columns()
@@ -457,6 +465,7 @@ class Scheduler:
             self._drafted(s, drafts, r)
             if dlen[r]:
                 s.rate = (1 - speculative.EMA) * s.rate + speculative.EMA * float(accepted[r]) / float(dlen[r])
+                s.tried = True
             self.counters["spec_accepted"] += int(accepted[r])
             for j in range(n):
                 s.pos += 1
@@ -499,6 +508,8 @@ class Scheduler:
     def _release(self, i: int) -> None:
         s = self.running[i]
         s.handle.timings["finished"] = time.perf_counter()
+        if s.tried:
+            self.prior = (1 - PRIOR) * self.prior + PRIOR * s.rate
         self.pool.release(s.pages)
         self.running[i] = None
         self._emit(ClearRow(i))
