@@ -56,7 +56,7 @@ class Slot:
     out: list[int] = dataclasses.field(default_factory=list)
     extra: int = 0  # positions the cache holds past the tokens handed out (a verify step's, after a stop)
     rate: float = 1.0  # recent share of its drafts accepted (speculative decoding)
-    tried: bool = False  # whether a verify step checked drafts of its
+    tried: bool = False  # whether a verify step checked some of its drafts
     steps: int = 0  # decode and verify steps it took part in
     guide: Guide | None = None  # its constraint's state (structured outputs)
     drafts: list[int] = dataclasses.field(default_factory=list)  # a DSpark drafter's block after its last step
