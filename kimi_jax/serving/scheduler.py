@@ -78,7 +78,8 @@ class Scheduler:
         # recent wall times of decode and verify steps per row count (:meth:`timed`), for a verify step's cost
         self._times: dict[tuple[str, int], collections.deque] = {}
         # the acceptance rate a new request starts at: a moving average of the last rates of finished requests whose
-        # drafts were checked (1 before any). A request's first decode step may verify whatever the rate (a probe)
+        # drafts were checked (1 before any; always 1 with adapt="acceptance", whose verify steps depend on each
+        # request's own drafts only). A request's first decode step may verify whatever the rate (a probe)
         self.prior = 1.0
         self.reset()
 
@@ -508,7 +509,7 @@ class Scheduler:
     def _release(self, i: int) -> None:
         s = self.running[i]
         s.handle.timings["finished"] = time.perf_counter()
-        if s.tried:
+        if s.tried and self.drafter.adapt == "cost":  # (adapt="acceptance": each request on its own drafts alone)
             self.prior = (1 - PRIOR) * self.prior + PRIOR * s.rate
         self.pool.release(s.pages)
         self.running[i] = None
