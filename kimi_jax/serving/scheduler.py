@@ -299,25 +299,26 @@ class Scheduler:
 
     def _draft_next(self, active: list[int]) -> bool:
         """Whether a model drafter (DSpark, a draft model) drafts a block after this plain step of ``active``: whether
-        :meth:`_worth` may choose a verify step next, with each slot's rate as it stands (a plain step changes none),
-        the next step's probes and the timed cost. A step that drafts no block saves the drafter's k-position work
-        (it follows the step either way); a step that did not expect to verify and drafted nothing leaves the next
-        one plain. n-gram drafts are looked up on the host when a step is planned: always (True)."""
-        d, k = self.drafter, self.shapes.spec_k
-        if d is None or isinstance(d, speculative.NGram) or self.shapes.batch_invariant or d.adapt == "acceptance":
+        the next step may verify (:meth:`_pays`, one step ahead: each slot's rate as it stands, a plain step changes
+        none, and the room it will have). A step that drafts no block saves the drafter's k-position work (it follows
+        the step either way); a step that did not expect to verify and drafted nothing leaves the next one plain.
+        n-gram drafts are looked up on the host when a step is planned: always (True)."""
+        if self.drafter is None or isinstance(self.drafter, speculative.NGram):
             return True
-        step, cost = self.counters["decode_steps"] + 1, self._cost(len(active))  # (the next step's count)
-        if cost is None:  # not timed yet: as _worth, which then verifies to time a verify step
-            return True
-        if not speculative.can_pay(cost, k):
-            return step % speculative.PROBE ** 2 == 0
         slots = [self.running[i] for i in active]
-        hopeful = [s.handle.request.speculative and (s.rate >= speculative.MIN_RATE or
-                                                     (s.steps + 1) % speculative.PROBE == 0) for s in slots]
-        room = [min(k, s.handle.request.max_tokens - len(s.out) - 2) for s in slots]  # (after this step's token)
-        dlen = np.array([max(r, 0) if h else 0 for r, h in zip(room, hopeful)])
-        return bool(speculative.worth_verifying(cost, np.array([s.rate for s in slots]), dlen,
-                                                np.full(len(slots), step), np.ones(len(slots), bool), xp=np))
+        return self._pays(active, [self._room(s, 1) if self._hopeful(s, 1) else 0 for s in slots], ahead=1)
+
+    def _hopeful(self, s: Slot, ahead: int) -> bool:
+        """Whether slot ``s`` drafts for the step ``ahead`` steps from now (0: the one being planned): it asked for
+        speculation and its drafts were mostly accepted lately, or that step is one of its probes (every ``PROBE``-th
+        of its steps)."""
+        return s.handle.request.speculative and (s.rate >= speculative.MIN_RATE or
+                                                 (s.steps + ahead) % speculative.PROBE == 0)
+
+    def _room(self, s: Slot, ahead: int) -> int:
+        """How many drafts slot ``s`` may verify ``ahead`` steps from now: k, or fewer near its token budget (the
+        step's own token and the ``ahead`` tokens before it come first)."""
+        return max(min(self.shapes.spec_k, s.handle.request.max_tokens - len(s.out) - 1 - ahead), 0)
 
     def _verify_plan(self, active: list[int]) -> StepPlan | None:
         """A verify step over the decoding slots (one row for a lone one, else every slot) when some has drafts
@@ -330,17 +331,14 @@ class Scheduler:
         drafts = {}
         for i in active:
             s = self.running[i]
-            room = min(k, s.handle.request.max_tokens - len(s.out) - 1)
-            if not s.handle.request.speculative:
-                continue
-            if s.rate >= speculative.MIN_RATE or s.steps % speculative.PROBE == 0:
+            if self._hopeful(s, 0):
                 if isinstance(self.drafter, speculative.NGram):
-                    d = speculative.ngram_draft_host(s.prompt + s.out, room, self.drafter)
+                    d = speculative.ngram_draft_host(s.prompt + s.out, self._room(s, 0), self.drafter)
                 else:  # the device drafted it after the slot's last step
-                    d = s.drafts[:max(room, 0)]
+                    d = s.drafts[:self._room(s, 0)]
                 if d:
                     drafts[i] = d
-        if not sh.batch_invariant and (not drafts or not self._worth(active, drafts)):
+        if not sh.batch_invariant and (not drafts or not self._pays(active, [len(drafts.get(i, ())) for i in active])):
             return None
         masks = self._draft_masks(active, drafts)
         active = [i for i in active if self.running[i] is not None]
@@ -438,24 +436,26 @@ class Scheduler:
         v, d = (self._times.get(key) for key in (("verify", sh.verify_rows(n)), ("decode", sh.rows(n))))
         return None if not v or not d else float(np.median(v) / np.median(d))
 
-    def _worth(self, active: list[int], drafts: dict[int, list[int]]) -> bool:
-        """Whether ``drafts`` are worth a verify step: :func:`~kimi_jax.generation.speculative.worth_verifying`
-        with the verify step's cost as timed here (always with the drafter's ``adapt="acceptance"``). Until a plain
-        step of these rows was timed the steps are plain; while a verify step costs k + 1 plain steps or more, one
-        decode step in PROBE**2 verifies (the cost is measured again: it changes with the rows decoding)."""
-        if self.drafter.adapt == "acceptance":
+    def _pays(self, active: list[int], dlen: list[int], ahead: int = 0) -> bool:
+        """Whether a verify step of ``active`` with ``dlen`` drafts each, ``ahead`` steps from now (0: the step being
+        planned, 1: the next), is worth it: :func:`~kimi_jax.generation.speculative.worth_verifying` with the verify
+        step's cost as timed here (always with batch-invariant shapes or the drafter's ``adapt="acceptance"``). Until
+        a plain step of these rows was timed the steps are plain (two: the first is left out), then a verify step
+        times its kind; while a verify step costs k + 1 plain steps or more, one decode step in PROBE**2 verifies (the
+        cost is measured again: it changes with the rows decoding)."""
+        if self.shapes.batch_invariant or self.drafter.adapt == "acceptance":
             return True
-        step, cost = self.counters["decode_steps"], self._cost(len(active))
-        if cost is None:  # a plain step of these rows is timed first (two: the first is left out), then a verify step
-            return bool(self._times.get(("decode", self.shapes.rows(len(active)))))
+        step, cost = self.counters["decode_steps"] + ahead, self._cost(len(active))
+        if cost is None:
+            return ahead > 0 or bool(self._times.get(("decode", self.shapes.rows(len(active)))))
         if not speculative.can_pay(cost, self.shapes.spec_k):
             return step % speculative.PROBE ** 2 == 0
         # probes on the engine's step count (one verify step for all slots, not one per slot's own count), and a
         # request's first step (it starts at the rate of the requests before it, which may not be its own)
         slots = [self.running[i] for i in active]
         return bool(speculative.worth_verifying(
-            cost, np.array([s.rate for s in slots]), np.array([len(drafts.get(i, ())) for i in active]),
-            np.array([0 if s.steps == 0 else step for s in slots]), np.ones(len(active), bool), xp=np))
+            cost, np.array([s.rate for s in slots]), np.array(dlen),
+            np.array([0 if s.steps + ahead == 0 else step for s in slots]), np.ones(len(active), bool), xp=np))
 
     def _verified(self, plan: StepPlan, tok, kept, accepted, logp, drafts, logits=None) -> None:
         rows, _, dlen, _, live = plan.compute.columns()
