@@ -1,7 +1,7 @@
 """Speculative decoding benchmark: plain vs prompt-lookup (n-gram) vs DSpark-drafter decoding, on the demo model and
 the shared Kimi Linear benchmark model, batch 1 and 8, on prompts whose answer repeats their input and on free text.
 
-    python benchmarks/speculative.py [--repeats 3] [--prompts 8] [--models demo,bench] [--batches 1,8] [--new 64]
+    python benchmarks/speculative.py [--repeats 5] [--prompts 8] [--models demo,bench] [--batches 1,8] [--new 64]
                                      [--dspark PATH] [--llamacpp DIR]
 
 The DSpark column runs the drafter trained for the demo model (``kimi_jax/assets/k3-demo-dspark``,
@@ -320,7 +320,7 @@ def main(argv=None):
     ap.add_argument("--models", default="demo,bench")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=8, help="different prompts per row (batch 1: one request each)")
     ap.add_argument("--spec", default="ngram:k=4", help="the n-gram drafter (generate's speculative=)")
     ap.add_argument("--adapt", default="cost", choices=["cost", "acceptance"],
