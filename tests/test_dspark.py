@@ -197,21 +197,35 @@ def test_the_memory_check_counts_the_drafter(tmp_path):
         tight.plan([prompt], 4, stop=(), speculative=resident)
 
 
-@pytest.mark.slow  # ~25 s: the demo model's programs (CI time); the drafter's math is held to the oracle above
+# a request to rename a function, as benchmarks/speculative.py's code-editing prompts (not one of them)
+RENAME = "\n".join([
+    "Rename the function mean to average and change nothing else.", "",
+    "def mean(numbers):",
+    '    """Return the arithmetic mean of numbers, or None where there are none."""',
+    "    numbers = list(numbers)",
+    "    if not numbers:",
+    "        return None",
+    "    return sum(numbers) / len(numbers)", "",
+    "Result:", "", ""])
+
+
+@pytest.mark.slow  # ~30 s: the demo model's programs (CI time); the drafter's math is held to the oracle above
 def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
-    """The drafter trained for the demo model (scripts/make_demo_drafter.py) on a chat question it was not trained
-    on: greedy output equals plain output, with more than one token per verify step."""
+    """The drafter trained for the demo model (scripts/make_demo_drafter.py) on a chat question and a request to
+    rename a function, neither trained on: greedy output equals plain output, with more than 1.5 tokens per verify
+    step (the chat question) and more than 2 (the rename: the drafter saw the demo's answers to such requests)."""
     from kimi_jax.text import chat
     from kimi_jax.text.tokenizer import load_tokenizer
 
     model = kimi_jax.from_pretrained(DEMO, dtype="float32", progress=False)
     tok = load_tokenizer(DEMO)
-    ids = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
+    ask = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
     gen = Generator(model, tok, max_len=256)
-    plain = gen.generate([ids], 64)
-    spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER},adapt=acceptance")
-    assert spec.tokens == plain.tokens
-    assert spec.timings["speculative"]["tokens_per_step"] > 1.5, spec.timings["speculative"]
+    for ids, least in ((ask, 1.5), (tok.encode(RENAME), 2.0)):
+        plain = gen.generate([ids], 64)
+        spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER},adapt=acceptance")
+        assert spec.tokens == plain.tokens
+        assert spec.timings["speculative"]["tokens_per_step"] > least, spec.timings["speculative"]
 
 
 def test_dspark_demo_names_the_shipped_drafter(tmp_path, monkeypatch):
