@@ -213,7 +213,8 @@ RENAME = "\n".join([
 def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     """The drafter trained for the demo model (scripts/make_demo_drafter.py) on a chat question and a request to
     rename a function, neither trained on: greedy output equals plain output, with more than 1.5 tokens per verify
-    step (the chat question) and more than 2 (the rename: the drafter saw the demo's answers to such requests)."""
+    step (the chat question) and more than 1.8 (the rename, 2.10 here: the drafter saw the demo's answers to such
+    requests; the one trained without them, before 78210ba, 1.47)."""
     from kimi_jax.text import chat
     from kimi_jax.text.tokenizer import load_tokenizer
 
@@ -221,7 +222,7 @@ def test_shipped_demo_drafter_drafts_what_the_demo_model_accepts():
     tok = load_tokenizer(DEMO)
     ask = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
     gen = Generator(model, tok, max_len=256)
-    for ids, least in ((ask, 1.5), (tok.encode(RENAME), 2.0)):
+    for ids, least in ((ask, 1.5), (tok.encode(RENAME), 1.8)):
         plain = gen.generate([ids], 64)
         spec = gen.generate([ids], 64, speculative=f"dspark:{DEMO_DRAFTER},adapt=acceptance")
         assert spec.tokens == plain.tokens
