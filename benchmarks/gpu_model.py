@@ -22,7 +22,7 @@ Sections (each in its own try/except; one failure is reported and the rest still
   ``k + 1`` = 5, 9 and 17 positions against one decode position (``benchmarks/verify_cost.py``'s compiled loop, a
   200-token cache), for the benchmark config (random bfloat16 weights) and the demo model, and ``(k + 1) / cost``,
   the speed-up if every draft were accepted. Then the whole loop (``benchmarks/speculative.py``'s paired runs): the
-  demo model plain vs n-gram (k = 8) vs its DSpark drafter, greedy, on that benchmark's code-editing prompt and on a
+  demo model plain vs n-gram (k = 8) vs its DSpark drafter, greedy, on that benchmark's 8 code-editing prompts and on a
   chat question the drafter was not trained on: tokens/s, the ratio, tokens per verify step, equal tokens.
 """
 
@@ -203,7 +203,7 @@ def speculative(config_path: str, repeats: int, budget_s: float) -> dict:
     from flax import nnx
 
     import kimi_jax
-    from benchmarks.speculative import REPEAT_TEXT, paired
+    from benchmarks.speculative import REPEAT_TEXTS, paired
     from kimi_jax import Generator, RunConfig
     from kimi_jax.generation import speculative as spec
     from kimi_jax.model.config import DEMO_DRAFTER, demo_model_dir, from_dict
@@ -221,14 +221,15 @@ def speculative(config_path: str, repeats: int, budget_s: float) -> dict:
     tok = load_tokenizer(demo_model_dir())
     question = chat.encode(tok, [{"role": "user", "content": "What is the zipfile module?"}], add_generation_prompt=True)
     drafters = [spec.parse(s, dtype=demo.run.dtype) for s in ("ngram:k=8", f"dspark:{DEMO_DRAFTER}")]
-    for kind, prompt in (("repeat", REPEAT_TEXT), ("chat", question)):
+    # paired's requests: a list of requests, each a list of prompts (batch 1: one prompt each; the 8 rename prompts)
+    for kind, requests in (("repeat", [[t] for t in REPEAT_TEXTS]), ("chat", [[question]])):
         if time.perf_counter() - t_start > budget_s:
             out["loops"].append({"prompt": kind, "skipped": "time budget"})
             continue
         # a generator per prompt: what a drafter's pacing learned (its costs and gains per batch bucket) lives in the
         # generator, and one prompt's verdict ("drafting does not pay here") must not decide the other's
         gen = Generator(demo, tok, max_len=512)
-        row = {"model": "demo", "prompt": kind, "batch": 1, **paired(gen, [prompt], 64, drafters, repeats)}
+        row = {"model": "demo", "prompt": kind, "batch": 1, **paired(gen, requests, 64, drafters, repeats)}
         out["loops"].append(row)
         print(json.dumps(row, default=str), flush=True)
     return out
