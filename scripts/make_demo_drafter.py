@@ -27,13 +27,12 @@ import platform
 import random
 import shutil
 import sys
-import sysconfig
 import time
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from make_demo_model import SKIP_DIRS, conversations, corpus
+from make_demo_model import conversations, corpus, stdlib_sources
 
 import kimi_jax
 from kimi_jax.checkpoint.drafter import save_drafter
@@ -82,18 +81,10 @@ def code_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
     a made-up name: instruction, the function, ``Result:``, as ``benchmarks/speculative.py``'s code-editing prompts
     are (the functions in a fixed order, then a seeded choice)."""
     rng = random.Random(seed)
-    lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
     verbs = ("load", "parse", "make", "find", "check", "build", "read", "write", "get", "split", "join", "count")
     nouns = ("items", "lines", "names", "values", "text", "path", "data", "entry", "table", "words", "parts", "keys")
     found = []
-    for p in sorted(lib.rglob("*.py")):
-        if SKIP_DIRS & set(p.relative_to(lib).parts[:-1]):
-            continue
-        try:
-            src = p.read_text(encoding="utf-8")
-            tree = ast.parse(src)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
+    for _, src, tree in stdlib_sources():
         lines = src.splitlines()
         for node in tree.body:
             body = lines[node.lineno - 1:node.end_lineno] if isinstance(node, ast.FunctionDef) else []

@@ -75,11 +75,24 @@ def demo_config() -> dict:
     return with_special_ids(c)
 
 
-def _docstrings(path: pathlib.Path) -> list[str]:
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return []
+def stdlib_sources():
+    """(path relative to the standard library, source text, parsed tree) of each of its modules the recipes read, in
+    a fixed order: paths sorted, folders in ``SKIP_DIRS`` left out, a file that does not parse skipped. What the
+    corpus, the conversations and the drafter's code prompts (scripts/make_demo_drafter.py) are made from."""
+    lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(lib.rglob("*.py")):
+        rel = path.relative_to(lib)
+        if SKIP_DIRS & set(rel.parts[:-1]):
+            continue
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        yield rel, src, tree
+
+
+def _docstrings(tree: ast.Module) -> list[str]:
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     docs = (ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds))
     return [d for d in docs if d and len(d) >= 200]
@@ -88,10 +101,8 @@ def _docstrings(path: pathlib.Path) -> list[str]:
 def corpus() -> str:
     """The documentation pages pydoc ships, then the standard library's longer docstrings."""
     parts = [pydoc_data.topics.topics[k].strip() for k in sorted(pydoc_data.topics.topics)]
-    lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for p in sorted(lib.rglob("*.py")):
-        if not SKIP_DIRS & set(p.relative_to(lib).parts[:-1]):
-            parts.extend(_docstrings(p))
+    for _, _, tree in stdlib_sources():
+        parts.extend(_docstrings(tree))
     return "\n\n".join(parts) + "\n"
 
 
@@ -156,14 +167,8 @@ def _topic_facts():
 def _module_facts():
     """(kind, dotted name, answer) for the public modules, classes and functions of the standard library's sources
     (the files :func:`corpus` reads) with a docstring that makes an answer."""
-    lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(lib.rglob("*.py")):
-        rel = path.relative_to(lib)
-        if SKIP_DIRS & set(rel.parts[:-1]) or any(p.startswith("_") and p != "__init__.py" for p in rel.parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+    for rel, _, tree in stdlib_sources():
+        if any(p.startswith("_") and p != "__init__.py" for p in rel.parts):
             continue
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         if (doc := ast.get_docstring(tree)) and (answer := _answer(doc)):
